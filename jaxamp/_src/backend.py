@@ -1,0 +1,131 @@
+"""What the backend offers: the policy to pick, and how 16-bit matmuls accumulate.
+
+Nothing here runs at import time: devices are queried when a function is called.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src.policy import PRESETS, Policy
+
+# NVIDIA compute capability from which bfloat16 tensor cores exist (Ampere).
+_BF16_MIN_CAPABILITY = 8.0
+# ... and from which float16 tensor cores exist (Volta).
+_F16_MIN_CAPABILITY = 7.0
+
+
+def _compute_capability(device: Any) -> float | None:
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return None
+    try:
+        return float(capability)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_rocm(device: Any) -> bool:
+    version = getattr(getattr(device, "client", None), "platform_version", "") or ""
+    return "rocm" in version.lower()
+
+
+def auto_policy(device: Any = None) -> Policy:
+    """Picks the mixed-precision preset that suits a device.
+
+    * NVIDIA GPU with compute capability 8.0 or newer (Ampere, Hopper,
+      Blackwell): ``mixed_bfloat16``;
+    * NVIDIA GPU with compute capability 7.x (Volta, Turing): ``mixed_float16``
+      (use it with dynamic loss scaling);
+    * older NVIDIA GPUs: ``float32`` (no tensor cores);
+    * AMD GPUs (ROCm) and TPUs: ``mixed_bfloat16``;
+    * CPUs and anything else: ``float32``.
+
+    On CPU, XLA computes 16-bit matmuls and convolutions in float32, so a mixed
+    policy there saves activation memory but no time; ``float32`` is chosen.
+
+    Args:
+      device: the device to decide for; the first device of the default backend
+        when ``None``.
+
+    Returns:
+      One of the presets in ``jaxamp.PRESETS``.
+
+    Example:
+      >>> import jax
+      >>> policy = auto_policy()
+      >>> jax.default_backend() != "cpu" or str(policy) == str(PRESETS["float32"])
+      True
+    """
+    if device is None:
+        device = jax.devices()[0]
+    platform = device.platform
+    if platform == "tpu":
+        return PRESETS["mixed_bfloat16"]
+    if platform in ("gpu", "cuda", "rocm"):
+        if platform == "rocm" or _is_rocm(device):
+            return PRESETS["mixed_bfloat16"]
+        capability = _compute_capability(device)
+        if capability is None or capability >= _BF16_MIN_CAPABILITY:
+            return PRESETS["mixed_bfloat16"]
+        if capability >= _F16_MIN_CAPABILITY:
+            return PRESETS["mixed_float16"]
+    return PRESETS["float32"]
+
+
+@functools.cache
+def _algorithm_supported(platform: str, capability: float | None, dtype_name: str) -> bool:
+    if dtype_name == "bfloat16":
+        if platform in ("cpu", "tpu"):
+            return True
+        if platform in ("gpu", "cuda"):
+            return capability is None or capability >= _BF16_MIN_CAPABILITY
+        return False
+    if dtype_name == "float16":
+        if platform in ("gpu", "cuda"):
+            return capability is None or capability >= _F16_MIN_CAPABILITY
+        return False
+    return False
+
+
+def dot_algorithm(compute_dtype: Any, device: Any = None) -> lax.DotAlgorithmPreset | None:
+    """The dot algorithm that makes 16-bit operands accumulate in float32, if the backend has it.
+
+    With ``precision=BF16_BF16_F32`` (or ``F16_F16_F32``) a ``dot_general`` takes
+    16-bit operands, returns a 16-bit result and states float32 accumulation in
+    the lowered program, in the forward pass and in the transposed dots of the
+    backward pass alike. (Asking for ``preferred_element_type=float32`` instead
+    turns the backward dots into float32 x float32 dots, because their cotangent
+    is float32.)
+
+    XLA:CPU takes ``BF16_BF16_F32`` but not ``F16_F16_F32``; XLA:GPU takes both
+    (bfloat16 from compute capability 8.0); TPUs take ``BF16_BF16_F32``. Where
+    the algorithm is not available this returns ``None`` and the backend's
+    default applies (on GPUs and TPUs that default accumulates 16-bit products
+    in float32 as well, on CPUs XLA computes them in float32).
+
+    Args:
+      compute_dtype: the operands' dtype.
+      device: the device to decide for; the first default device when ``None``.
+
+    Returns:
+      A ``jax.lax.DotAlgorithmPreset`` or ``None``.
+    """
+    dtype = np.dtype(compute_dtype)
+    if dtype == np.dtype(jnp.bfloat16):
+        preset = lax.DotAlgorithmPreset.BF16_BF16_F32
+    elif dtype == np.dtype(jnp.float16):
+        preset = lax.DotAlgorithmPreset.F16_F16_F32
+    else:
+        return None
+    if device is None:
+        device = jax.devices()[0]
+    if not _algorithm_supported(device.platform, _compute_capability(device), dtype.name):
+        return None
+    return preset

@@ -1,0 +1,105 @@
+"""A BERT-style encoder classifier in Flax Linen (BERT-base by default).
+
+Same architecture as Hugging Face's ``BertForSequenceClassification``: token,
+position and segment embeddings, post-LayerNorm encoder layers with exact GELU,
+a tanh pooler on the first token and a linear classifier. Randomly initialised:
+no weights are downloaded. Plain Flax with no precision settings of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Sizes of the encoder; the defaults are BERT-base's.
+
+    Attributes:
+      vocab_size: number of token ids.
+      hidden_size: width of the residual stream.
+      num_layers: encoder layers.
+      num_heads: attention heads per layer.
+      intermediate_size: width of the feed-forward block.
+      max_position: longest sequence.
+      type_vocab_size: number of segment ids.
+      num_classes: classifier outputs.
+      dropout_rate: dropout on embeddings, attention weights and block outputs.
+      layer_norm_eps: LayerNorm epsilon.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int = 3072
+    max_position: int = 512
+    type_vocab_size: int = 2
+    num_classes: int = 2
+    dropout_rate: float = 0.1
+    layer_norm_eps: float = 1e-12
+
+
+class BertLayer(nn.Module):
+    """Self-attention and feed-forward blocks, each followed by add & LayerNorm."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, mask, train: bool = False):
+        cfg = self.config
+        dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
+        attn = nn.MultiHeadDotProductAttention(
+            num_heads=cfg.num_heads,
+            kernel_init=_init,
+            dropout_rate=cfg.dropout_rate,
+            deterministic=not train,
+            name="attention",
+        )(x, x, mask=mask)
+        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="attention_norm")(x + dropout(attn))
+        y = nn.Dense(cfg.intermediate_size, kernel_init=_init, name="intermediate")(x)
+        y = nn.gelu(y, approximate=False)
+        y = nn.Dense(cfg.hidden_size, kernel_init=_init, name="output")(y)
+        return nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="output_norm")(x + dropout(y))
+
+
+class BertClassifier(nn.Module):
+    """BERT encoder with a pooled classification head.
+
+    ``__call__(input_ids, attention_mask=None, token_type_ids=None, train=False)``
+    takes integer arrays ``[batch, length]`` and returns logits ``[batch, num_classes]``.
+    """
+
+    config: BertConfig = BertConfig()
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, train: bool = False):
+        cfg = self.config
+        length = input_ids.shape[-1]
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        positions = jnp.arange(length)[None, :]
+        x = (
+            nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=_init, name="word")(input_ids)
+            + nn.Embed(cfg.max_position, cfg.hidden_size, embedding_init=_init, name="position")(
+                positions
+            )
+            + nn.Embed(
+                cfg.type_vocab_size, cfg.hidden_size, embedding_init=_init, name="token_type"
+            )(token_type_ids)
+        )
+        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="embeddings_norm")(x)
+        x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
+        mask = nn.make_attention_mask(attention_mask > 0, attention_mask > 0)
+        for i in range(cfg.num_layers):
+            x = BertLayer(cfg, name=f"layer_{i}")(x, mask, train=train)
+        pooled = jnp.tanh(nn.Dense(cfg.hidden_size, kernel_init=_init, name="pooler")(x[:, 0]))
+        pooled = nn.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
+        return nn.Dense(cfg.num_classes, kernel_init=_init, name="classifier")(pooled)

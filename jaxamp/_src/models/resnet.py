@@ -1,0 +1,112 @@
+"""ResNet in Flax Linen, layer for layer the torchvision ResNet (v1.5).
+
+Plain Flax code with no precision settings of its own: the models jaxamp's
+experiments put under a policy are the models users write. The stem is
+torchvision's (7x7 convolution with stride 2, then 3x3 max-pooling), for any
+number of input channels, so the same network takes 224x224x3 ImageNet images
+and 28x28x1 FashionMNIST images, as in the reference experiment.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+# torchvision's BatchNorm defaults: momentum 0.1 (Flax: 0.9), eps 1e-5.
+_BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+_he_normal = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+class BottleneckBlock(nn.Module):
+    """1x1 -> 3x3 (strided) -> 1x1 convolutions with a residual connection."""
+
+    features: int
+    strides: int = 1
+    expansion: int = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal)
+        norm = functools.partial(_BatchNorm, use_running_average=not train)
+        residual = x
+        y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
+        y = conv(self.features, (3, 3), strides=self.strides, padding=1)(y)
+        y = nn.relu(norm()(y))
+        y = conv(self.features * self.expansion, (1, 1))(y)
+        y = norm(scale_init=nn.initializers.zeros)(y)
+        if residual.shape != y.shape:
+            residual = conv(self.features * self.expansion, (1, 1), strides=self.strides)(x)
+            residual = norm()(residual)
+        return nn.relu(residual + y)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (ResNet18/34)."""
+
+    features: int
+    strides: int = 1
+    expansion: int = 1
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal)
+        norm = functools.partial(_BatchNorm, use_running_average=not train)
+        residual = x
+        y = conv(self.features, (3, 3), strides=self.strides, padding=1)(x)
+        y = nn.relu(norm()(y))
+        y = conv(self.features, (3, 3), padding=1)(y)
+        y = norm(scale_init=nn.initializers.zeros)(y)
+        if residual.shape != y.shape:
+            residual = conv(self.features, (1, 1), strides=self.strides)(x)
+            residual = norm()(residual)
+        return nn.relu(residual + y)
+
+
+class ResNet(nn.Module):
+    """A ResNet classifier for NHWC images.
+
+    Attributes:
+      stage_sizes: blocks per stage, e.g. ``(3, 4, 6, 3)`` for ResNet50.
+      block_cls: :class:`BottleneckBlock` or :class:`BasicBlock`.
+      num_classes: number of output logits.
+      width: channels of the first stage (64 in the paper).
+    """
+
+    stage_sizes: Sequence[int]
+    block_cls: Any = BottleneckBlock
+    num_classes: int = 1000
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(
+            self.width,
+            (7, 7),
+            strides=2,
+            padding=3,
+            use_bias=False,
+            kernel_init=_he_normal,
+            name="conv1",
+        )(x)
+        x = nn.relu(_BatchNorm(use_running_average=not train, name="bn1")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        for i, blocks in enumerate(self.stage_sizes):
+            for j in range(blocks):
+                strides = 2 if i > 0 and j == 0 else 1
+                x = self.block_cls(self.width * 2**i, strides=strides)(x, train=train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.num_classes, name="fc")(x)
+
+
+def ResNet18(num_classes: int = 1000, **kwargs: Any) -> ResNet:
+    """ResNet18 (11.7M parameters with 1000 classes)."""
+    return ResNet((2, 2, 2, 2), BasicBlock, num_classes, **kwargs)
+
+
+def ResNet50(num_classes: int = 1000, **kwargs: Any) -> ResNet:
+    """ResNet50 (25.6M parameters with 1000 classes, as torchvision's)."""
+    return ResNet((3, 4, 6, 3), BottleneckBlock, num_classes, **kwargs)

@@ -1,0 +1,150 @@
+"""Applying a policy to an existing Flax NNX model, in place."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxamp._src import layers
+from jaxamp._src.backend import auto_policy
+from jaxamp._src.policy import Policy, cast_floating, get_policy
+from jaxamp._src.residuals import _POLICIES, _is_array, validate_residuals
+
+_POLICY_ATTR = "jaxamp_policy"
+_RESIDUALS_ATTR = "jaxamp_residuals"
+_EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
+
+
+def _iter_modules(model: nnx.Module):
+    iter_modules = getattr(nnx, "iter_modules", None)
+    if iter_modules is not None:
+        return iter_modules(model)
+    return model.iter_modules()  # flax releases before nnx.iter_modules
+
+
+def _get_value(variable: nnx.Variable) -> Any:
+    get_value = getattr(variable, "get_value", None)  # flax >= 0.12
+    return get_value() if get_value is not None else variable.value
+
+
+def _set_value(variable: nnx.Variable, value: Any) -> None:
+    set_value = getattr(variable, "set_value", None)
+    if set_value is not None:
+        set_value(value)
+    else:
+        variable.value = value
+
+
+def _policy_call(self, *args, **kwargs):
+    """``__call__`` of a model under a policy: cast inputs, checkpoint, cast outputs."""
+    policy: Policy = getattr(self, _POLICY_ATTR)
+    base_call = type(self).__mro__[1].__call__
+    args, kwargs = policy.cast_to_compute((args, kwargs))
+    residuals = getattr(self, _RESIDUALS_ATTR)
+    if policy.compute_dtype.itemsize >= 4 or residuals == "all":
+        return policy.cast_to_output(base_call(self, *args, **kwargs))
+
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    is_array = [_is_array(x) for x in leaves]
+
+    def pure(module, arrays):
+        it = iter(arrays)
+        full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
+        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        return base_call(module, *call_args, **call_kwargs)
+
+    arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+    out = nnx.remat(pure, policy=_POLICIES[residuals])(self, arrays)
+    return policy.cast_to_output(out)
+
+
+def _embed_call(self, *args, **kwargs):
+    """``Embed.__call__`` that gathers in the table's dtype and casts the rows."""
+    out = type(self).__mro__[1].__call__(self, *args, **kwargs)
+    return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
+
+
+@functools.cache
+def _subclass(cls: type, call_name: str) -> type:
+    """A subclass of ``cls`` whose ``__call__`` is one of the wrappers above (cached)."""
+    call = {"policy": _policy_call, "embed": _embed_call}[call_name]
+    return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+
+
+def _swap_class(module: nnx.Module, call_name: str) -> None:
+    cls = type(module)
+    if cls.__dict__.get("__call__") in (_policy_call, _embed_call):
+        cls = cls.__mro__[1]  # the policy was applied before: wrap the original class again
+    module.__class__ = _subclass(cls, call_name)
+
+
+def apply_policy(
+    model: nnx.Module,
+    policy: str | Policy | None = None,
+    *,
+    overrides: Mapping[Any, Any] | None = None,
+    residuals: str = "compute_dtype",
+) -> nnx.Module:
+    """Puts an existing NNX model under a precision policy, in place, and returns it.
+
+    Every layer gets the settings :func:`jaxamp.linen.apply_policy` gives Linen
+    layers (``dtype``, ``param_dtype``, a float32-accumulating matmul
+    ``precision``, a float32-softmax ``attention_fn``); existing parameters are
+    cast to their layer's ``param_dtype``; ``BatchStat`` variables stay float32.
+    The model's ``__call__`` casts floating inputs to the compute dtype and its
+    outputs to the output dtype. The model keeps its class for ``isinstance``
+    (it becomes an instance of a subclass), works with ``nnx.Optimizer``,
+    ``nnx.jit`` and ``nnx.grad``, and applying a policy again replaces the first.
+
+    Args:
+      model: an ``nnx.Module``.
+      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
+        ``None`` picks :func:`jaxamp.auto_policy`.
+      overrides: per-class or per-path policies, e.g. ``{"head": "float32"}``
+        (paths are attribute paths such as ``"blocks/0/attn"``).
+      residuals: what the backward pass may save; see
+        :func:`jaxamp.linen.apply_policy`.
+
+    Returns:
+      ``model`` itself.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxamp
+      >>> model = jaxamp.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+      >>> model.dtype, model(jnp.ones((2, 4))).dtype
+      (dtype(bfloat16), dtype('float32'))
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"apply_policy expects a flax.nnx.Module, got {type(model).__name__}. "
+            "For flax.linen modules use jaxamp.linen.apply_policy."
+        )
+    policy = get_policy(auto_policy() if policy is None else policy)
+    override_list = layers.normalize_overrides(overrides)
+    residuals = validate_residuals(residuals)
+
+    modules = {tuple(path): module for path, module in _iter_modules(model)}
+    for path, module in modules.items():
+        chain = [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)]
+        layer_policy = layers.resolve_policy(policy, override_list, chain)
+        plan = layers.plan_layer(module, layer_policy)
+        for name, value in plan.attributes:
+            setattr(module, name, value)
+        if plan.cast_output_to is not None:
+            setattr(module, _EMBED_DTYPE_ATTR, plan.cast_output_to)
+            if module is not model:
+                _swap_class(module, "embed")
+        for value in vars(module).values():
+            if isinstance(value, nnx.Param):
+                _set_value(value, layer_policy.cast_to_param(_get_value(value)))
+
+    setattr(model, _POLICY_ATTR, policy)
+    setattr(model, _RESIDUALS_ATTR, residuals)
+    _swap_class(model, "policy")
+    return model

@@ -1,0 +1,304 @@
+"""Precision policies: which dtype params are stored in, compute runs in and outputs return in."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+
+T = TypeVar("T")
+
+# Floating dtypes a policy may name, with their canonical spelling first.
+_FLOAT_DTYPES = {
+    np.dtype(jnp.float32): "float32",
+    np.dtype(jnp.bfloat16): "bfloat16",
+    np.dtype(jnp.float16): "float16",
+    np.dtype(jnp.float64): "float64",
+}
+_GRAMMAR_KEYS = {
+    "p": "params",
+    "params": "params",
+    "c": "compute",
+    "compute": "compute",
+    "o": "output",
+    "output": "output",
+    "r": "reduce",
+    "reduce": "reduce",
+}
+
+
+# The dtype names of jmp's grammar; "half" is float16, or bfloat16 on TPU.
+_JMP_DTYPE_NAMES = (
+    "f32",
+    "float32",
+    "full",
+    "bf16",
+    "bfloat16",
+    "f16",
+    "float16",
+    "half",
+    "f64",
+    "float64",
+)
+
+
+def _dtype_names() -> list[str]:
+    return list(_JMP_DTYPE_NAMES)
+
+
+def _parse_dtype_name(name: str) -> np.dtype:
+    """Parses one of jmp's dtype names with jmp itself (a bare dtype is a policy in jmp)."""
+    if name not in _JMP_DTYPE_NAMES:
+        raise ValueError(name)
+    return np.dtype(jmp.get_policy(name).param_dtype)
+
+
+def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:
+    """Returns ``value`` as a floating ``numpy.dtype``.
+
+    Args:
+      value: a dtype, a scalar type such as ``jnp.bfloat16``, or a name from jmp's
+        grammar (``"bf16"``, ``"float32"``, ``"full"``, ``"half"``...).
+      what: how to call the value in an error message.
+
+    Returns:
+      The canonical ``numpy.dtype``.
+
+    Raises:
+      ValueError: if ``value`` names no floating dtype.
+    """
+    if isinstance(value, str):
+        try:
+            value = _parse_dtype_name(value.strip().lower())
+        except ValueError as e:
+            raise ValueError(
+                f"Unknown {what} {value!r}. Valid choices: {', '.join(_dtype_names())}."
+            ) from e
+    try:
+        dtype = np.dtype(value)
+    except TypeError as e:
+        raise ValueError(
+            f"Unknown {what} {value!r}. Valid choices: {', '.join(_FLOAT_DTYPES.values())}."
+        ) from e
+    if dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{what} must be a floating dtype, got {dtype.name!r}. "
+            f"Valid choices: {', '.join(_FLOAT_DTYPES.values())}."
+        )
+    return dtype
+
+
+def is_floating_array(x: Any) -> bool:
+    """Whether ``x`` is an array (or tracer) with a floating dtype; PRNG keys are not."""
+    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(
+        x.dtype, jnp.floating
+    )
+
+
+def cast_floating(tree: T, dtype: Any) -> T:
+    """Casts the floating-point array leaves of ``tree`` to ``dtype``.
+
+    Integer, boolean and PRNG-key leaves, and leaves that are not arrays (Python
+    numbers, strings, ``None``), pass through untouched; leaves already in ``dtype``
+    are returned as they are, so no convert is emitted for them.
+
+    Args:
+      tree: any pytree.
+      dtype: the target floating dtype.
+
+    Returns:
+      A pytree of the same structure.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tree = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+      >>> out = cast_floating(tree, jnp.bfloat16)
+      >>> out["w"].dtype, out["step"].dtype
+      (dtype(bfloat16), dtype('int32'))
+    """
+    dtype = np.dtype(dtype)
+
+    def cast(x):
+        if is_floating_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype parameters are stored in, computation runs in, and outputs return in.
+
+    A policy is frozen and hashable, so it can be a ``jax.jit`` static argument.
+    Dtypes may be given as dtypes or as names (``"bf16"``, ``"float32"``).
+
+    Attributes:
+      param_dtype: dtype parameters are created and stored in (master weights).
+      compute_dtype: dtype matmuls and convolutions take their operands in.
+      output_dtype: dtype a model's outputs are returned in.
+      reduce_dtype: dtype gradients are all-reduced in across devices. ``None``
+        (the default) means float32 when ``compute_dtype`` is a 16-bit type and
+        ``param_dtype`` otherwise; read it through :attr:`grad_reduce_dtype`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> policy = Policy("float32", "bfloat16", "float32")
+      >>> str(policy)
+      'params=float32,compute=bfloat16,output=float32'
+      >>> policy.cast_to_compute({"x": jnp.ones(2), "ids": jnp.arange(2)})["x"].dtype
+      dtype(bfloat16)
+    """
+
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+    reduce_dtype: Any = None
+
+    def __post_init__(self):
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, canonical_dtype(getattr(self, field), field))
+        if self.reduce_dtype is not None:
+            object.__setattr__(
+                self, "reduce_dtype", canonical_dtype(self.reduce_dtype, "reduce_dtype")
+            )
+
+    @property
+    def is_mixed(self) -> bool:
+        """True when compute runs in a narrower floating type than params are stored in."""
+        return self.compute_dtype.itemsize < self.param_dtype.itemsize
+
+    @property
+    def grad_reduce_dtype(self) -> np.dtype:
+        """The dtype gradients are reduced in across devices (see ``reduce_dtype``)."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        if self.compute_dtype.itemsize < 4:
+            return np.dtype(jnp.float32) if self.param_dtype.itemsize <= 4 else self.param_dtype
+        return self.param_dtype
+
+    def cast_to_param(self, tree: T) -> T:
+        """Casts floating leaves of ``tree`` to ``param_dtype``."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts floating leaves of ``tree`` to ``compute_dtype``."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts floating leaves of ``tree`` to ``output_dtype``."""
+        return cast_floating(tree, self.output_dtype)
+
+    def cast_to_reduce(self, tree: T) -> T:
+        """Casts floating leaves of ``tree`` to :attr:`grad_reduce_dtype`."""
+        return cast_floating(tree, self.grad_reduce_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """Returns a copy of this policy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        spec = (
+            f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
+            f"output={self.output_dtype.name}"
+        )
+        if self.reduce_dtype is not None:
+            spec += f",reduce={self.reduce_dtype.name}"
+        return spec
+
+
+PRESETS: dict[str, Policy] = {
+    "float32": Policy("float32", "float32", "float32"),
+    "mixed_bfloat16": Policy("float32", "bfloat16", "float32"),
+    "mixed_float16": Policy("float32", "float16", "float32"),
+    "bfloat16": Policy("bfloat16", "bfloat16", "bfloat16"),
+    "float16": Policy("float16", "float16", "float16"),
+}
+
+
+def _valid_choices() -> str:
+    return (
+        f"presets {', '.join(PRESETS)}; dtype names {', '.join(_dtype_names())}; "
+        "or 'params=<dtype>,compute=<dtype>,output=<dtype>' (short keys p, c, o; "
+        "optional reduce=<dtype> or r=<dtype>)"
+    )
+
+
+def _unknown(spec: str, bad: str, why: str) -> ValueError:
+    candidates = list(PRESETS) + _dtype_names()
+    close = difflib.get_close_matches(bad, candidates, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"Invalid policy {spec!r}: {why}.{hint} Valid choices: {_valid_choices()}.")
+
+
+def _parse_grammar(spec: str) -> Policy:
+    """Parses jmp's ``key=value`` grammar, validating every part first."""
+    values: dict[str, str] = {}
+    for part in spec.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or not key or not value or "=" in value:
+            raise _unknown(spec, part, f"part {part.strip()!r} is not of the form key=dtype")
+        if key not in _GRAMMAR_KEYS:
+            raise ValueError(
+                f"Invalid policy {spec!r}: unknown key {key!r}. Valid keys: "
+                f"{', '.join(_GRAMMAR_KEYS)}."
+            )
+        name = _GRAMMAR_KEYS[key]
+        if name in values:
+            raise ValueError(f"Invalid policy {spec!r}: {name!r} is given twice.")
+        canonical_dtype(value, f"dtype {value!r} for {name!r} in policy {spec!r}")
+        values[name] = value
+    reduce = values.pop("reduce", None)
+    # jmp owns the grammar's defaults: compute follows params, output follows compute.
+    parsed = jmp.get_policy(",".join(f"{k}={v}" for k, v in values.items()))
+    return Policy(parsed.param_dtype, parsed.compute_dtype, parsed.output_dtype, reduce)
+
+
+def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
+    """Returns the :class:`Policy` named by ``spec``.
+
+    Args:
+      spec: a :class:`Policy` (returned as is), a ``jmp.Policy``, a preset name
+        (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"bfloat16"``,
+        ``"float16"``), a dtype name for all three dtypes (``"f32"``, ``"bf16"``,
+        ``"full"``, ``"half"``), or jmp's grammar such as
+        ``"params=float32,compute=bfloat16,output=float32"`` or ``"p=f32,c=bf16"``
+        (compute defaults to params, output to compute). An extra key
+        ``reduce``/``r`` sets :attr:`Policy.reduce_dtype`.
+
+    Returns:
+      The policy.
+
+    Raises:
+      ValueError: if ``spec`` is a string that names no policy; the message names
+        the bad part and the valid choices.
+      TypeError: if ``spec`` is neither a string nor a policy.
+
+    Example:
+      >>> get_policy("mixed_bfloat16") == get_policy("p=f32,c=bf16,o=f32")
+      True
+      >>> str(get_policy("c=f16"))
+      'params=float32,compute=float16,output=float16'
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, jmp.Policy):
+        return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"A policy must be a string or a jaxamp.Policy, got {type(spec).__name__}: {spec!r}."
+        )
+    name = spec.strip().lower()
+    if name in PRESETS:
+        return PRESETS[name]
+    if "=" in name:
+        return _parse_grammar(name)
+    if name in _JMP_DTYPE_NAMES:
+        dtype = _parse_dtype_name(name)
+        return Policy(dtype, dtype, dtype)
+    raise _unknown(spec, name, f"{spec!r} is neither a preset nor a dtype name")

@@ -1,0 +1,362 @@
+"""Seeing precision: every matmul and convolution of a program, with its dtypes.
+
+A policy is a promise; the program is the proof. :func:`precision_report`
+lowers a function and lists each ``dot_general`` and ``convolution`` with its
+operand, result and (where the program states it) accumulation dtypes, whether
+it belongs to the forward or the backward pass, and the layer it came from,
+and counts the converts between floating types.
+
+Read the lowered StableHLO: it is what JAX asked for, on any backend. XLA's CPU
+compiler turns 16-bit convolutions and dots back into float32, so the compiled
+program on CPU says nothing about AMP; on GPU and TPU the compiled program
+(``compiled=True``) shows what the hardware runs (cuBLAS and cuDNN calls
+included).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+# StableHLO / HLO element type names -> numpy names.
+_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "f32": "float32",
+    "f64": "float64",
+    "f8E4M3FN": "float8_e4m3fn",
+    "f8E5M2": "float8_e5m2",
+    "f8e4m3fn": "float8_e4m3fn",
+    "f8e5m2": "float8_e5m2",
+    "i1": "bool",
+    "pred": "bool",
+    "i8": "int8",
+    "s8": "int8",
+    "i32": "int32",
+    "s32": "int32",
+    "ui32": "uint32",
+    "u32": "uint32",
+    "i64": "int64",
+    "s64": "int64",
+}
+_FLOAT_NAMES = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
+
+_LOC_DEF = re.compile(r'^#loc(\d+) = loc\("([^"]*)"')
+_LOC_USE = re.compile(r"loc\(#loc(\d+)\)\s*$")
+_SIGNATURE = re.compile(r":\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<out>tensor<[^>]*>)")
+_SAME_TYPE = re.compile(r"stablehlo\.convert\s+%\S+\s*:\s*tensor<")
+_TENSOR = re.compile(r"tensor<([^>,]*)")
+_SHLO_OP = re.compile(r"=\s*stablehlo\.(dot_general|dot|convolution|convert)\b")
+_ALGORITHM = re.compile(r"accumulation_type\s*=\s*(\w+)")
+_HLO_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^)]*\)|\S+)\s+"
+    r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<rest>.*)$"
+)
+_HLO_OPERAND = re.compile(r"([a-zA-Z0-9]+)\[([\d,]*)\]")
+_HLO_REFERENCE = re.compile(r"%([\w.\-]+)")
+_HLO_ALGORITHM = re.compile(r"algorithm=dot_(\w+)|ALG_DOT_(\w+)")
+_HLO_NAME = re.compile(r'op_name="([^"]*)"')
+_HLO_MATMUL_TARGETS = ("cublas", "cudnn$conv", "__cudnn$conv", "gemm")
+
+
+def _dtype_name(hlo_type: str) -> str:
+    return _DTYPE_NAMES.get(hlo_type, hlo_type)
+
+
+def _tensor_type(text: str) -> tuple[tuple[int, ...], str]:
+    """``'4x3xbf16'`` -> ``((4, 3), 'bfloat16')``."""
+    parts = text.strip().split("x")
+    shape = tuple(int(p) for p in parts[:-1] if p.isdigit())
+    return shape, _dtype_name(parts[-1])
+
+
+def _direction(name: str) -> str:
+    if not name:
+        return "unknown"
+    return "backward" if "transpose(" in name else "forward"
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulOp:
+    """One matmul or convolution in a program.
+
+    Attributes:
+      kind: ``"dot_general"`` or ``"convolution"`` (``"custom-call"`` for a
+        cuBLAS/cuDNN call in a compiled GPU program).
+      lhs_dtype: dtype of the left operand (numpy name, e.g. ``"bfloat16"``).
+      rhs_dtype: dtype of the right operand.
+      result_dtype: dtype of the result.
+      accumulation_dtype: the accumulation dtype where the program states it (a
+        dot algorithm, or a result wider than the operands), else ``None``.
+      lhs_shape: shape of the left operand.
+      rhs_shape: shape of the right operand.
+      name: the source name JAX recorded (e.g. ``jit(step)/jvp(ResNet)/Conv_0/...``).
+      direction: ``"forward"``, ``"backward"`` or ``"unknown"``.
+    """
+
+    kind: str
+    lhs_dtype: str
+    rhs_dtype: str
+    result_dtype: str
+    accumulation_dtype: str | None
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    name: str = ""
+    direction: str = "unknown"
+
+    @property
+    def operand_dtype(self) -> str:
+        """The operands' dtype, or ``"lhs/rhs"`` when they differ."""
+        if self.lhs_dtype == self.rhs_dtype:
+            return self.lhs_dtype
+        return f"{self.lhs_dtype}/{self.rhs_dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """The matmuls, convolutions and converts of one program.
+
+    Attributes:
+      ops: every matmul and convolution, in program order.
+      converts: number of converts from one floating type to another.
+      source: ``"stablehlo"`` (lowered) or ``"hlo"`` (compiled).
+    """
+
+    ops: tuple[MatmulOp, ...]
+    converts: int
+    source: str
+
+    @classmethod
+    def from_text(cls, text: str) -> PrecisionReport:
+        """Parses lowered StableHLO text or compiled HLO text."""
+        if "stablehlo." in text or "func.func" in text:
+            return _parse_stablehlo(text)
+        return _parse_hlo(text)
+
+    @classmethod
+    def from_lowered(cls, lowered: Any, compiled: bool = False) -> PrecisionReport:
+        """Reads a ``jax.stages.Lowered``: its StableHLO, or its compiled HLO."""
+        if compiled:
+            return _parse_hlo(lowered.compile().as_text())
+        return _parse_stablehlo(lowered.as_text(debug_info=True))
+
+    def count(self, operand_dtype: str | None = None, kind: str | None = None) -> int:
+        """Number of ops, optionally with both operands in ``operand_dtype``, of ``kind``."""
+        return sum(
+            1
+            for op in self.ops
+            if (operand_dtype is None or op.operand_dtype == _canonical(operand_dtype))
+            and (kind is None or op.kind == kind)
+        )
+
+    def all_operands_in(self, dtype: Any) -> bool:
+        """Whether there is at least one op and every op's operands are in ``dtype``."""
+        return bool(self.ops) and self.count(dtype) == len(self.ops)
+
+    def by_dtype(self) -> dict[str, int]:
+        """``{operand dtype: number of ops}``."""
+        return dict(collections.Counter(op.operand_dtype for op in self.ops))
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly summary."""
+        return {
+            "source": self.source,
+            "matmuls": len(self.ops),
+            "by_operand_dtype": self.by_dtype(),
+            "accumulation": dict(
+                collections.Counter(str(op.accumulation_dtype) for op in self.ops)
+            ),
+            "converts": self.converts,
+        }
+
+    def __str__(self) -> str:
+        header = ("kind", "pass", "operands", "result", "accumulate", "lhs shape", "layer")
+        rows = [header] + [
+            (
+                op.kind,
+                op.direction,
+                op.operand_dtype,
+                op.result_dtype,
+                op.accumulation_dtype or "backend",
+                "x".join(map(str, op.lhs_shape)),
+                _short_name(op.name),
+            )
+            for op in self.ops
+        ]
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        lines.append(
+            f"{len(self.ops)} matmuls/convolutions by operand dtype {self.by_dtype()}; "
+            f"{self.converts} floating converts ({self.source})"
+        )
+        return "\n".join(lines)
+
+
+def _canonical(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return _DTYPE_NAMES.get(dtype, dtype)
+    import numpy as np
+
+    return np.dtype(dtype).name
+
+
+def _short_name(name: str) -> str:
+    """``jit(f)/transpose(jvp(M))/Dense_0/dot_general`` -> ``M/Dense_0``."""
+    parts = [p for p in name.split("/") if p]
+    parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in parts[1:-1]]
+    return "/".join(parts)
+
+
+def _parse_stablehlo(text: str) -> PrecisionReport:
+    locations = {m.group(1): m.group(2) for m in map(_LOC_DEF.match, text.splitlines()) if m}
+    ops, converts = [], 0
+    for line in text.splitlines():
+        match = _SHLO_OP.search(line)
+        if not match:
+            continue
+        kind = match.group(1)
+        signature = _SIGNATURE.search(line)
+        if kind == "convert":
+            if signature:
+                (_, src), (_, dst) = (
+                    _tensor_type(_TENSOR.search(signature.group("ins")).group(1)),
+                    _tensor_type(_TENSOR.search(signature.group("out")).group(1)),
+                )
+                converts += src != dst and src in _FLOAT_NAMES and dst in _FLOAT_NAMES
+            continue
+        if not signature:
+            continue
+        operands = [_tensor_type(t) for t in _TENSOR.findall(signature.group("ins"))]
+        if len(operands) < 2:
+            continue
+        (lhs_shape, lhs), (rhs_shape, rhs) = operands[:2]
+        _, result = _tensor_type(_TENSOR.search(signature.group("out")).group(1))
+        algorithm = _ALGORITHM.search(line)
+        accumulation = _dtype_name(algorithm.group(1)) if algorithm else _wider(lhs, rhs, result)
+        loc = _LOC_USE.search(line)
+        name = locations.get(loc.group(1), "") if loc else ""
+        kind = "dot_general" if kind in ("dot", "dot_general") else kind
+        ops.append(
+            MatmulOp(
+                kind, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, _direction(name)
+            )
+        )
+    return PrecisionReport(tuple(ops), int(converts), "stablehlo")
+
+
+def _wider(lhs: str, rhs: str, result: str) -> str | None:
+    """The accumulation dtype a result wider than its operands states, else ``None``."""
+    sizes = {
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "bfloat16": 2,
+        "float16": 2,
+        "float32": 4,
+        "float64": 8,
+    }
+    if result in sizes and lhs in sizes and sizes[result] > max(sizes[lhs], sizes.get(rhs, 0)):
+        return result
+    return None
+
+
+def _algorithm_accumulation(match: re.Match) -> str:
+    """``dot_bf16_bf16_f32`` / ``ALG_DOT_BF16_BF16_F32_X3`` -> ``float32``."""
+    parts = [
+        p
+        for p in next(g for g in match.groups() if g).lower().split("_")
+        if not re.fullmatch(r"x\d+", p)
+    ]
+    return _dtype_name(parts[-1])
+
+
+def _hlo_operands(operands: str, types: dict[str, tuple[str, tuple[int, ...]]]):
+    """Operand ``(dtype, shape)`` pairs, from inline types or from their definitions."""
+    inline = [
+        (_dtype_name(t), tuple(int(d) for d in dims.split(",") if d))
+        for t, dims in _HLO_OPERAND.findall(operands)
+    ]
+    if inline:
+        return inline
+    return [types[name] for name in _HLO_REFERENCE.findall(operands) if name in types]
+
+
+def _parse_hlo(text: str) -> PrecisionReport:
+    instructions = [m for m in map(_HLO_INSTR.match, text.splitlines()) if m]
+    types = {}
+    for match in instructions:
+        first = _HLO_OPERAND.search(match.group("type"))
+        if first:
+            types[match.group("name")] = (
+                _dtype_name(first.group(1)),
+                tuple(int(d) for d in first.group(2).split(",") if d),
+            )
+    ops, converts = [], 0
+    for match in instructions:
+        op, rest = match.group("op"), match.group("rest")
+        operands = _hlo_operands(match.group("operands"), types)
+        result = types.get(match.group("name"), ("unknown", ()))[0]
+        if op == "convert":
+            if operands and operands[0][0] != result:
+                converts += operands[0][0] in _FLOAT_NAMES and result in _FLOAT_NAMES
+            continue
+        is_library_call = op == "custom-call" and any(t in rest for t in _HLO_MATMUL_TARGETS)
+        if op not in ("dot", "convolution") and not is_library_call:
+            continue
+        if len(operands) < 2:
+            continue
+        (lhs, lhs_shape), (rhs, rhs_shape) = operands[:2]
+        algorithm = _HLO_ALGORITHM.search(rest)
+        accumulation = _algorithm_accumulation(algorithm) if algorithm else _wider(lhs, rhs, result)
+        name_match = _HLO_NAME.search(rest)
+        name = name_match.group(1) if name_match else ""
+        ops.append(
+            MatmulOp(
+                op, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, _direction(name)
+            )
+        )
+    return PrecisionReport(tuple(ops), int(converts), "hlo")
+
+
+def precision_report(
+    fun: Callable[..., Any],
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    compiled: bool = False,
+) -> Callable[..., PrecisionReport]:
+    """Returns a function that lowers ``fun`` for the given arguments and reports its matmuls.
+
+    Used like ``jax.make_jaxpr``: ``precision_report(step)(params, batch)``.
+
+    Args:
+      fun: a function, or an already ``jax.jit``-ed one (its ``lower`` is used).
+      static_argnums: static positional arguments, as for ``jax.jit``.
+      static_argnames: static keyword arguments, as for ``jax.jit``.
+      compiled: report the compiled HLO instead of the lowered StableHLO (only
+        meaningful on GPU/TPU; on CPU XLA computes 16-bit matmuls in float32).
+
+    Returns:
+      A function taking ``fun``'s arguments and returning a :class:`PrecisionReport`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones((2, 2), jnp.bfloat16)
+      >>> report = precision_report(jnp.matmul)(x, x)
+      >>> report.all_operands_in("bfloat16"), report.count("float32")
+      (True, 0)
+    """
+    jitted = (
+        fun
+        if hasattr(fun, "lower")
+        else jax.jit(fun, static_argnums=static_argnums, static_argnames=static_argnames)
+    )
+
+    def report(*args: Any, **kwargs: Any) -> PrecisionReport:
+        return PrecisionReport.from_lowered(jitted.lower(*args, **kwargs), compiled=compiled)
+
+    return report

@@ -1,0 +1,15 @@
+"""The models of jaxamp's reference experiments, as plain Flax Linen code."""
+
+from jaxamp._src.models.bert import BertClassifier, BertConfig, BertLayer
+from jaxamp._src.models.resnet import BasicBlock, BottleneckBlock, ResNet, ResNet18, ResNet50
+
+__all__ = (
+    "BasicBlock",
+    "BertClassifier",
+    "BertConfig",
+    "BertLayer",
+    "BottleneckBlock",
+    "ResNet",
+    "ResNet18",
+    "ResNet50",
+)

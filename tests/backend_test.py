@@ -1,0 +1,85 @@
+"""Tests for jaxamp/_src/backend.py: auto_policy and the dot algorithm per backend."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import jaxamp
+from jaxamp._src.backend import auto_policy, dot_algorithm
+
+
+@dataclasses.dataclass
+class FakeClient:
+    platform_version: str = "cuda 12.8"
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    platform: str
+    compute_capability: str | None = None
+    client: FakeClient = dataclasses.field(default_factory=FakeClient)
+
+
+@pytest.mark.parametrize(
+    "device, preset",
+    [
+        (FakeDevice("gpu", "9.0"), "mixed_bfloat16"),  # H100/H200
+        (FakeDevice("gpu", "8.0"), "mixed_bfloat16"),  # A100
+        (FakeDevice("gpu", "8.6"), "mixed_bfloat16"),
+        (FakeDevice("gpu", "7.5"), "mixed_float16"),  # T4
+        (FakeDevice("gpu", "7.0"), "mixed_float16"),  # V100
+        (FakeDevice("gpu", "6.1"), "float32"),  # Pascal: no tensor cores
+        (FakeDevice("gpu", None, FakeClient("rocm 6.2")), "mixed_bfloat16"),
+        (FakeDevice("tpu"), "mixed_bfloat16"),
+        (FakeDevice("cpu"), "float32"),
+        (FakeDevice("METAL"), "float32"),
+    ],
+)
+def test_auto_policy_table(device, preset):
+    assert auto_policy(device) == jaxamp.PRESETS[preset]
+
+
+def test_auto_policy_on_this_machine():
+    expected = "float32" if jax.default_backend() == "cpu" else None
+    if expected:
+        assert auto_policy() == jaxamp.PRESETS[expected]
+
+
+@pytest.mark.parametrize(
+    "device, dtype, expected",
+    [
+        (FakeDevice("cpu"), jnp.bfloat16, lax.DotAlgorithmPreset.BF16_BF16_F32),
+        (FakeDevice("cpu"), jnp.float16, None),  # XLA:CPU refuses F16_F16_F32
+        (FakeDevice("gpu", "9.0"), jnp.float16, lax.DotAlgorithmPreset.F16_F16_F32),
+        (FakeDevice("gpu", "9.0"), jnp.bfloat16, lax.DotAlgorithmPreset.BF16_BF16_F32),
+        (FakeDevice("gpu", "7.0"), jnp.bfloat16, None),
+        (FakeDevice("tpu"), jnp.bfloat16, lax.DotAlgorithmPreset.BF16_BF16_F32),
+        (FakeDevice("cpu"), jnp.float32, None),
+    ],
+)
+def test_dot_algorithm(device, dtype, expected):
+    assert dot_algorithm(dtype, device) == expected
+
+
+def test_dot_algorithm_keeps_backward_dots_16_bit():
+    """The reason for the dot algorithm: float32 accumulation without float32 backward dots."""
+    algorithm = dot_algorithm(jnp.bfloat16, FakeDevice("cpu"))
+
+    def loss(a, b):
+        return jnp.sum(lax.dot(a, b, precision=algorithm).astype(jnp.float32))
+
+    a, b = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 3), jnp.bfloat16)
+    report = jaxamp.precision_report(jax.grad(loss, argnums=(0, 1)))(a, b)
+    assert report.all_operands_in("bfloat16")
+    assert {op.accumulation_dtype for op in report.ops} == {"float32"}
+    assert {op.result_dtype for op in report.ops} == {"bfloat16"}
+
+    def loss_preferred(a, b):  # what preferred_element_type=float32 would do instead
+        out = lax.dot(a, b, preferred_element_type=jnp.float32)
+        return jnp.sum(out.astype(jnp.bfloat16).astype(jnp.float32))
+
+    report = jaxamp.precision_report(jax.grad(loss_preferred, argnums=(0, 1)))(a, b)
+    assert report.count("float32") == len(report.ops) > 0

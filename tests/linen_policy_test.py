@@ -1,0 +1,293 @@
+"""Tests for jaxamp/_src/linen_policy.py on unmodified Linen models (ResNet and BERT)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jaxamp
+from jaxamp.models import BasicBlock, BertClassifier, BertConfig, ResNet
+
+DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
+TINY_BERT = BertConfig(
+    vocab_size=64,
+    hidden_size=16,
+    num_layers=2,
+    num_heads=2,
+    intermediate_size=32,
+    max_position=16,
+    num_classes=3,
+)
+
+
+def tiny_resnet():
+    return ResNet((1, 1), BasicBlock, num_classes=5, width=8)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return jax.random.normal(jax.random.key(1), (4, 16, 16, 3))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    ids = jax.random.randint(jax.random.key(2), (4, 8), 1, 64)
+    return ids.at[:, -2:].set(0)  # padding
+
+
+def resnet_loss(model, images):
+    def loss(params, batch_stats):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, images, mutable=["batch_stats"]
+        )
+        return jnp.mean(logits.astype(jnp.float32) ** 2), (logits, updates)
+
+    return loss
+
+
+def bert_loss(model, tokens):
+    def loss(params):
+        logits = model.apply({"params": params}, tokens, attention_mask=(tokens > 0))
+        return jnp.mean(logits.astype(jnp.float32) ** 2), logits
+
+    return loss
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_resnet_dtypes(name, images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), name)
+    variables = model.init(jax.random.key(0), images)
+    assert {x.dtype for x in jax.tree.leaves(variables["params"])} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(variables["batch_stats"])} == {np.dtype("float32")}
+
+    loss = jax.jit(jax.value_and_grad(resnet_loss(model, images), has_aux=True))
+    (_, (logits, updates)), grads = loss(variables["params"], variables["batch_stats"])
+    assert logits.dtype == jnp.float32  # output_dtype
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(updates)} == {np.dtype("float32")}
+
+    report = jaxamp.precision_report(jax.grad(resnet_loss(model, images), has_aux=True))(
+        variables["params"], variables["batch_stats"]
+    )
+    assert report.count(kind="convolution") > 0 and report.count(kind="dot_general") > 0
+    assert report.all_operands_in(DTYPES[name]), report
+    assert {op.direction for op in report.ops} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_bert_dtypes(name, tokens):
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), name)
+    variables = model.init(jax.random.key(0), tokens)
+    assert {x.dtype for x in jax.tree.leaves(variables)} == {np.dtype("float32")}
+    (_, logits), grads = jax.jit(jax.value_and_grad(bert_loss(model, tokens), has_aux=True))(
+        variables["params"]
+    )
+    assert logits.dtype == jnp.float32
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    report = jaxamp.precision_report(jax.grad(bert_loss(model, tokens), has_aux=True))(
+        variables["params"]
+    )
+    # q, k, v, out projections + two attention matmuls + two FFN layers per layer, forward.
+    forward = [op for op in report.ops if op.direction == "forward"]
+    assert len(forward) >= 2 * 8 + 2
+    assert report.all_operands_in(DTYPES[name]), report
+
+
+def test_float32_policy_has_no_16_bit_matmuls(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "float32")
+    variables = model.init(jax.random.key(0), images)
+    report = jaxamp.precision_report(jax.grad(resnet_loss(model, images), has_aux=True))(
+        variables["params"], variables["batch_stats"]
+    )
+    assert report.all_operands_in("float32")
+    assert report.count("bfloat16") == report.count("float16") == 0
+
+
+def test_activations_are_in_compute_dtype(images, tokens):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), images)
+    out, state = model.apply(
+        variables, images, capture_intermediates=True, mutable=["intermediates", "batch_stats"]
+    )
+    dtypes = {"/".join(path): leaf.dtype for path, leaf in _flat(state["intermediates"])}
+    convs = [v for k, v in dtypes.items() if "Conv" in k]
+    norms = [v for k, v in dtypes.items() if "BatchNorm" in k]
+    assert convs and set(convs) == {np.dtype(jnp.bfloat16)}
+    assert norms and set(norms) == {np.dtype(jnp.bfloat16)}
+    assert dtypes["__call__"] == jnp.bfloat16  # the head computes in bfloat16...
+    assert out.dtype == jnp.float32  # ...and the output comes back in output_dtype
+
+    bert = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
+    variables = bert.init(jax.random.key(0), tokens)
+    _, state = bert.apply(variables, tokens, capture_intermediates=True, mutable=["intermediates"])
+    dtypes = {"/".join(p): leaf.dtype for p, leaf in _flat(state["intermediates"])}
+    for name in ("word", "embeddings_norm", "layer_0/attention", "layer_0/output_norm"):
+        assert dtypes[f"{name}/__call__"] == jnp.bfloat16, name
+
+
+def _flat(tree):
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        out.append((keys[:-1], leaf))  # drop the tuple index sow adds
+    return out
+
+
+def test_softmax_and_norm_statistics_are_float32(tokens):
+    """Softmax runs on float32 values; LayerNorm statistics are float32 reductions."""
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), tokens)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(variables["params"])
+    text = str(jaxpr)
+    # reduce_max of the softmax and the LayerNorm means are float32 reductions
+    assert "reduce_max" in text
+    for eqn in _all_eqns(jaxpr.jaxpr):
+        if eqn.primitive.name in ("reduce_max", "reduce_sum", "exp"):
+            assert eqn.invars[0].aval.dtype == jnp.float32, eqn
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+            yield from _all_eqns(sub)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None:
+                yield from _all_eqns(getattr(inner, "jaxpr", inner))
+
+
+def test_integer_inputs_are_never_cast(tokens):
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "bfloat16")
+    variables = model.init(jax.random.key(0), tokens)
+    assert variables["params"]["word"]["embedding"].dtype == jnp.bfloat16  # pure bf16 params
+    seen = []
+
+    def spy(next_fun, args, kwargs, context):
+        if context.module.name == "word" and context.method_name == "__call__":
+            seen.append(args[0].dtype)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(spy):
+        model.apply(variables, tokens)
+    assert seen == [jnp.int32]
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_close_to_float32_model(name, images, tokens):
+    tol = {"float32": 1e-5, "mixed_bfloat16": 5e-2, "mixed_float16": 1e-2}[name]
+    plain = tiny_resnet()
+    variables = plain.init(jax.random.key(0), images)
+    reference = plain.apply(variables, images, mutable=["batch_stats"])[0]
+    out = jaxamp.linen.apply_policy(plain, name).apply(variables, images, mutable=["batch_stats"])
+    np.testing.assert_allclose(out[0], reference, atol=tol, rtol=tol)
+
+    bert = BertClassifier(TINY_BERT)
+    variables = bert.init(jax.random.key(0), tokens)
+    reference = bert.apply(variables, tokens, attention_mask=tokens > 0)
+    out = jaxamp.linen.apply_policy(bert, name).apply(variables, tokens, attention_mask=tokens > 0)
+    np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
+
+
+def test_gradients_close_to_float32_model(images):
+    plain = tiny_resnet()
+    variables = plain.init(jax.random.key(0), images)
+    ref = jax.grad(resnet_loss(plain, images), has_aux=True)(
+        variables["params"], variables["batch_stats"]
+    )
+    mixed = jaxamp.linen.apply_policy(plain, "mixed_bfloat16")
+    got = jax.jit(jax.grad(resnet_loss(mixed, images), has_aux=True))(
+        variables["params"], variables["batch_stats"]
+    )
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        scale = float(jnp.max(jnp.abs(r))) + 1e-6
+        assert float(jnp.max(jnp.abs(r - g))) / scale < 0.1
+
+
+def test_step_compiles_once(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), images)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1)
+    )
+    traces = []
+
+    @jax.jit
+    def step(state, batch_stats, images):
+        traces.append(1)
+        (loss, (_, updates)), grads = jax.value_and_grad(
+            lambda p: resnet_loss_apply(state.apply_fn, p, batch_stats, images), has_aux=True
+        )(state.params)
+        return state.apply_gradients(grads=grads), updates["batch_stats"], loss
+
+    batch_stats = variables["batch_stats"]
+    losses = []
+    for _ in range(3):
+        state, batch_stats, loss = step(state, batch_stats, images)
+        losses.append(float(loss))
+    assert len(traces) == 1
+    assert losses[-1] < losses[0]
+
+
+def resnet_loss_apply(apply_fn, params, batch_stats, images):
+    logits, updates = apply_fn(
+        {"params": params, "batch_stats": batch_stats}, images, mutable=["batch_stats"]
+    )
+    return jnp.mean(logits.astype(jnp.float32) ** 2), (logits, updates)
+
+
+def test_overrides_by_path_and_class(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16", overrides={"fc": "float32"})
+    variables = model.init(jax.random.key(0), images)
+    report = jaxamp.precision_report(lambda v: model.apply(v, images, mutable=["batch_stats"]))(
+        variables
+    )
+    assert report.by_dtype() == {"bfloat16": report.count(kind="convolution"), "float32": 1}
+
+    model = jaxamp.linen.apply_policy(
+        tiny_resnet(), "mixed_bfloat16", overrides={nn.Dense: "float32"}
+    )
+    report = jaxamp.precision_report(lambda v: model.apply(v, images, mutable=["batch_stats"]))(
+        variables
+    )
+    assert report.count("float32", kind="dot_general") == 1
+
+    # A class override covers the subtree: every conv inside BasicBlock stays float32.
+    model = jaxamp.linen.apply_policy(
+        tiny_resnet(), "mixed_bfloat16", overrides={BasicBlock: "f32"}
+    )
+    report = jaxamp.precision_report(lambda v: model.apply(v, images, mutable=["batch_stats"]))(
+        variables
+    )
+    assert report.count("bfloat16") == 2  # conv1 and fc
+    assert report.count("float32", kind="convolution") >= 4
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"jaxamp\.nnx\.apply_policy"):
+        jaxamp.linen.apply_policy(object(), "float32")
+    with pytest.raises(ValueError, match="Valid choices"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bf16")
+    with pytest.raises(TypeError, match="override key"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "float32", overrides={3: "float32"})
+    with pytest.raises(ValueError, match="residuals"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "float32", residuals="some")
+
+
+def test_wrapper_behaves_like_the_module(tokens):
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
+    assert model.config is TINY_BERT
+    assert "mixed" not in repr(model) and "bfloat16" in repr(model)
+    out, variables = model.init_with_output(jax.random.key(0), tokens)
+    assert out.dtype == jnp.float32
+    # Same variable structure as the unmodified module.
+    plain = BertClassifier(TINY_BERT).init(jax.random.key(0), tokens)
+    assert jax.tree.structure(plain) == jax.tree.structure(variables)
+
+
+def test_auto_policy_default(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet())
+    assert model.policy == jaxamp.auto_policy()

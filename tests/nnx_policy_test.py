@@ -1,0 +1,128 @@
+"""Tests for jaxamp/_src/nnx_policy.py on unmodified NNX models (ResNet and Transformer)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from nnx_models import ConvBlock, ResNet, Transformer
+
+import jaxamp
+
+DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
+IMAGES = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
+TOKENS = jax.random.randint(jax.random.key(2), (4, 8), 1, 50).at[:, -2:].set(0)
+
+
+def make(kind, policy=None, **kwargs):
+    model = (ResNet if kind == "resnet" else Transformer)(rngs=nnx.Rngs(0))
+    return model if policy is None else jaxamp.nnx.apply_policy(model, policy, **kwargs)
+
+
+def inputs(kind):
+    return IMAGES if kind == "resnet" else TOKENS
+
+
+def train_step_report(model, x):
+    """The precision report of a whole nnx training step (forward, backward, update)."""
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, x):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    return jaxamp.precision_report(step)(state, x)
+
+
+@pytest.mark.parametrize("kind", ["resnet", "transformer"])
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_dtypes_and_precision_report(kind, name):
+    model = make(kind, name)
+    params = nnx.state(model, nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
+    out = model(inputs(kind))
+    assert out.dtype == jnp.float32
+    report = train_step_report(model, inputs(kind))
+    assert report.all_operands_in(DTYPES[name]), report
+    assert {op.direction for op in report.ops} == {"forward", "backward"}
+    if kind == "resnet":
+        stats = nnx.state(model, nnx.BatchStat)
+        assert {x.dtype for x in jax.tree.leaves(stats)} == {np.dtype("float32")}
+        assert report.count(kind="convolution") >= 6
+
+
+def test_layer_settings():
+    model = make("transformer", "mixed_bfloat16")
+    layer = model.layers[0]
+    assert layer.up.dtype == jnp.bfloat16 and layer.norm1.dtype == jnp.bfloat16
+    assert layer.attn.attention_fn is jaxamp.dot_product_attention
+    assert layer.attn.query.precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    assert isinstance(model, Transformer)
+    # Embedding lookups gather in float32 and cast the rows.
+    assert model.embed.embedding.dtype == jnp.float32
+    assert model.embed(TOKENS).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("kind", ["resnet", "transformer"])
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
+def test_close_to_float32_model(kind, name):
+    reference = make(kind)(inputs(kind))
+    out = make(kind, name)(inputs(kind))
+    tol = 5e-2 if name == "mixed_bfloat16" else 1e-2
+    np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
+
+
+def test_train_with_optimizer_compiles_once_and_learns():
+    model = make("resnet", "mixed_bfloat16")
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    traces = []
+    target = jax.random.normal(jax.random.key(3), (4, 10))
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        traces.append(1)
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer, IMAGES)) for _ in range(5)]
+    assert len(traces) == 1
+    assert losses[-1] < losses[0]
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("float32")}
+
+
+def test_bfloat16_params_are_cast():
+    model = make("resnet", "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("bfloat16")}
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))} == {
+        np.dtype("float32")
+    }
+    assert model(IMAGES).dtype == jnp.bfloat16
+
+
+def test_overrides():
+    model = make("resnet", "mixed_bfloat16", overrides={"head": "float32"})
+    assert model.head.dtype == jnp.float32 and model.stem.conv.dtype == jnp.bfloat16
+    model = make("resnet", "mixed_bfloat16", overrides={ConvBlock: "float32"})
+    assert model.stem.conv.dtype == jnp.float32 and model.head.dtype == jnp.bfloat16
+    model = make("transformer", "mixed_bfloat16", overrides={"layers/1/*": "float32"})
+    assert model.layers[1].up.dtype == jnp.float32 and model.layers[0].up.dtype == jnp.bfloat16
+
+
+def test_apply_twice_replaces_the_policy():
+    model = make("resnet", "mixed_bfloat16")
+    jaxamp.nnx.apply_policy(model, "float32")
+    assert model.stem.conv.dtype == jnp.float32
+    assert type(model).__mro__[1] is ResNet
+    assert model(IMAGES).dtype == jnp.float32
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"jaxamp\.linen\.apply_policy"):
+        jaxamp.nnx.apply_policy(object(), "float32")
+    with pytest.raises(ValueError, match="Valid choices"):
+        jaxamp.nnx.apply_policy(make("resnet"), "p=f32,c=fp8")
