@@ -8,27 +8,58 @@ show what precision a compiled program really runs in.
 from jaxamp import linen, nnx
 from jaxamp._src.attention import dot_product_attention, softmax_float32
 from jaxamp._src.backend import auto_policy, dot_algorithm
+from jaxamp._src.diagnostics import (
+    LossScaleStuckError,
+    loss_scale_metrics,
+    raise_if_stuck,
+    scale_history,
+    underflow_fraction,
+)
+from jaxamp._src.loss_scale import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
+from jaxamp._src.loss_scaled import LossScaledState, all_finite, loss_scaled
 from jaxamp._src.policy import PRESETS, Policy, cast_floating, get_policy
 from jaxamp._src.precision_report import MatmulOp, PrecisionReport, precision_report
 from jaxamp._src.residuals import activation_bytes, checkpoint_residuals, saved_residuals
+from jaxamp._src.scale_loss import (
+    find_loss_scaled_state,
+    get_loss_scale,
+    scale_loss,
+    value_and_grad,
+)
 
 __version__ = "0.1.0"
 
 __all__ = (
     "PRESETS",
+    "DynamicLossScale",
+    "LossScaleState",
+    "LossScaleStuckError",
+    "LossScaledState",
     "MatmulOp",
+    "NoOpLossScale",
     "Policy",
     "PrecisionReport",
+    "StaticLossScale",
     "activation_bytes",
+    "all_finite",
     "auto_policy",
     "cast_floating",
     "checkpoint_residuals",
     "dot_algorithm",
     "dot_product_attention",
+    "find_loss_scaled_state",
+    "get_loss_scale",
     "get_policy",
     "linen",
+    "loss_scale_metrics",
+    "loss_scaled",
     "nnx",
     "precision_report",
+    "raise_if_stuck",
     "saved_residuals",
+    "scale_history",
+    "scale_loss",
     "softmax_float32",
+    "underflow_fraction",
+    "value_and_grad",
 )

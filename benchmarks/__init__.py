@@ -1,0 +1,1 @@
+"""jaxamp's benchmarks: standalone scripts, run as ``python -m benchmarks.<name>``."""

@@ -1,0 +1,223 @@
+"""``loss_scaled``: loss scaling as an optax transformation, with on-device skips.
+
+The wrapper sits outermost around the user's optimizer. Each ``update``:
+
+1. unscales the (scaled) gradients in float32, before anything else sees them,
+   so an inner ``clip_by_global_norm`` clips true gradients;
+2. checks that every gradient element is finite; under ``jit`` with sharded
+   arrays this reduction is global (XLA inserts the all-reduce); inside
+   ``shard_map``/``pmap`` name the mapped axis with ``axis_name``;
+3. returns the inner update when finite, or zero updates and the inner state
+   exactly as it was when not, decided on device (see ``skip_with``);
+4. moves the loss scale, counts skipped steps and records the scale history.
+
+When the params it is given are 16-bit, it keeps a float32 master copy in its
+state and returns updates that make ``optax.apply_updates`` land exactly on the
+master rounded to the params' dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxamp._src.loss_scale import DynamicLossScale, LossScale, LossScaleState
+from jaxamp._src.policy import is_floating_array
+
+
+class LossScaledState(NamedTuple):
+    """State of :func:`loss_scaled` (every leaf an array).
+
+    Attributes:
+      loss_scale: the scale and its counters.
+      inner_state: the wrapped transformation's state.
+      master_params: float32 copy of 16-bit params, or ``None`` when the params
+        are float32 (then they are their own master).
+      skipped_steps: steps skipped since ``init``, int32, saturating.
+      consecutive_skips: steps skipped since the last finite one, int32, saturating.
+      last_finite: whether the last step's gradients were finite, bool.
+      scale_history: the scale after each of the last ``history_length`` steps
+        (a ring buffer; entries not yet written hold 0).
+      step: updates applied or skipped since ``init``, int32, saturating.
+    """
+
+    loss_scale: LossScaleState
+    inner_state: Any
+    master_params: Any
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite: jax.Array
+    scale_history: jax.Array
+    step: jax.Array
+
+
+def _is_16_bit(x: Any) -> bool:
+    return is_floating_array(x) and x.dtype.itemsize < 4
+
+
+def _to_float32(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if is_floating_array(x) else x, tree)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating element of ``tree`` is finite (a global reduction under ``jit``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_floating_array(x)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.stack(leaves).all()
+
+
+def _landing_updates(new_master: Any, params: Any) -> Any:
+    """Updates ``u`` with ``(p + u).astype(p.dtype) == new_master.astype(p.dtype)`` exactly."""
+
+    def delta(master, p):
+        if not is_floating_array(p):
+            return jnp.zeros_like(p)
+        rounded = master.astype(p.dtype).astype(jnp.float32)
+        return rounded - p.astype(jnp.float32)
+
+    return jax.tree.map(delta, new_master, params)
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | None = None,
+    *,
+    axis_name: str | None = None,
+    history_length: int = 32,
+    skip_with: str = "select",
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optimizer with loss scaling, on-device skipping and float32 master params.
+
+    Scale the loss with :func:`jaxamp.scale_loss` (or take gradients with
+    :func:`jaxamp.value_and_grad`) and pass the scaled gradients to ``update``.
+
+    Args:
+      inner: the optimizer, e.g. ``optax.chain(optax.clip_by_global_norm(1.0),
+        optax.adamw(1e-3))``; it sees float32, unscaled, finite gradients.
+      loss_scale: :class:`jaxamp.DynamicLossScale` (default),
+        :class:`jaxamp.StaticLossScale` or :class:`jaxamp.NoOpLossScale`.
+      axis_name: a mapped axis (``shard_map``, ``pmap``) over which gradients
+        differ per device; the step is skipped everywhere if any device sees a
+        non-finite gradient. Not needed under ``jit`` with sharded arrays.
+      history_length: how many recent scales the state keeps for diagnostics.
+      skip_with: how a non-finite step is skipped. ``"select"`` (default)
+        computes the inner update and keeps the old state with ``jnp.where``;
+        XLA fuses the select into the update's own kernels, so it costs no
+        extra pass over the optimizer state, and the program has no
+        conditional (XLA:GPU reads a conditional's predicate on the host).
+        ``"cond"`` runs the inner update under ``lax.cond`` and does no inner
+        work on a skipped step, for inner transformations whose work is
+        large or data-dependent (line searches, matrix roots); on CPU it
+        measured 2.2x the update time of plain Adam on ResNet18's params,
+        against 1.25x for ``"select"`` (``benchmarks/loss_scaling.py``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
+      ``update`` are passed to ``inner``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jaxamp
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> loss = lambda p: jnp.sum(p["w"] ** 2)
+      >>> grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"]  # -0.1 * 2w: the scale is gone
+      Array([-0.2, -0.2, -0.2], dtype=float32)
+    """
+    loss_scale = DynamicLossScale() if loss_scale is None else loss_scale
+    if not hasattr(loss_scale, "adjust"):
+        raise TypeError(
+            "loss_scale must be jaxamp.NoOpLossScale, StaticLossScale or DynamicLossScale, "
+            f"got {type(loss_scale).__name__}."
+        )
+    if skip_with not in ("select", "cond"):
+        raise ValueError(f"skip_with must be 'select' or 'cond', got {skip_with!r}.")
+    if not (isinstance(history_length, int) and history_length >= 1):
+        raise ValueError(f"history_length must be an integer >= 1, got {history_length!r}.")
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        has_16_bit = any(_is_16_bit(x) for x in jax.tree.leaves(params))
+        master = _to_float32(params) if has_16_bit else None
+        return LossScaledState(
+            loss_scale=loss_scale.init(),
+            inner_state=inner.init(master if has_16_bit else params),
+            master_params=master,
+            skipped_steps=jnp.zeros([], jnp.int32),
+            consecutive_skips=jnp.zeros([], jnp.int32),
+            last_finite=jnp.asarray(True),
+            scale_history=jnp.zeros([history_length], jnp.float32),
+            step=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        has_master = state.master_params is not None
+        if has_master and params is None:
+            raise ValueError(
+                "loss_scaled holds float32 master params for 16-bit params, so update() "
+                "needs the current params: tx.update(grads, state, params)."
+            )
+        inv_scale = 1.0 / state.loss_scale.scale
+        grads = jax.tree.map(
+            lambda g: g.astype(jnp.float32) * inv_scale if is_floating_array(g) else g, updates
+        )
+        finite = all_finite(grads)
+        if axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        inner_params = state.master_params if has_master else params
+
+        def apply(_):
+            new_updates, inner_state = inner.update(
+                grads, state.inner_state, inner_params, **extra_args
+            )
+            if not has_master:
+                return new_updates, inner_state, None
+            new_master = optax.apply_updates(state.master_params, new_updates)
+            return _landing_updates(new_master, params), inner_state, new_master
+
+        if skip_with == "cond":
+            update_shapes = jax.eval_shape(apply, None)[0]
+
+            def skip(_):
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+                return zeros, state.inner_state, state.master_params
+
+            new_updates, inner_state, master = lax.cond(finite, apply, skip, None)
+        else:
+            new_updates, inner_state, master = apply(None)
+            keep = lambda new, old: jnp.where(finite, new, old)
+            new_updates = jax.tree.map(
+                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
+            )
+            inner_state = jax.tree.map(keep, inner_state, state.inner_state)
+            master = jax.tree.map(keep, master, state.master_params)
+        new_scale_state = loss_scale.adjust(state.loss_scale, finite)
+        history = state.scale_history.at[state.step % history_length].set(new_scale_state.scale)
+        return new_updates, LossScaledState(
+            loss_scale=new_scale_state,
+            inner_state=inner_state,
+            master_params=master,
+            skipped_steps=jnp.where(
+                finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+            ),
+            consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
+            last_finite=finite,
+            scale_history=history,
+            step=optax.safe_increment(state.step),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

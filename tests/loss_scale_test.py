@@ -1,0 +1,181 @@
+"""Tests for jaxamp/_src/loss_scale.py: the rules, GradScaler parity, validation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxamp import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
+
+
+def run(rule, finite_sequence):
+    """The scale after each step, with the rule applied under jit."""
+    adjust = jax.jit(rule.adjust)
+    state, scales = rule.init(), []
+    for finite in finite_sequence:
+        state = adjust(state, jnp.asarray(finite))
+        scales.append(float(state.scale))
+    return scales
+
+
+def gradscaler_reference(
+    finite_sequence, init_scale, growth_factor, backoff_factor, growth_interval
+):
+    """torch's _amp_update_scale_ CPU kernel (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp)."""
+    scale, tracker, scales = np.float32(init_scale), 0, []
+    for finite in finite_sequence:
+        if not finite:
+            scale = np.float32(scale * backoff_factor)
+            tracker = 0
+        else:
+            successful = tracker + 1
+            if successful == growth_interval:
+                with np.errstate(over="ignore"):
+                    new_scale = np.float32(scale * growth_factor)
+                if np.isfinite(new_scale):
+                    scale = new_scale
+                tracker = 0
+            else:
+                tracker = successful
+        scales.append(float(scale))
+    return scales
+
+
+SEQUENCE = list(np.random.default_rng(0).random(300) > 0.15)
+
+
+@pytest.mark.parametrize("growth_interval", [1, 3, 2000])
+def test_defaults_follow_gradscaler_reference(growth_interval):
+    rule = DynamicLossScale(growth_interval=growth_interval)
+    expected = gradscaler_reference(SEQUENCE, 2.0**16, 2.0, 0.5, growth_interval)
+    assert run(rule, SEQUENCE) == expected
+
+
+def test_equals_torch_gradscaler():
+    torch = pytest.importorskip("torch")
+    sequence = SEQUENCE[:120]
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    torch_scales = []
+    for finite in sequence:
+        optimizer.zero_grad()
+        loss = (param * (1.0 if finite else float("inf"))).sum()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        torch_scales.append(scaler.get_scale())
+    assert run(DynamicLossScale(growth_interval=3), sequence) == torch_scales
+    defaults = torch.amp.GradScaler("cpu")
+    rule = DynamicLossScale()
+    assert (rule.init_scale, rule.growth_factor, rule.backoff_factor, rule.growth_interval) == (
+        defaults.get_scale(),
+        defaults.get_growth_factor(),
+        defaults.get_backoff_factor(),
+        defaults.get_growth_interval(),
+    )
+
+
+def test_growth_after_interval_and_backoff():
+    rule = DynamicLossScale(init_scale=4.0, growth_interval=2)
+    assert run(rule, [True, True, True, True, False, True]) == [4, 8, 8, 16, 8, 8]
+
+
+def test_growth_stops_before_float32_overflow():
+    rule = DynamicLossScale(init_scale=2.0**127, growth_interval=1)
+    assert run(rule, [True, True]) == [2.0**127, 2.0**127]
+
+
+def test_min_and_max_scale():
+    rule = DynamicLossScale(init_scale=4.0, growth_interval=1, min_scale=2.0, max_scale=16.0)
+    assert run(rule, [False, False, False, True, True, True, True]) == [2, 2, 2, 4, 8, 16, 16]
+
+
+def test_hysteresis_tolerates_overflows_until_growth():
+    rule = DynamicLossScale(init_scale=64.0, growth_interval=3, hysteresis=2)
+    # first overflow tolerated, second backs off, third backs off again (no growth between)
+    assert run(rule, [False, False, False]) == [64, 32, 16]
+    # a growth restores the tolerance
+    assert run(rule, [False, True, True, True, False, False]) == [64, 64, 64, 128, 128, 64]
+
+
+def test_hysteresis_one_is_gradscaler():
+    rule = DynamicLossScale(growth_interval=3, hysteresis=1)
+    assert run(rule, SEQUENCE) == gradscaler_reference(SEQUENCE, 2.0**16, 2.0, 0.5, 3)
+
+
+def test_static_and_noop_never_move():
+    assert run(StaticLossScale(512.0), [False, True, False]) == [512.0] * 3
+    assert run(NoOpLossScale(), [False, True]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("rule", [NoOpLossScale(), StaticLossScale(8.0), DynamicLossScale()])
+def test_state_is_arrays_with_stable_dtypes(rule):
+    state = rule.init()
+    assert isinstance(state, LossScaleState)
+    assert [x.dtype for x in state] == [jnp.float32, jnp.int32, jnp.int32]
+    new = jax.jit(rule.adjust)(state, jnp.asarray(False))
+    assert jax.tree.structure(new) == jax.tree.structure(state)
+    assert [x.dtype for x in new] == [x.dtype for x in state]
+
+
+def test_state_round_trips_as_a_pytree():
+    rule = DynamicLossScale(init_scale=8.0, min_scale=2.0, max_scale=64.0, hysteresis=3)
+    state = rule.adjust(rule.init(), jnp.asarray(False))
+    leaves, treedef = jax.tree.flatten(state)
+    assert len(leaves) == len(LossScaleState._fields)
+    again = jax.tree.unflatten(treedef, leaves)
+    for field in LossScaleState._fields:
+        assert getattr(again, field) == getattr(state, field)
+    # The configuration is static: a frozen, hashable dataclass, never split into leaves.
+    assert dataclasses.is_dataclass(rule) and jax.tree.leaves(rule) == [rule]
+
+
+def test_jmp_loses_min_loss_scale_in_a_round_trip():
+    """The jmp bug jaxamp's design avoids (jmp 0.0.4): documented, so we notice a fix."""
+    jmp = pytest.importorskip("jmp")
+    scale = jmp.DynamicLossScale(jnp.float32(8.0), min_loss_scale=jnp.float32(2.0))
+    leaves, treedef = jax.tree.flatten(scale)
+    again = jax.tree.unflatten(treedef, leaves)
+    assert float(again.min_loss_scale) != 2.0
+
+
+def test_lowering_works():
+    """jmp's DynamicLossScale raises TypeError here."""
+    rule = DynamicLossScale(min_scale=1.0)
+    text = jax.jit(rule.adjust).lower(rule.init(), jnp.asarray(True)).as_text()
+    assert "stablehlo" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"init_scale": 0.0}, "init_scale must be a positive, finite number, got 0.0"),
+        ({"init_scale": float("inf")}, "init_scale must be a positive, finite number, got inf"),
+        ({"init_scale": -1.0}, "got -1.0"),
+        ({"growth_factor": 1.0}, "growth_factor must be > 1, got 1.0"),
+        ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\), got 1.0"),
+        ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\), got 0.0"),
+        ({"growth_interval": 0}, "growth_interval must be an integer >= 1, got 0"),
+        ({"growth_interval": 1.5}, "growth_interval must be an integer >= 1, got 1.5"),
+        ({"hysteresis": 0}, "hysteresis must be an integer >= 1, got 0"),
+        ({"min_scale": -2.0}, "min_scale must be a positive, finite number, got -2.0"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "must not exceed max_scale"),
+        ({"max_scale": 1024.0}, r"init_scale \(65536.0\) must lie within"),
+    ],
+)
+def test_invalid_settings_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScale(**kwargs)
+
+
+def test_invalid_static_scale():
+    with pytest.raises(ValueError, match="got nan"):
+        StaticLossScale(float("nan"))
+
+
+def test_configurations_are_hashable():
+    assert hash(DynamicLossScale()) == hash(DynamicLossScale())
+    assert hash(StaticLossScale(2.0)) != hash(StaticLossScale(4.0))

@@ -1,0 +1,320 @@
+"""Tests for jaxamp/_src/loss_scaled.py: the optax wrapper, its state and its skips."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import jaxamp
+from jaxamp import DynamicLossScale, LossScaledState, NoOpLossScale, StaticLossScale
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def params_of(dtype):
+    return {"w": jnp.linspace(-1.0, 1.0, 12, dtype=dtype).reshape(3, 4), "b": jnp.ones(4, dtype)}
+
+
+def quadratic(params):
+    return sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree.leaves(params))
+
+
+def scaled_grads(params, state, loss=quadratic, poison=False):
+    grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+    if poison:
+        grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+    return grads
+
+
+def test_float16_gradient_that_flushes_to_zero_survives_scaling():
+    w = jnp.ones(4, jnp.float32)
+
+    def loss(w):  # the backward pass runs in float16, as under a mixed_float16 policy
+        y = w.astype(jnp.float16) * jnp.float16(1e-4)
+        return jnp.sum(y.astype(jnp.float32)) * 1e-4
+
+    true_grad = 1e-8  # below float16's smallest subnormal, 2**-24 ~ 6e-8
+    assert float(jax.grad(loss)(w)[0]) == 0.0  # flushed without scaling
+
+    tx = jaxamp.loss_scaled(optax.sgd(1.0))
+    state = tx.init(w)
+    updates, state = jax.jit(tx.update)(scaled_grads(w, state, loss), state, w)
+    np.testing.assert_allclose(-updates, true_grad, rtol=1e-2)
+    assert bool(state.last_finite)
+
+
+@pytest.mark.parametrize("skip_with", ["select", "cond"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_overflow_skips_with_params_and_inner_state_bit_for_bit_unchanged(dtype, skip_with):
+    params = params_of(dtype)
+    tx = jaxamp.loss_scaled(
+        optax.adam(1e-2), DynamicLossScale(init_scale=1024.0), skip_with=skip_with
+    )
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for _ in range(2):  # move the inner state away from its initial value
+        updates, state = update(scaled_grads(params, state), state, params)
+        params = optax.apply_updates(params, updates)
+    before = state
+    updates, state = update(scaled_grads(params, state, poison=True), state, params)
+    new_params = optax.apply_updates(params, updates)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(
+        jax.tree.leaves(before.inner_state), jax.tree.leaves(state.inner_state), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
+    assert float(state.loss_scale.scale) == 512.0
+    assert int(state.skipped_steps) == 1 and int(state.consecutive_skips) == 1
+    assert not bool(state.last_finite)
+    # the next finite step continues
+    updates, state = update(scaled_grads(new_params, state), state, new_params)
+    assert int(state.consecutive_skips) == 0 and int(state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_any_non_finite_value_skips(bad):
+    params = params_of(jnp.float32)
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    grads["b"] = grads["b"].at[2].set(bad)
+    _, state = jax.jit(tx.update)(grads, state, params)
+    assert int(state.skipped_steps) == 1
+
+
+def test_clipping_sees_unscaled_gradients():
+    params = {"w": jnp.array([0.3, 0.4])}  # gradient 2w, norm 1.0
+    inner = optax.chain(optax.clip_by_global_norm(2.0), optax.sgd(1.0))
+    tx = jaxamp.loss_scaled(inner)
+    state = tx.init(params)
+    updates, _ = jax.jit(tx.update)(scaled_grads(params, state), state, params)
+    np.testing.assert_allclose(updates["w"], [-0.6, -0.8], rtol=1e-6)  # not clipped
+    clip = jaxamp.loss_scaled(optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(1.0)))
+    state = clip.init(params)
+    updates, _ = jax.jit(clip.update)(scaled_grads(params, state), state, params)
+    np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)  # clipped to 0.5
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_params_keep_a_float32_master(dtype):
+    params = {"w": jnp.full(4, 1.0, dtype)}
+    tx = jaxamp.loss_scaled(optax.sgd(1e-4), StaticLossScale(8.0))
+    state = tx.init(params)
+    assert state.master_params["w"].dtype == jnp.float32
+    update = jax.jit(tx.update)
+    for _ in range(20):
+        updates, state = update(scaled_grads(params, state), state, params)
+        params = optax.apply_updates(params, updates)
+        assert params["w"].dtype == dtype
+        np.testing.assert_array_equal(params["w"], state.master_params["w"].astype(dtype))
+    # 20 steps of w -= 2e-4 w: the master moved, as float32 arithmetic says
+    np.testing.assert_allclose(state.master_params["w"], (1 - 2e-4) ** 20, rtol=1e-6)
+    # ...and the params are that master, rounded (bfloat16 spacing below 1 is 2**-8)
+    assert float(params["w"][0]) == float(jnp.asarray((1 - 2e-4) ** 20, dtype))
+    # without the master, bfloat16 params would not move at all: each update is too small
+    plain = optax.sgd(1e-4)
+    p = {"w": jnp.full(4, 1.0, jnp.bfloat16)}
+    u, _ = plain.update(jax.grad(quadratic)(p), plain.init(p), p)
+    assert float(optax.apply_updates(p, u)["w"][0]) == 1.0
+
+
+def test_master_needs_params():
+    params = params_of(jnp.bfloat16)
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="needs the current params"):
+        tx.update(scaled_grads(params, state), state)
+
+
+def test_float32_params_have_no_master():
+    state = jaxamp.loss_scaled(optax.sgd(0.1)).init(params_of(jnp.float32))
+    assert state.master_params is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_state_field_survives_a_pytree_round_trip(dtype):
+    params = params_of(dtype)
+    tx = jaxamp.loss_scaled(optax.adam(1e-3), DynamicLossScale(min_scale=2.0, hysteresis=2))
+    state = tx.init(params)
+    _, state = tx.update(scaled_grads(params, state, poison=True), state, params)
+    leaves, treedef = jax.tree.flatten(state)
+    again = jax.tree.unflatten(treedef, leaves)
+    assert type(again) is LossScaledState
+    for field in LossScaledState._fields:
+        a, b = getattr(state, field), getattr(again, field)
+        assert jax.tree.structure(a) == jax.tree.structure(b), field
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=field)
+    assert all(isinstance(x, jax.Array) for x in leaves)
+
+
+@pytest.mark.parametrize("skip_with", ["select", "cond"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_state_dtypes_and_structure_stable_and_one_compile(dtype, skip_with):
+    params = params_of(dtype)
+    # init_scale 1024: gradients of 2w * 65536 would overflow float16 itself
+    tx = jaxamp.loss_scaled(
+        optax.adamw(1e-3), DynamicLossScale(1024.0, growth_interval=2), skip_with=skip_with
+    )
+    state = tx.init(params)
+    traces = []
+
+    @jax.jit
+    def step(params, state, poison):
+        traces.append(1)
+        grads = jax.grad(lambda p: jaxamp.scale_loss(quadratic(p), state))(params)
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    structure = jax.tree.structure(state)
+    dtypes = [x.dtype for x in jax.tree.leaves(state)]
+    for poison in [False, True, False, False, True]:
+        params, state = step(params, state, poison)
+        assert jax.tree.structure(state) == structure
+        assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
+        assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(dtype)}
+    assert len(traces) == 1
+    assert int(state.skipped_steps) == 2 and int(state.step) == 5
+
+
+def test_scale_history_records_the_scale_after_each_step():
+    params = params_of(jnp.float32)
+    tx = jaxamp.loss_scaled(optax.sgd(0.0), DynamicLossScale(init_scale=64.0), history_length=4)
+    state = tx.init(params)
+    for _ in range(6):
+        _, state = tx.update(scaled_grads(params, state, poison=True), state, params)
+    np.testing.assert_array_equal(jaxamp.scale_history(state), [8.0, 4.0, 2.0, 1.0])
+
+
+def test_noop_scale_with_bfloat16():
+    params = params_of(jnp.float32)
+    tx = jaxamp.loss_scaled(optax.sgd(0.5), NoOpLossScale())
+    state = tx.init(params)
+    updates, state = tx.update(jax.grad(quadratic)(params), state, params)
+    np.testing.assert_allclose(updates["b"], -jnp.ones(4))
+
+
+def test_extra_args_reach_the_inner_transformation():
+    seen = {}
+
+    def inner_update(updates, state, params=None, **extra):
+        seen.update(extra)
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), inner_update)
+    tx = jaxamp.loss_scaled(inner)
+    params = params_of(jnp.float32)
+    state = tx.init(params)
+    tx.update(scaled_grads(params, state), state, params, value=jnp.ones([]))
+    assert "value" in seen
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="got str"):
+        jaxamp.loss_scaled(optax.sgd(0.1), "dynamic")
+    with pytest.raises(ValueError, match="history_length"):
+        jaxamp.loss_scaled(optax.sgd(0.1), history_length=0)
+    with pytest.raises(ValueError, match="skip_with must be 'select' or 'cond', got 'if'"):
+        jaxamp.loss_scaled(optax.sgd(0.1), skip_with="if")
+
+
+def test_select_mode_has_no_conditional_and_no_host_callback():
+    """Skipping is decided on device: nothing in the program waits for the host."""
+    params = params_of(jnp.float32)
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    text = jax.jit(tx.update).lower(grads, state, params).compile().as_text()
+    assert "conditional(" not in text and "custom-call" not in text
+    cond_tx = jaxamp.loss_scaled(optax.adam(1e-3), skip_with="cond")
+    text = jax.jit(cond_tx.update).lower(grads, cond_tx.init(params), params).compile().as_text()
+    assert "conditional(" in text
+
+
+def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = params_of(jnp.bfloat16)
+    tx = jaxamp.loss_scaled(optax.adam(1e-2), DynamicLossScale(init_scale=256.0, growth_interval=2))
+    poisons = [False, True, False, False, False, True, False]
+
+    @jax.jit
+    def step(params, state, poison):
+        grads = jax.grad(lambda p: jaxamp.scale_loss(quadratic(p), state))(params)
+        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def run(params, state, poisons):
+        for poison in poisons:
+            params, state = step(params, state, poison)
+        return params, state
+
+    reference = run(params, tx.init(params), poisons)
+
+    half = run(params, tx.init(params), poisons[:3])
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"params": half[0], "opt_state": half[1]})
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(
+        ocp.utils.to_shape_dtype_struct, {"params": half[0], "opt_state": half[1]}
+    )
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert type(restored["opt_state"]) is LossScaledState
+    resumed = run(restored["params"], restored["opt_state"], poisons[3:])
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_non_finite_shard_skips_the_whole_data_parallel_step():
+    devices = np.array(jax.devices()[:8])
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    mesh = Mesh(devices, ("data",))
+    batch = NamedSharding(mesh, PartitionSpec("data"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = jax.device_put({"w": jnp.ones((4,))}, replicated)
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), DynamicLossScale(init_scale=8.0))
+    state = jax.device_put(tx.init(params), replicated)
+
+    @jax.jit
+    def step(params, state, x):
+        loss = lambda p: jnp.mean(jnp.sum(x * p["w"], axis=-1) ** 2)
+        grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jnp.ones((16, 4)).at[13, 2].set(jnp.inf)  # example 13 lives on device 6
+    x = jax.device_put(x, batch)
+    assert x.addressable_shards[6].data[1, 2] == jnp.inf
+    new_params, state = step(params, state, x)
+    np.testing.assert_array_equal(new_params["w"], params["w"])
+    assert int(state.skipped_steps) == 1 and float(state.loss_scale.scale) == 4.0
+
+    # shard_map: per-device gradients, skipped everywhere through axis_name
+    tx_mapped = jaxamp.loss_scaled(
+        optax.sgd(0.1), DynamicLossScale(init_scale=8.0), axis_name="data"
+    )
+    state = tx_mapped.init({"w": jnp.ones((4,))})
+
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec("data")),
+        out_specs=(PartitionSpec(), PartitionSpec()),
+        check_vma=False,
+    )
+    def mapped_step(params, state, x):
+        grads = jax.grad(lambda p: jaxamp.scale_loss(jnp.sum(x * p["w"]), state))(params)
+        updates, state = tx_mapped.update(grads, state, params)  # no pmean: grads differ
+        return optax.apply_updates(params, updates), state
+
+    new_params, state = jax.jit(mapped_step)({"w": jnp.ones((4,))}, state, x)
+    np.testing.assert_array_equal(new_params["w"], jnp.ones(4))
+    assert int(state.skipped_steps) == 1
