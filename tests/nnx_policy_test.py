@@ -65,6 +65,11 @@ def test_layer_settings():
     # Embedding lookups gather in float32 and cast the rows.
     assert model.embed.embedding.dtype == jnp.float32
     assert model.embed(TOKENS).dtype == jnp.bfloat16
+    # A tied output layer (Embed.attend) is a bfloat16 matmul with float32 accumulation.
+    query = jnp.ones((2, 16), jnp.float32)
+    report = jaxamp.precision_report(lambda q: model.embed.attend(q))(query)
+    assert report.all_operands_in("bfloat16") and report.ops[0].accumulation_dtype == "float32"
+    assert model.embed.dtype == jnp.float32  # restored after the call
 
 
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])

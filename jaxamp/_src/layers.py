@@ -20,12 +20,14 @@ makes them emit compute-dtype activations.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -59,13 +61,26 @@ class LayerPlan:
     Attributes:
       attributes: ``(name, value)`` pairs to set on the layer.
       cast_output_to: dtype to cast the floating outputs to, or ``None``.
+      matmul_precision: ``jax.default_matmul_precision`` for the call, for a layer
+        whose matmul takes no ``precision`` (``Embed.attend``), or ``None``.
     """
 
     attributes: tuple[tuple[str, Any], ...] = ()
     cast_output_to: Any = None
+    matmul_precision: Any = None
 
     def __bool__(self) -> bool:
-        return bool(self.attributes) or self.cast_output_to is not None
+        return (
+            bool(self.attributes)
+            or self.cast_output_to is not None
+            or self.matmul_precision is not None
+        )
+
+    def context(self):
+        """The matmul-precision context to run the call in."""
+        if self.matmul_precision is None:
+            return contextlib.nullcontext()
+        return jax.default_matmul_precision(self.matmul_precision.name)
 
 
 def _is_float_setting(value: Any) -> bool:
@@ -91,15 +106,17 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
       A :class:`LayerPlan`; empty when the module has nothing to set.
     """
     attrs: dict[str, Any] = {}
-    cast_output_to = None
+    cast_output_to = matmul_precision = None
     if hasattr(module, "param_dtype") and _is_float_setting(module.param_dtype):
         attrs["param_dtype"] = policy.param_dtype
     if hasattr(module, "dtype") and _is_float_setting(module.dtype):
         attrs["dtype"] = policy.compute_dtype
-    if isinstance(module, EMBED_LAYERS) and method_name != "attend":
-        # Gather in the table's dtype, then cast the rows (see the module docstring).
-        attrs.pop("dtype", None)
-        cast_output_to = policy.compute_dtype
+    if isinstance(module, EMBED_LAYERS):
+        if method_name == "attend":  # a matmul against the table, with no precision field
+            matmul_precision = dot_algorithm(policy.compute_dtype)
+        else:  # gather in the table's dtype, then cast the rows (see the module docstring)
+            attrs.pop("dtype", None)
+            cast_output_to = policy.compute_dtype
     if isinstance(module, (*DOT_LAYERS, *EMBED_LAYERS)) and getattr(module, "precision", 1) is None:
         algorithm = dot_algorithm(policy.compute_dtype)
         if algorithm is not None:
@@ -107,7 +124,7 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
     if getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
         attrs["attention_fn"] = attention.dot_product_attention
     changed = tuple((k, v) for k, v in attrs.items() if getattr(module, k) is not v)
-    return LayerPlan(changed, cast_output_to)
+    return LayerPlan(changed, cast_output_to, matmul_precision)
 
 
 def normalize_overrides(

@@ -10,7 +10,7 @@ import flax.linen as nn
 
 from jaxamp._src import layers
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.policy import Policy, get_policy
+from jaxamp._src.policy import Policy, cast_floating, get_policy
 from jaxamp._src.residuals import checkpoint_residuals, validate_residuals
 
 # Keyword arguments of ``Module.init``/``Module.apply`` that are not model inputs.
@@ -79,10 +79,10 @@ class PolicyModule:
         plan = layers.plan_layer(module, policy, context.method_name)
         if not plan:
             return next_fun(*args, **kwargs)
-        with _temporarily_set(module, plan.attributes):
+        with _temporarily_set(module, plan.attributes), plan.context():
             out = next_fun(*args, **kwargs)
         if plan.cast_output_to is not None:
-            out = Policy(policy.param_dtype, plan.cast_output_to).cast_to_compute(out)
+            out = cast_floating(out, plan.cast_output_to)
         return out
 
     def _cast_inputs(self, args, kwargs):

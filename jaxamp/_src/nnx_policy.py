@@ -17,6 +17,7 @@ from jaxamp._src.residuals import _POLICIES, _is_array, validate_residuals
 _POLICY_ATTR = "jaxamp_policy"
 _RESIDUALS_ATTR = "jaxamp_residuals"
 _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
+_ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
 
 
 def _iter_modules(model: nnx.Module):
@@ -68,11 +69,28 @@ def _embed_call(self, *args, **kwargs):
     return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
 
 
+def _embed_attend(self, *args, **kwargs):
+    """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
+    plan: layers.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
+    saved = [(name, getattr(self, name)) for name, _ in plan.attributes]
+    try:
+        for name, value in plan.attributes:
+            object.__setattr__(self, name, value)
+        with plan.context():
+            return type(self).__mro__[1].attend(self, *args, **kwargs)
+    finally:
+        for name, value in saved:
+            object.__setattr__(self, name, value)
+
+
 @functools.cache
 def _subclass(cls: type, call_name: str) -> type:
     """A subclass of ``cls`` whose ``__call__`` is one of the wrappers above (cached)."""
-    call = {"policy": _policy_call, "embed": _embed_call}[call_name]
-    return type(cls.__name__, (cls,), {"__call__": call, "__module__": cls.__module__})
+    methods = {
+        "policy": {"__call__": _policy_call},
+        "embed": {"__call__": _embed_call, "attend": _embed_attend},
+    }[call_name]
+    return type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__})
 
 
 def _swap_class(module: nnx.Module, call_name: str) -> None:
@@ -138,6 +156,7 @@ def apply_policy(
             setattr(module, name, value)
         if plan.cast_output_to is not None:
             setattr(module, _EMBED_DTYPE_ATTR, plan.cast_output_to)
+            setattr(module, _ATTEND_PLAN_ATTR, layers.plan_layer(module, layer_policy, "attend"))
             if module is not model:
                 _swap_class(module, "embed")
         for value in vars(module).values():
