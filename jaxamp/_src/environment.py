@@ -1,0 +1,72 @@
+"""The environment a measurement was taken in: versions, backend, device, CPU features."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from importlib import metadata
+from typing import Any
+
+import jax
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_info() -> tuple[str, set[str]]:
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def environment() -> dict[str, Any]:
+    """Versions of jax, jaxlib, flax, optax, jmp and torch; backend; device; CPU bf16 features.
+
+    Example:
+      >>> env = environment()
+      >>> sorted(k for k in env if k in ("jax", "backend", "device"))
+      ['backend', 'device', 'jax']
+    """
+    cpu_model, flags = _cpu_info()
+    device = jax.devices()[0]
+    env: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "jaxlib": _version("jaxlib"),
+        "flax": _version("flax"),
+        "optax": _version("optax"),
+        "jmp": _version("jmp"),
+        "torch": _version("torch"),
+        "backend": jax.default_backend(),
+        "device": device.device_kind,
+        "device_count": jax.device_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpu_bf16_features": sorted(f for f in flags if "bf16" in f or f.startswith("amx")),
+    }
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None:
+        env["compute_capability"] = str(capability)
+    return env
+
+
+def describe_hardware(env: dict[str, Any]) -> str:
+    """A one-line name for the hardware, e.g. ``"NVIDIA H200"`` or ``"cpu: AMD EPYC (2 cores)"``."""
+    if env.get("backend") == "cpu":
+        return f"cpu: {env.get('cpu_model')} ({env.get('cpu_count')} cores)"
+    return str(env.get("device"))

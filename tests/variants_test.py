@@ -1,0 +1,45 @@
+"""Tests for jaxamp/_src/variants.py: the four recipes."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxamp
+from jaxamp._src.variants import VARIANTS, default_variants, get_variant
+
+
+def test_the_four_recipes():
+    assert list(VARIANTS) == ["fp32", "tf32", "bf16", "fp16"]
+    assert get_variant("FP32").matmul_precision == "highest"
+    assert get_variant("tf32").matmul_precision is None
+    assert get_variant("bf16").policy == jaxamp.get_policy("mixed_bfloat16")
+    assert get_variant("fp16").policy == jaxamp.get_policy("mixed_float16")
+    assert [v.dynamic_loss_scaling for v in VARIANTS.values()] == [False, False, False, True]
+
+
+def test_optimizer_wraps_only_fp16():
+    params = {"w": jnp.ones(2)}
+    assert get_variant("bf16").optimizer(optax.sgd(0.1)).init(params) == optax.sgd(0.1).init(params)
+    state = get_variant("fp16").optimizer(optax.sgd(0.1)).init(params)
+    assert float(jaxamp.get_loss_scale(state)) == 2.0**16
+
+
+def test_fp32_traces_with_highest_precision():
+    x = jnp.ones((4, 4))
+    with get_variant("fp32").tracing():
+        text = jax.jit(jnp.matmul).lower(x, x).as_text()
+    assert "HIGHEST" in text
+    with get_variant("tf32").tracing():
+        assert "HIGHEST" not in jax.jit(lambda a: a @ a).lower(x).as_text()
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match=r"Unknown variant 'fp8'\. Valid choices: fp32, tf32"):
+        get_variant("fp8")
+
+
+def test_default_variants_on_this_machine():
+    expected = ["fp32", "bf16", "fp16"] if jax.default_backend() == "cpu" else None
+    if expected:
+        assert default_variants() == expected
