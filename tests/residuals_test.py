@@ -153,3 +153,116 @@ def test_activation_bytes_by_dtype():
     by_dtype = jaxamp.activation_bytes(loss, params, by_dtype=True)
     assert by_dtype["bfloat16"] > by_dtype.get("float32", 0)
     assert sum(by_dtype.values()) == jaxamp.activation_bytes(loss, params)
+
+
+def _norm_model_linen(norm_cls):
+    import flax.linen as nn
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(16, (3, 3))(x)
+            if norm_cls is nn.BatchNorm:
+                x = norm_cls(use_running_average=False)(x)
+            elif norm_cls is nn.GroupNorm:
+                x = norm_cls(num_groups=4)(x)
+            else:
+                x = norm_cls()(x)
+            x = nn.relu(x)
+            return nn.Dense(3)(x.mean((1, 2)))
+
+    return Model()
+
+
+def _large_float32_residuals(loss, params, activation_elements, *more):
+    """float32 residuals at least a tenth of an activation's size (statistics are smaller)."""
+    return [
+        (a, d)
+        for a, d in jaxamp.saved_residuals(loss, params, *more)
+        if a.dtype == jnp.float32
+        and "argument" not in d
+        and int(np.prod(a.shape)) * 10 >= activation_elements
+    ]
+
+
+@pytest.mark.parametrize("norm", ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_linen_normalisation_layers_save_16_bit_residuals(norm, policy):
+    import flax.linen as nn
+
+    x = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+    plain = _norm_model_linen(getattr(nn, norm))
+    variables = plain.init(jax.random.key(1), x)
+    mutable = ["batch_stats"] if "batch_stats" in variables else False
+
+    def loss_of(model):
+        def loss(params):
+            out = model.apply({**variables, "params": params}, x, mutable=mutable)
+            logits = out[0] if mutable else out
+            return jnp.sum(logits.astype(jnp.float32) ** 2)
+
+        return loss
+
+    mixed = loss_of(jaxamp.linen.apply_policy(plain, policy))
+    activation = 8 * 8 * 8 * 16
+    assert _large_float32_residuals(mixed, variables["params"], activation) == []
+    dtypes = {
+        a.dtype
+        for a, d in jaxamp.saved_residuals(mixed, variables["params"])
+        if "argument" not in d and int(np.prod(a.shape)) >= activation
+    }
+    assert dtypes <= {np.dtype(DTYPE_OF[policy]), np.dtype("bool")}, dtypes
+    # Saving everything (Flax's per-layer dtype alone) keeps float32 copies of the activations.
+    saving_all = loss_of(jaxamp.linen.apply_policy(plain, policy, residuals="all"))
+    assert _large_float32_residuals(saving_all, variables["params"], activation)
+    # ...while the statistics are still computed in float32: every reduction over an
+    # activation in the program reads float32 values.
+    jaxpr = jax.make_jaxpr(mixed)(variables["params"])
+    reductions = [
+        e
+        for e in _eqns(jaxpr.jaxpr)
+        if e.primitive.name == "reduce_sum" and int(np.prod(e.invars[0].aval.shape)) >= activation
+    ]
+    assert reductions and all(e.invars[0].aval.dtype == jnp.float32 for e in reductions)
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, inside checkpoints, custom derivatives and calls too."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+DTYPE_OF = {"mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
+
+
+@pytest.mark.parametrize("norm", ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"])
+def test_nnx_normalisation_layers_save_16_bit_residuals(norm):
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.conv = nnx.Conv(3, 16, (3, 3), rngs=rngs)
+            kwargs = {"num_groups": 4} if norm == "GroupNorm" else {}
+            self.norm = getattr(nnx, norm)(16, rngs=rngs, **kwargs)
+            self.head = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.relu(self.norm(self.conv(x))).mean((1, 2)))
+
+    x = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+    model = jaxamp.nnx.apply_policy(Model(nnx.Rngs(0)), "mixed_bfloat16")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, rest):  # rest (batch statistics) is an input too: NNX mutates it
+        m = nnx.merge(graphdef, params, rest)
+        return jnp.sum(m(x).astype(jnp.float32) ** 2)
+
+    assert _large_float32_residuals(loss, params, 8 * 8 * 8 * 16, rest) == []
+    assert jaxamp.activation_bytes(loss, params, rest) > 0
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}

@@ -23,6 +23,22 @@ policy that decides, per primitive, which values may be saved:
 * ``"all"``: no checkpoint, JAX's default.
 
 :func:`activation_bytes` measures the result from the jaxpr, on any backend.
+
+What a mixed-bfloat16 model saves with ``"compute_dtype"``:
+
+* matmuls and convolutions: their bfloat16 inputs; not the bfloat16 copy of a
+  float32 weight (the backward pass casts the weight again);
+* BatchNorm, LayerNorm, GroupNorm, RMSNorm: the bfloat16 input and the float32
+  statistics (per channel or per token); the float32 normalised values are
+  recomputed from them;
+* attention softmax: the bfloat16 logits and the float32 row maximum and sum;
+  the float32 exponentials are recomputed;
+* ReLU and dropout: boolean masks; other activation functions applied to 16-bit
+  values (GELU): their 16-bit intermediates.
+
+Measured on ResNet50 (28x28x1, batch 64) and BERT-base (batch 8, length 128):
+0.29x and 0.34x the activation bytes of float32, against 0.51x and 0.77x for
+PyTorch AMP on the same architectures (``benchmarks/activation_memory.py``).
 """
 
 from __future__ import annotations

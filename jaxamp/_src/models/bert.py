@@ -9,6 +9,8 @@ no weights are downloaded. Plain Flax with no precision settings of its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -49,23 +51,27 @@ class BertLayer(nn.Module):
     """Self-attention and feed-forward blocks, each followed by add & LayerNorm."""
 
     config: BertConfig
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, mask, train: bool = False):
         cfg = self.config
+        dense = functools.partial(nn.Dense, kernel_init=_init, dtype=self.dtype)
+        norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_eps, dtype=self.dtype)
         dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
         attn = nn.MultiHeadDotProductAttention(
             num_heads=cfg.num_heads,
             kernel_init=_init,
             dropout_rate=cfg.dropout_rate,
             deterministic=not train,
+            dtype=self.dtype,
             name="attention",
         )(x, x, mask=mask)
-        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="attention_norm")(x + dropout(attn))
-        y = nn.Dense(cfg.intermediate_size, kernel_init=_init, name="intermediate")(x)
+        x = norm(name="attention_norm")(x + dropout(attn))
+        y = dense(cfg.intermediate_size, name="intermediate")(x)
         y = nn.gelu(y, approximate=False)
-        y = nn.Dense(cfg.hidden_size, kernel_init=_init, name="output")(y)
-        return nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="output_norm")(x + dropout(y))
+        y = dense(cfg.hidden_size, name="output")(y)
+        return norm(name="output_norm")(x + dropout(y))
 
 
 class BertClassifier(nn.Module):
@@ -73,13 +79,21 @@ class BertClassifier(nn.Module):
 
     ``__call__(input_ids, attention_mask=None, token_type_ids=None, train=False)``
     takes integer arrays ``[batch, length]`` and returns logits ``[batch, num_classes]``.
+
+    Attributes:
+      config: the sizes.
+      dtype: Flax's per-layer compute dtype (``None``: inferred, float32 here); set it
+        by hand to compare with a policy.
     """
 
     config: BertConfig = BertConfig()
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, train: bool = False):
         cfg = self.config
+        embed = functools.partial(nn.Embed, embedding_init=_init, dtype=self.dtype)
+        dense = functools.partial(nn.Dense, kernel_init=_init, dtype=self.dtype)
         length = input_ids.shape[-1]
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
@@ -87,19 +101,15 @@ class BertClassifier(nn.Module):
             token_type_ids = jnp.zeros_like(input_ids)
         positions = jnp.arange(length)[None, :]
         x = (
-            nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=_init, name="word")(input_ids)
-            + nn.Embed(cfg.max_position, cfg.hidden_size, embedding_init=_init, name="position")(
-                positions
-            )
-            + nn.Embed(
-                cfg.type_vocab_size, cfg.hidden_size, embedding_init=_init, name="token_type"
-            )(token_type_ids)
+            embed(cfg.vocab_size, cfg.hidden_size, name="word")(input_ids)
+            + embed(cfg.max_position, cfg.hidden_size, name="position")(positions)
+            + embed(cfg.type_vocab_size, cfg.hidden_size, name="token_type")(token_type_ids)
         )
-        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="embeddings_norm")(x)
+        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=self.dtype, name="embeddings_norm")(x)
         x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
         mask = nn.make_attention_mask(attention_mask > 0, attention_mask > 0)
         for i in range(cfg.num_layers):
-            x = BertLayer(cfg, name=f"layer_{i}")(x, mask, train=train)
-        pooled = jnp.tanh(nn.Dense(cfg.hidden_size, kernel_init=_init, name="pooler")(x[:, 0]))
+            x = BertLayer(cfg, dtype=self.dtype, name=f"layer_{i}")(x, mask, train=train)
+        pooled = jnp.tanh(dense(cfg.hidden_size, name="pooler")(x[:, 0]))
         pooled = nn.Dropout(cfg.dropout_rate, deterministic=not train)(pooled)
-        return nn.Dense(cfg.num_classes, kernel_init=_init, name="classifier")(pooled)
+        return dense(cfg.num_classes, name="classifier")(pooled)

@@ -12,6 +12,8 @@ attention handling applies to it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -46,24 +48,28 @@ class GPT2Block(nn.Module):
     """LayerNorm -> causal self-attention -> residual; LayerNorm -> MLP -> residual."""
 
     config: GPT2Config
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, mask, train: bool = False):
         cfg = self.config
+        dense = functools.partial(nn.Dense, kernel_init=_init, dtype=self.dtype)
+        norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_eps, dtype=self.dtype)
         dropout = nn.Dropout(cfg.dropout_rate, deterministic=not train)
-        y = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="ln_1")(x)
+        y = norm(name="ln_1")(x)
         y = nn.MultiHeadDotProductAttention(
             num_heads=cfg.num_heads,
             kernel_init=_init,
             dropout_rate=cfg.dropout_rate,
             deterministic=not train,
+            dtype=self.dtype,
             name="attn",
         )(y, y, mask=mask)
         x = x + dropout(y)
-        y = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="ln_2")(x)
-        y = nn.Dense(4 * cfg.hidden_size, kernel_init=_init, name="c_fc")(y)
+        y = norm(name="ln_2")(x)
+        y = dense(4 * cfg.hidden_size, name="c_fc")(y)
         y = nn.gelu(y, approximate=True)
-        y = nn.Dense(cfg.hidden_size, kernel_init=_init, name="c_proj")(y)
+        y = dense(cfg.hidden_size, name="c_proj")(y)
         return x + dropout(y)
 
 
@@ -73,9 +79,15 @@ class GPT2LMHeadModel(nn.Module):
     ``__call__(input_ids, train=False)`` takes integer token ids ``[batch, length]``
     (``length <= config.max_position``) and returns next-token logits
     ``[batch, length, vocab_size]``; position ``t`` sees tokens ``0..t`` only.
+
+    Attributes:
+      config: the sizes.
+      dtype: Flax's per-layer compute dtype (``None``: inferred, float32 here); set it
+        by hand to compare with a policy.
     """
 
     config: GPT2Config = GPT2Config()
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, input_ids, train: bool = False):
@@ -85,12 +97,13 @@ class GPT2LMHeadModel(nn.Module):
             raise ValueError(
                 f"input_ids has length {length}, longer than max_position={cfg.max_position}."
             )
-        wte = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=_init, name="wte")
-        wpe = nn.Embed(cfg.max_position, cfg.hidden_size, embedding_init=_init, name="wpe")
+        embed = functools.partial(nn.Embed, embedding_init=_init, dtype=self.dtype)
+        wte = embed(cfg.vocab_size, cfg.hidden_size, name="wte")
+        wpe = embed(cfg.max_position, cfg.hidden_size, name="wpe")
         x = wte(input_ids) + wpe(jnp.arange(length)[None, :])
         x = nn.Dropout(cfg.dropout_rate, deterministic=not train)(x)
         mask = nn.make_causal_mask(input_ids)
         for i in range(cfg.num_layers):
-            x = GPT2Block(cfg, name=f"h_{i}")(x, mask, train=train)
-        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, name="ln_f")(x)
+            x = GPT2Block(cfg, dtype=self.dtype, name=f"h_{i}")(x, mask, train=train)
+        x = nn.LayerNorm(epsilon=cfg.layer_norm_eps, dtype=self.dtype, name="ln_f")(x)
         return wte.attend(x)

@@ -27,11 +27,12 @@ class BottleneckBlock(nn.Module):
     features: int
     strides: int = 1
     expansion: int = 4
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal)
-        norm = functools.partial(_BatchNorm, use_running_average=not train)
+        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal, dtype=self.dtype)
+        norm = functools.partial(_BatchNorm, use_running_average=not train, dtype=self.dtype)
         residual = x
         y = nn.relu(norm()(conv(self.features, (1, 1))(x)))
         y = conv(self.features, (3, 3), strides=self.strides, padding=1)(y)
@@ -50,11 +51,12 @@ class BasicBlock(nn.Module):
     features: int
     strides: int = 1
     expansion: int = 1
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal)
-        norm = functools.partial(_BatchNorm, use_running_average=not train)
+        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal, dtype=self.dtype)
+        norm = functools.partial(_BatchNorm, use_running_average=not train, dtype=self.dtype)
         residual = x
         y = conv(self.features, (3, 3), strides=self.strides, padding=1)(x)
         y = nn.relu(norm()(y))
@@ -74,12 +76,15 @@ class ResNet(nn.Module):
       block_cls: :class:`BottleneckBlock` or :class:`BasicBlock`.
       num_classes: number of output logits.
       width: channels of the first stage (64 in the paper).
+      dtype: Flax's per-layer compute dtype (``None``: inferred, float32 here); set it
+        by hand to compare with a policy.
     """
 
     stage_sizes: Sequence[int]
     block_cls: Any = BottleneckBlock
     num_classes: int = 1000
     width: int = 64
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -90,16 +95,19 @@ class ResNet(nn.Module):
             padding=3,
             use_bias=False,
             kernel_init=_he_normal,
+            dtype=self.dtype,
             name="conv1",
         )(x)
-        x = nn.relu(_BatchNorm(use_running_average=not train, name="bn1")(x))
+        x = nn.relu(_BatchNorm(use_running_average=not train, dtype=self.dtype, name="bn1")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         for i, blocks in enumerate(self.stage_sizes):
             for j in range(blocks):
                 strides = 2 if i > 0 and j == 0 else 1
-                x = self.block_cls(self.width * 2**i, strides=strides)(x, train=train)
+                x = self.block_cls(self.width * 2**i, strides=strides, dtype=self.dtype)(
+                    x, train=train
+                )
         x = jnp.mean(x, axis=(1, 2))
-        return nn.Dense(self.num_classes, name="fc")(x)
+        return nn.Dense(self.num_classes, dtype=self.dtype, name="fc")(x)
 
 
 def ResNet18(num_classes: int = 1000, **kwargs: Any) -> ResNet:
