@@ -33,7 +33,7 @@ import optax
 from tqdm import tqdm
 
 import jaxamp
-from benchmarks.common import markdown_table, write_results
+from benchmarks.common import is_param_copy, markdown_table, write_results
 from jaxamp.models import BertClassifier, BertConfig, ResNet50
 
 SHAPES = {"resnet50": {"batch": 64, "image": 28}, "bert": {"batch": 8, "seq_len": 128}}
@@ -118,7 +118,7 @@ def torch_bytes(model_name: str, batch: int, variant: str) -> dict[str, int]:
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = (storage.nbytes(), tensor.dtype, _is_param_copy(tensor))
+            storages[storage.data_ptr()] = (storage.nbytes(), tensor.dtype, is_param_copy(tensor))
         return tensor
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(variant)
@@ -131,27 +131,6 @@ def torch_bytes(model_name: str, batch: int, variant: str) -> dict[str, int]:
         key = "parameter copies" if param_copy else str(dt).replace("torch.", "")
         totals[key] += nbytes
     return dict(totals)
-
-
-_VIEWS = (
-    "TBackward",
-    "TransposeBackward",
-    "ViewBackward",
-    "PermuteBackward",
-    "ExpandBackward",
-    "UnsafeViewBackward",
-    "ReshapeAliasBackward",
-)
-
-
-def _is_param_copy(tensor) -> bool:
-    """Whether ``tensor`` is (a view of) autocast's 16-bit copy of a parameter."""
-    fn = tensor.grad_fn
-    while fn is not None and fn.name().startswith(_VIEWS) and len(fn.next_functions) == 1:
-        fn = fn.next_functions[0][0]
-    if fn is None or not fn.name().startswith("ToCopyBackward"):
-        return False
-    return any(hasattr(node, "variable") for node, _ in fn.next_functions if node is not None)
 
 
 JAX_VARIANTS = ("fp32", "bf16", "fp16", "bf16-dots", "flax-bf16")

@@ -142,3 +142,28 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+_TORCH_VIEWS = (
+    "TBackward",
+    "TransposeBackward",
+    "ViewBackward",
+    "PermuteBackward",
+    "ExpandBackward",
+    "UnsafeViewBackward",
+    "ReshapeAliasBackward",
+)
+
+
+def is_param_copy(tensor: Any) -> bool:
+    """Whether a torch tensor is (a view of) autocast's 16-bit copy of a parameter.
+
+    Follows the tensor's autograd graph through views to a cast (``ToCopyBackward``)
+    of a leaf (an ``AccumulateGrad`` node, which holds the parameter).
+    """
+    fn = tensor.grad_fn
+    while fn is not None and fn.name().startswith(_TORCH_VIEWS) and len(fn.next_functions) == 1:
+        fn = fn.next_functions[0][0]
+    if fn is None or not fn.name().startswith("ToCopyBackward"):
+        return False
+    return any(hasattr(node, "variable") for node, _ in fn.next_functions if node is not None)

@@ -291,3 +291,28 @@ def test_wrapper_behaves_like_the_module(tokens):
 def test_auto_policy_default(images):
     model = jaxamp.linen.apply_policy(tiny_resnet())
     assert model.policy == jaxamp.auto_policy()
+
+
+@pytest.mark.parametrize("kind", ["resnet", "bert"])
+def test_same_converts_as_hand_written_dtypes(kind, images, tokens):
+    """With residuals="all", the policy's program has the converts of Flax's dtype= by hand."""
+    if kind == "resnet":
+        plain, hand, x = tiny_resnet(), ResNet((1, 1), BasicBlock, 5, width=8,
+                                               dtype=jnp.bfloat16), images
+        variables = plain.init(jax.random.key(0), x)
+
+        def loss_of(model):
+            return lambda p: resnet_loss(model, x)(p, variables["batch_stats"])[0]
+    else:
+        plain, hand, x = BertClassifier(TINY_BERT), BertClassifier(TINY_BERT,
+                                                                   dtype=jnp.bfloat16), tokens
+        variables = plain.init(jax.random.key(0), x)
+
+        def loss_of(model):
+            return lambda p: bert_loss(model, x)(p)[0]
+
+    policy = jaxamp.linen.apply_policy(plain, "mixed_bfloat16", residuals="all")
+    ours = jaxamp.precision_report(jax.grad(loss_of(policy)))(variables["params"])
+    theirs = jaxamp.precision_report(jax.grad(loss_of(hand)))(variables["params"])
+    assert ours.by_dtype() == theirs.by_dtype()
+    assert ours.converts == theirs.converts

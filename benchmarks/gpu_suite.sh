@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite, prepared for one NVIDIA H200 (about 8 minutes):
+# ResNet50 224x224 batch 256, BERT-base length 128 batch 64, GPT-2 small length 1024
+# batch 8; fp32/tf32/bf16/fp16 for jaxamp and PyTorch eager, hand-written Flax bf16,
+# torch.compile bf16; utilisation against a measured bf16 matmul rate; largest-batch
+# estimates for fp32 and bf16. Writes benchmarks.json/.md/.png into OUT_DIR.
+#
+#   benchmarks/gpu_suite.sh OUT_DIR [extra flags for benchmarks.run]
+#
+# Needs jax[cuda12|cuda13], flax, optax, jmp and torch. Packages missing on the machine
+# may be given as wheels in .whl/ (installed with --no-index). At tiny sizes on a CPU:
+#   benchmarks/gpu_suite.sh /tmp/gpu-test --models resnet-tiny:4 --frameworks jaxamp \
+#       --warmup 1 --repeats 2 --memory-limit-gb 1
+set -euo pipefail
+out=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR [flags]}
+shift
+cd "$(dirname "$0")/.."
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/jaxamp-site .whl/*.whl
+  export PYTHONPATH="/tmp/jaxamp-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+# JAX and PyTorch share the GPU in one process: JAX takes half, not its default 75%.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.45}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia-smi.csv" 2>/dev/null || true
+# The largest-batch estimate is for the whole device, not JAX's share of it.
+limit=$(python3 -c "import jax; s = jax.devices()[0].memory_stats() or {}; print(round(s.get('bytes_limit', 0) / ${XLA_PYTHON_CLIENT_MEM_FRACTION} / 2**30, 1))")
+extra=()
+if [ "$limit" != "0.0" ]; then extra=(--memory-limit-gb "$limit"); fi
+python3 -m benchmarks.run --suite gpu --out "$out" "${extra[@]}" "$@" 2>&1 | tee "$out/log.txt"
