@@ -15,6 +15,13 @@ from jaxamp._src.diagnostics import (
     scale_history,
     underflow_fraction,
 )
+from jaxamp._src.distributed import (
+    data_parallel_mesh,
+    fsdp_shardings,
+    reduce_gradients,
+    replicated,
+    shard_batch,
+)
 from jaxamp._src.loss_scale import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
 from jaxamp._src.loss_scaled import LossScaledState, all_finite, loss_scaled
 from jaxamp._src.policy import PRESETS, Policy, cast_floating, get_policy
@@ -45,9 +52,11 @@ __all__ = (
     "auto_policy",
     "cast_floating",
     "checkpoint_residuals",
+    "data_parallel_mesh",
     "dot_algorithm",
     "dot_product_attention",
     "find_loss_scaled_state",
+    "fsdp_shardings",
     "get_loss_scale",
     "get_policy",
     "linen",
@@ -56,9 +65,12 @@ __all__ = (
     "nnx",
     "precision_report",
     "raise_if_stuck",
+    "reduce_gradients",
+    "replicated",
     "saved_residuals",
     "scale_history",
     "scale_loss",
+    "shard_batch",
     "softmax_float32",
     "underflow_fraction",
     "value_and_grad",
