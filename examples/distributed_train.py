@@ -102,8 +102,10 @@ def main(argv=None) -> dict:
     # SGD with momentum: unlike Adam, it does not magnify the last-bit differences that
     # another reduction order gives near-zero gradients, so runs on different device
     # counts stay comparable.
-    tx = jaxamp.loss_scaled(optax.sgd(args.learning_rate, momentum=0.9),
-                            jaxamp.DynamicLossScale(init_scale=2.0**10, growth_interval=10))
+    tx = jaxamp.loss_scaled(
+        optax.sgd(args.learning_rate, momentum=0.9),
+        jaxamp.DynamicLossScale(init_scale=2.0**10, growth_interval=10),
+    )
     params = model.init(jax.random.key(0), jnp.zeros((1, FEATURES)))["params"]
     opt_state = tx.init(params)
     if args.mode == "fsdp":
@@ -137,7 +139,7 @@ def main(argv=None) -> dict:
     for i in range(start_step, args.steps):
         x, y = global_batch(i, args.batch_size)
         lo = jax.process_index() * per_process
-        x, y = x[lo:lo + per_process].copy(), y[lo:lo + per_process]
+        x, y = x[lo : lo + per_process].copy(), y[lo : lo + per_process]
         if i == args.poison_step and jax.process_index() == args.poison_process:
             x[0, 0] = np.inf
         batch = jaxamp.shard_batch((x, y), mesh)
@@ -148,19 +150,35 @@ def main(argv=None) -> dict:
             save(args.save_checkpoint, params, opt_state, i + 1)
     metrics = jaxamp.loss_scale_metrics(opt_state)
     result = {
-        "mode": args.mode, "devices": len(devices), "processes": jax.process_count(),
-        "losses": losses, "loss_scales": scales,
-        "skipped_steps": int(metrics["skipped_steps"]), "seconds": time.perf_counter() - begin,
+        "mode": args.mode,
+        "devices": len(devices),
+        "processes": jax.process_count(),
+        "losses": losses,
+        "loss_scales": scales,
+        "skipped_steps": int(metrics["skipped_steps"]),
+        "seconds": time.perf_counter() - begin,
     }
     if jax.process_index() == 0:
-        print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "loss_scales")}
-                         | {"final_loss": losses[-1] if losses else None}))
+        print(
+            json.dumps(
+                {k: v for k, v in result.items() if k not in ("losses", "loss_scales")}
+                | {"final_loss": losses[-1] if losses else None}
+            )
+        )
     if args.out:
-        flat = {jax.tree_util.keystr(k): np.asarray(jax.device_get(v)) for k, v in
-                jax.tree_util.tree_flatten_with_path(
-                    multihost_utils.process_allgather(params, tiled=True))[0]}
-        np.savez(args.out, losses=np.asarray(losses), loss_scales=np.asarray(scales),
-                 skipped=result["skipped_steps"], **flat)
+        flat = {
+            jax.tree_util.keystr(k): np.asarray(jax.device_get(v))
+            for k, v in jax.tree_util.tree_flatten_with_path(
+                multihost_utils.process_allgather(params, tiled=True)
+            )[0]
+        }
+        np.savez(
+            args.out,
+            losses=np.asarray(losses),
+            loss_scales=np.asarray(scales),
+            skipped=result["skipped_steps"],
+            **flat,
+        )
     return result
 
 
@@ -168,8 +186,11 @@ def save(directory: str, params, opt_state, step: int) -> None:
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(f"{directory}/step_{step}", {"params": params, "opt_state": opt_state,
-                                                   "step": step}, force=True)
+    checkpointer.save(
+        f"{directory}/step_{step}",
+        {"params": params, "opt_state": opt_state, "step": step},
+        force=True,
+    )
     checkpointer.wait_until_finished()
 
 
@@ -180,8 +201,10 @@ def restore(directory: str, params, opt_state):
     import orbax.checkpoint as ocp
 
     steps = sorted(int(d.split("_")[1]) for d in os.listdir(directory) if d.startswith("step_"))
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                          {"params": params, "opt_state": opt_state})
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        {"params": params, "opt_state": opt_state},
+    )
     target["step"] = 0
     restored = ocp.StandardCheckpointer().restore(f"{directory}/step_{steps[-1]}", target)
     return restored["params"], restored["opt_state"], int(restored["step"])

@@ -7,15 +7,26 @@ import pytest
 
 from benchmarks import run
 
-REQUIRED = ("framework", "model", "variant", "batch_size", "step_time_median_s",
-            "step_time_min_s", "step_time_max_s", "examples_per_s", "compile_s",
-            "speedup_vs_fp32", "speedup_vs_tf32", "host_syncs_per_step")
+REQUIRED = (
+    "framework",
+    "model",
+    "variant",
+    "batch_size",
+    "step_time_median_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "examples_per_s",
+    "compile_s",
+    "speedup_vs_fp32",
+    "speedup_vs_tf32",
+    "host_syncs_per_step",
+)
 
 
 def _check(records):
     assert records
     for r in records:
-        assert all(k in r for k in REQUIRED), (set(REQUIRED) - set(r))
+        assert all(k in r for k in REQUIRED), set(REQUIRED) - set(r)
         assert r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"]
         assert r["examples_per_s"] > 0 and math.isfinite(r["examples_per_s"])
         if r["framework"] == "jaxamp":
@@ -33,12 +44,15 @@ def test_cpu_smoke_suite(tmp_path):
     assert {"jaxamp", "flax"} <= frameworks
     assert {r["model"] for r in records} == {"resnet-tiny", "bert-tiny", "gpt2-tiny"}
     assert {r["variant"] for r in records if r["framework"] == "jaxamp"} == {
-        "fp32", "tf32", "bf16", "fp16"}
+        "fp32",
+        "tf32",
+        "bf16",
+        "fp16",
+    }
     bf16 = [r for r in records if r["framework"] == "jaxamp" and r["variant"] == "bf16"]
     assert all(r["jaxamp_over_handwritten_flax"] > 0 for r in bf16)
     if "torch" in frameworks:
-        assert all(r["jaxamp_over_torch"] > 0 for r in records
-                   if r["framework"] == "jaxamp")
+        assert all(r["jaxamp_over_torch"] > 0 for r in records if r["framework"] == "jaxamp")
     data = json.loads((tmp_path / "benchmarks.json").read_text())
     assert data["records"] == json.loads(json.dumps(records, default=str))
     assert "jax" in data["environment"]
@@ -48,17 +62,41 @@ def test_cpu_smoke_suite(tmp_path):
 
 def test_gpu_suite_code_path_at_tiny_size(tmp_path):
     """The GPU suite's extras (largest batch, utilisation), exercised on CPU at tiny sizes."""
-    records = run.main(["--suite", "gpu", "--models", "resnet-tiny:4", "--variants",
-                        "fp32,bf16", "--frameworks", "jaxamp", "--warmup", "1", "--repeats", "2",
-                        "--memory-limit-gb", "0.5", "--out", str(tmp_path)])
+    records = run.main(
+        [
+            "--suite",
+            "gpu",
+            "--models",
+            "resnet-tiny:4",
+            "--variants",
+            "fp32,bf16",
+            "--frameworks",
+            "jaxamp",
+            "--warmup",
+            "1",
+            "--repeats",
+            "2",
+            "--memory-limit-gb",
+            "0.5",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     _check(records)
     for r in records:
         assert r["largest_batch_estimate"] > 4
         assert r["mfu"] > 0 and r["flops_per_step"] > 0
 
 
-@pytest.mark.parametrize("argv", [["--models", "vgg:8"], ["--variants", "fp8"],
-                                  ["--models", "resnet-tiny"], ["--frameworks", "jax"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--models", "vgg:8"],
+        ["--variants", "fp8"],
+        ["--models", "resnet-tiny"],
+        ["--frameworks", "jax"],
+    ],
+)
 def test_bad_flags(argv):
     with pytest.raises((SystemExit, ValueError)):
         run.main(["--suite", "cpu-smoke", *argv])

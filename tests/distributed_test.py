@@ -45,8 +45,13 @@ def _run(args, devices=None, env_extra=None, timeout=240):
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env.update(env_extra or {})
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, text=True,
-                            capture_output=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -65,8 +70,12 @@ def test_shard_batch_and_its_errors():
 @needs_8
 def test_fsdp_shardings_split_the_largest_divisible_dimension():
     mesh = jaxamp.data_parallel_mesh()
-    tree = {"kernel": jnp.zeros((64, 512)), "odd": jnp.zeros((129, 131)),
-            "bias": jnp.zeros((512,)), "count": jnp.zeros([], jnp.int32)}
+    tree = {
+        "kernel": jnp.zeros((64, 512)),
+        "odd": jnp.zeros((129, 131)),
+        "bias": jnp.zeros((512,)),
+        "count": jnp.zeros([], jnp.int32),
+    }
     specs = {k: s.spec for k, s in jaxamp.fsdp_shardings(tree, mesh, min_size=256).items()}
     assert specs["kernel"] == PartitionSpec(None, "data")
     assert specs["bias"] == PartitionSpec("data")
@@ -75,23 +84,33 @@ def test_fsdp_shardings_split_the_largest_divisible_dimension():
 
 
 @needs_8
-@pytest.mark.parametrize("policy, expected", [("mixed_bfloat16", "f32"),
-                                              ("p=f32,c=bf16,o=f32,r=bf16", "bf16")])
+@pytest.mark.parametrize(
+    "policy, expected", [("mixed_bfloat16", "f32"), ("p=f32,c=bf16,o=f32,r=bf16", "bf16")]
+)
 def test_gradients_are_all_reduced_in_the_policys_dtype(policy, expected):
     mesh = jaxamp.data_parallel_mesh()
 
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("data")),
-                       out_specs=PartitionSpec(), check_vma=False)
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec("data")),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
     def grads(w, x):
-        g = jax.grad(lambda w: jnp.sum((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16))
-                                       .astype(jnp.float32)))(w)
+        g = jax.grad(
+            lambda w: jnp.sum((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32))
+        )(w)
         return jaxamp.reduce_gradients(g, "data", policy)
 
     w, x = jnp.ones((4, 3)), jnp.ones((16, 4))
     lines = jax.jit(grads).lower(w, x).as_text().splitlines()
     # an all_reduce spans several lines; its type closes its reduction region: "}) : (...)"
-    types = [next(t for t in lines[i:] if t.strip().startswith("}) :"))
-             for i, line in enumerate(lines) if "all_reduce" in line]
+    types = [
+        next(t for t in lines[i:] if t.strip().startswith("}) :"))
+        for i, line in enumerate(lines)
+        if "all_reduce" in line
+    ]
     assert types and all(f"x{expected}>" in t for t in types), types
     np.testing.assert_allclose(jax.jit(grads)(w, x), jnp.full((4, 3), 2.0))
 
@@ -101,8 +120,7 @@ def test_data_parallel_and_fsdp_equal_one_device(tmp_path):
     outs = {}
     for mode in ("single", "dp", "fsdp"):
         outs[mode] = tmp_path / f"{mode}.npz"
-        result = distributed_train.main(["--mode", mode, "--steps", "12", "--out",
-                                         str(outs[mode])])
+        result = distributed_train.main(["--mode", mode, "--steps", "12", "--out", str(outs[mode])])
         assert result["skipped_steps"] == 0 and result["losses"][-1] < result["losses"][0]
     _assert_close(outs["single"], outs["dp"])
     _assert_close(outs["single"], outs["fsdp"])
@@ -126,14 +144,40 @@ def _free_port() -> int:
 
 def test_two_processes_skip_the_same_step_and_agree(tmp_path):
     port = _free_port()
-    common = ["--mode", "dp", "--steps", "10", "--poison-step", "4", "--poison-process", "1",
-              "--num-processes", "2", "--coordinator", f"127.0.0.1:{port}"]
+    common = [
+        "--mode",
+        "dp",
+        "--steps",
+        "10",
+        "--poison-step",
+        "4",
+        "--poison-process",
+        "1",
+        "--num-processes",
+        "2",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLE), *common, "--process-id", str(i),
-                               "--out", str(tmp_path / f"p{i}.npz")], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(EXAMPLE),
+                *common,
+                "--process-id",
+                str(i),
+                "--out",
+                str(tmp_path / f"p{i}.npz"),
+            ],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -149,19 +193,47 @@ def test_two_processes_skip_the_same_step_and_agree(tmp_path):
     assert runs[0]["loss_scales"][4] == runs[0]["loss_scales"][3] / 2
     _assert_close(tmp_path / "p0.npz", tmp_path / "p1.npz", atol=0)
     # ...and match a single-process run over two devices
-    _run(["--mode", "dp", "--steps", "10", "--poison-step", "4", "--out",
-          str(tmp_path / "single.npz")], devices=2)
+    _run(
+        [
+            "--mode",
+            "dp",
+            "--steps",
+            "10",
+            "--poison-step",
+            "4",
+            "--out",
+            str(tmp_path / "single.npz"),
+        ],
+        devices=2,
+    )
     _assert_close(tmp_path / "p0.npz", tmp_path / "single.npz")
 
 
 def test_sharded_checkpoint_restores_on_4_and_1_devices(tmp_path):
     ckpt = tmp_path / "ckpt"
-    _run(["--mode", "fsdp", "--steps", "12", "--save-checkpoint", str(ckpt), "--save-at", "6",
-          "--poison-step", "3", "--out", str(tmp_path / "full.npz")], devices=8)
+    _run(
+        [
+            "--mode",
+            "fsdp",
+            "--steps",
+            "12",
+            "--save-checkpoint",
+            str(ckpt),
+            "--save-at",
+            "6",
+            "--poison-step",
+            "3",
+            "--out",
+            str(tmp_path / "full.npz"),
+        ],
+        devices=8,
+    )
     for devices in (4, 1):
         out = tmp_path / f"resumed{devices}.npz"
-        _run(["--mode", "fsdp", "--steps", "12", "--restore", str(ckpt), "--out", str(out)],
-             devices=devices)
+        _run(
+            ["--mode", "fsdp", "--steps", "12", "--restore", str(ckpt), "--out", str(out)],
+            devices=devices,
+        )
         resumed = np.load(out)
         assert len(resumed["losses"]) == 6 and int(resumed["skipped"]) == 1  # scaler restored
         _assert_close(tmp_path / "full.npz", out)
@@ -183,6 +255,9 @@ def test_jit_data_parallel_all_reduces_float32_gradients_on_cpu():
         return jax.grad(lambda p: jnp.mean(model.apply({"params": p}, x) ** 2))(p), logits
 
     text = jax.jit(grads, out_shardings=(replicated, None)).lower(params, x, y).compile().as_text()
-    reductions = [line.split("=", 1)[1].split("all-reduce(")[0] for line in text.splitlines()
-                  if " all-reduce(" in line]
+    reductions = [
+        line.split("=", 1)[1].split("all-reduce(")[0]
+        for line in text.splitlines()
+        if " all-reduce(" in line
+    ]
     assert reductions and not any("bf16[" in r for r in reductions), reductions

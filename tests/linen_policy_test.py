@@ -297,15 +297,21 @@ def test_auto_policy_default(images):
 def test_same_converts_as_hand_written_dtypes(kind, images, tokens):
     """With residuals="all", the policy's program has the converts of Flax's dtype= by hand."""
     if kind == "resnet":
-        plain, hand, x = tiny_resnet(), ResNet((1, 1), BasicBlock, 5, width=8,
-                                               dtype=jnp.bfloat16), images
+        plain, hand, x = (
+            tiny_resnet(),
+            ResNet((1, 1), BasicBlock, 5, width=8, dtype=jnp.bfloat16),
+            images,
+        )
         variables = plain.init(jax.random.key(0), x)
 
         def loss_of(model):
             return lambda p: resnet_loss(model, x)(p, variables["batch_stats"])[0]
     else:
-        plain, hand, x = BertClassifier(TINY_BERT), BertClassifier(TINY_BERT,
-                                                                   dtype=jnp.bfloat16), tokens
+        plain, hand, x = (
+            BertClassifier(TINY_BERT),
+            BertClassifier(TINY_BERT, dtype=jnp.bfloat16),
+            tokens,
+        )
         variables = plain.init(jax.random.key(0), x)
 
         def loss_of(model):

@@ -117,8 +117,9 @@ def fsdp_shardings(tree: Any, mesh: Mesh, axis: str = "data", min_size: int = 2*
     return jax.tree.map(sharding, tree)
 
 
-def reduce_gradients(grads: Any, axis_name: str, policy: str | Policy = "mixed_bfloat16",
-                     mean: bool = True) -> Any:
+def reduce_gradients(
+    grads: Any, axis_name: str, policy: str | Policy = "mixed_bfloat16", mean: bool = True
+) -> Any:
     """All-reduces gradients over a mapped axis in the policy's reduction dtype.
 
     For use inside ``jax.shard_map`` (or ``pmap``), where each device holds the
@@ -151,4 +152,3 @@ def reduce_gradients(grads: Any, axis_name: str, policy: str | Policy = "mixed_b
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding that keeps a full copy on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
-
