@@ -7,20 +7,12 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from tiny_configs import TINY_BERT
 
 import jaxamp
-from jaxamp.models import BasicBlock, BertClassifier, BertConfig, ResNet
+from jaxamp.models import BasicBlock, BertClassifier, ResNet
 
 DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
-TINY_BERT = BertConfig(
-    vocab_size=64,
-    hidden_size=16,
-    num_layers=2,
-    num_heads=2,
-    intermediate_size=32,
-    max_position=16,
-    num_classes=3,
-)
 
 
 def tiny_resnet():

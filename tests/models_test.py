@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_configs import TINY_BERT, TINY_GPT2
 
 import jaxamp
 from jaxamp.models import (
@@ -15,17 +16,6 @@ from jaxamp.models import (
     ResNet,
     ResNet50,
 )
-
-TINY_BERT = BertConfig(
-    vocab_size=64,
-    hidden_size=16,
-    num_layers=2,
-    num_heads=2,
-    intermediate_size=32,
-    max_position=16,
-    num_classes=3,
-)
-TINY_GPT2 = GPT2Config(vocab_size=64, max_position=16, hidden_size=16, num_layers=2, num_heads=2)
 
 
 def flax_param_count(model, *inputs):

@@ -7,6 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_configs import TINY_BERT, TINY_GPT2  # noqa: E402
+
 from benchmarks import torch_models  # noqa: E402
 from jaxamp.models import (  # noqa: E402
     BasicBlock,
@@ -19,16 +21,6 @@ from jaxamp.models import (  # noqa: E402
     ResNet50,
 )
 
-TINY_BERT = BertConfig(
-    vocab_size=64,
-    hidden_size=16,
-    num_layers=2,
-    num_heads=2,
-    intermediate_size=32,
-    max_position=16,
-    num_classes=3,
-)
-TINY_GPT2 = GPT2Config(vocab_size=64, max_position=16, hidden_size=16, num_layers=2, num_heads=2)
 TOKENS = jnp.zeros((1, 8), jnp.int32)
 
 

@@ -6,13 +6,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 from flax import nnx
 
 from jaxamp._src import layers
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.policy import Policy, cast_floating, get_policy
-from jaxamp._src.residuals import _POLICIES, _is_array, validate_residuals
+from jaxamp._src.residuals import _POLICIES, partition_arrays, validate_residuals
 
 _POLICY_ATTR = "jaxamp_policy"
 _RESIDUALS_ATTR = "jaxamp_residuals"
@@ -49,16 +48,12 @@ def _policy_call(self, *args, **kwargs):
     if policy.compute_dtype.itemsize >= 4 or residuals == "all":
         return policy.cast_to_output(base_call(self, *args, **kwargs))
 
-    leaves, treedef = jax.tree.flatten((args, kwargs))
-    is_array = [_is_array(x) for x in leaves]
+    arrays, rebuild = partition_arrays((args, kwargs))
 
     def pure(module, arrays):
-        it = iter(arrays)
-        full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
-        call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+        call_args, call_kwargs = rebuild(arrays)
         return base_call(module, *call_args, **call_kwargs)
 
-    arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
     out = nnx.remat(pure, policy=_POLICIES[residuals])(self, arrays)
     return policy.cast_to_output(out)
 

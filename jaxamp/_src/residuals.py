@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -143,8 +143,20 @@ def validate_residuals(residuals: str) -> str:
     return residuals
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+def partition_arrays(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """``(arrays, rebuild)``: the array leaves of ``tree``, and a function that puts
+    new arrays in their places, keeping the other leaves (numbers, strings,
+    callables) as they are. Lets a transformation hold non-array arguments static."""
+    leaves, treedef = jax.tree.flatten(tree)
+    mask = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+
+    def rebuild(arrays: Sequence[Any]) -> Any:
+        it = iter(arrays)
+        return jax.tree.unflatten(
+            treedef, [next(it) if a else x for x, a in zip(leaves, mask, strict=True)]
+        )
+
+    return [x for x, a in zip(leaves, mask, strict=True) if a], rebuild
 
 
 def checkpoint_residuals(fun: Callable[..., Any], residuals: str = "compute_dtype") -> Callable:
@@ -174,16 +186,8 @@ def checkpoint_residuals(fun: Callable[..., Any], residuals: str = "compute_dtyp
 
     @functools.wraps(fun)
     def wrapped(*args):
-        leaves, treedef = jax.tree.flatten(args)
-        is_array = [_is_array(x) for x in leaves]
-
-        def with_arrays(arrays):
-            it = iter(arrays)
-            full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
-            return fun(*jax.tree.unflatten(treedef, full))
-
-        arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
-        return jax.checkpoint(with_arrays, policy=policy)(arrays)
+        arrays, rebuild = partition_arrays(args)
+        return jax.checkpoint(lambda arrays: fun(*rebuild(arrays)), policy=policy)(arrays)
 
     return wrapped
 
