@@ -1,12 +1,15 @@
 """jaxamp: automatic mixed precision for JAX.
 
 Precision policies that apply to unmodified Flax models (``jaxamp.linen``,
-``jaxamp.nnx``), loss scaling as an optax transformation, and reports that
-show what precision a compiled program really runs in.
+``jaxamp.nnx``), op-level autocast for any JAX function (``jaxamp.autocast``),
+loss scaling as an optax transformation, and reports that show what precision
+a compiled program really runs in.
 """
 
 from jaxamp import linen, nnx
 from jaxamp._src.attention import dot_product_attention, softmax_float32
+from jaxamp._src.autocast import autocast, autocast_float32
+from jaxamp._src.autocast_rules import AUTOCAST_RULES, AutocastRules
 from jaxamp._src.backend import auto_policy, dot_algorithm
 from jaxamp._src.diagnostics import (
     LossScaleStuckError,
@@ -37,7 +40,9 @@ from jaxamp._src.scale_loss import (
 __version__ = "0.1.0"
 
 __all__ = (
+    "AUTOCAST_RULES",
     "PRESETS",
+    "AutocastRules",
     "DynamicLossScale",
     "LossScaleState",
     "LossScaleStuckError",
@@ -50,6 +55,8 @@ __all__ = (
     "activation_bytes",
     "all_finite",
     "auto_policy",
+    "autocast",
+    "autocast_float32",
     "cast_floating",
     "checkpoint_residuals",
     "data_parallel_mesh",

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from benchmarks import autocast as autocast_benchmark
 from benchmarks import run
 
 REQUIRED = (
@@ -100,3 +101,16 @@ def test_gpu_suite_code_path_at_tiny_size(tmp_path):
 def test_bad_flags(argv):
     with pytest.raises((SystemExit, ValueError)):
         run.main(["--suite", "cpu-smoke", *argv])
+
+
+def test_autocast_benchmark_at_small_size(tmp_path):
+    argv = ["--models", "bert", "--bert-batch", "1", "--warmup", "1", "--repeats", "1"]
+    records = autocast_benchmark.main([*argv, "--out", str(tmp_path)])
+    assert [r["variant"] for r in records] == ["autocast", "apply_policy", "by_hand"]
+    for r in records:
+        assert r["matmuls"] > 0 and r["matmuls_16bit"] == r["matmuls"], r
+        assert r["converts"] > 0 and r["activation_mib"] > 0 and r["step_time_median_s"] > 0
+    assert records[1]["ratio_to_apply_policy"] == 1.0
+    saved = json.loads((tmp_path / "autocast.json").read_text())
+    assert len(saved["records"]) == 3
+    assert "Autocast overhead" in (tmp_path / "autocast.md").read_text()

@@ -1,0 +1,184 @@
+"""Op-level automatic mixed precision for any JAX function, like ``torch.autocast``.
+
+:func:`autocast` wraps a function. Each call traces it with ``jax.make_jaxpr``
+on its arrays in their own dtypes, then evaluates the traced program with an
+interpreter (the "custom Jaxpr interpreter" pattern of the JAX docs) that
+binds every primitive again, with its inputs cast by the rules of
+:class:`jaxamp.AutocastRules`:
+
+=========  ==========================================  ===================================
+rule       primitives (``jaxamp.AUTOCAST_RULES``)      inputs
+=========  ==========================================  ===================================
+compute    ``dot_general``, ``conv_general_dilated``   floating operands -> compute dtype
+float32    exp, log, log1p, expm1, pow, rsqrt, square,  floating inputs -> float32
+           erf, logistic, reduce_sum/max/min/prod,
+           cumsum...
+promote    add, mul, max, select_n, reshape, gather,    shared dtypes -> widest arrival
+           concatenate... (elementwise, shapes)
+traced     everything else                              floating inputs -> traced dtypes
+=========  ==========================================  ===================================
+
+Matmuls state float32 accumulation in the program with
+``precision=jaxamp.dot_algorithm(compute_dtype)`` where the backend has that
+algorithm and the matmul asked for no precision of its own (convolutions keep
+the backend's default, as under ``jaxamp.linen.apply_policy``). Softmax,
+log-softmax, logsumexp, normalisation and the losses built from them run in
+float32 because their reductions and exponentials do. Integer and boolean
+values are never cast. The outputs come back in the dtypes they had in the
+traced program, so a float32 model returns float32 logits and BatchNorm's
+running statistics stay float32.
+
+Because the interpreter binds primitives on whatever values arrive, ``jit``,
+``grad``, ``vmap`` and ``shard_map`` applied outside the wrapped function
+transform the mixed-precision program. Inside it:
+
+* nested ``jax.jit`` calls are inlined and their bodies follow the rules;
+* ``jax.checkpoint``, ``lax.cond``, ``lax.while_loop``, ``lax.scan`` and
+  ``jax.shard_map`` are rebuilt with their public APIs around the transformed
+  bodies; loop carries and branch outputs are cast to their traced dtypes at the
+  end of each body or branch, so they type-check;
+* functions with custom derivatives (``jax.custom_jvp``/``custom_vjp``, such as
+  ``jax.nn.relu`` and ``jax.nn.softplus``) and any other higher-order
+  primitive run as traced: their rules were written for those dtypes;
+* :func:`autocast_float32` marks a function to be evaluated exactly as traced.
+
+Known limits: decisions ``fun`` makes in Python from dtypes (``if x.dtype ==
+...``) are made once, at the traced dtypes; nested ``jit`` calls lose their own
+shardings and donation when inlined; each call traces ``fun`` again, so call the
+wrapped function under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxamp._src.autocast_interpreter import FLOAT32_SCOPE, cast_to_traced, eval_jaxpr
+from jaxamp._src.autocast_rules import AUTOCAST_RULES, AutocastRules
+from jaxamp._src.policy import Policy, get_policy
+from jaxamp._src.residuals import checkpoint_residuals, partition_arrays, validate_residuals
+
+
+def autocast(
+    fun: Callable[..., Any],
+    policy: str | Policy = "mixed_bfloat16",
+    *,
+    rules: AutocastRules | None = None,
+    residuals: str = "compute_dtype",
+) -> Callable[..., Any]:
+    """Runs any JAX function with op-level mixed precision, like ``torch.autocast``.
+
+    Each call traces ``fun`` on its arrays in their own dtypes, then evaluates
+    the traced program with matmuls and convolutions on compute-dtype operands,
+    numerically sensitive primitives in float32 and everything else in the dtype
+    that arrives (see the module docs and :class:`AutocastRules`). Arguments
+    that are not arrays (Python numbers, strings, callables) are held static.
+    Floating outputs come back in the dtypes they had in the traced program.
+
+    Args:
+      fun: the function, e.g. a Flax ``model.apply`` or an Equinox module.
+      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
+        its ``compute_dtype`` is the matmuls' operand dtype.
+      rules: the rule table; :data:`jaxamp.AUTOCAST_RULES` when ``None``.
+      residuals: what the backward pass may keep when the compute dtype is 16-bit,
+        as in :func:`jaxamp.linen.apply_policy`: ``"compute_dtype"`` (16-bit
+        activations and float32 statistics; float32 temporaries are recomputed),
+        ``"dots"`` or ``"all"`` (JAX's default: fewer converts, more memory).
+        See :func:`jaxamp.checkpoint_residuals`.
+
+    Returns:
+      A function with ``fun``'s signature.
+
+    Raises:
+      TypeError: if ``fun`` is not callable or ``rules`` is not an ``AutocastRules``.
+      ValueError: if ``policy`` names no policy or ``residuals`` no mode.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxamp
+      >>> def layer(w, x):
+      ...     return jax.nn.log_softmax(x @ w)
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> report = jaxamp.precision_report(autocast(layer, "mixed_bfloat16"))(w, x)
+      >>> [(op.lhs_dtype, op.result_dtype) for op in report.ops]
+      [('bfloat16', 'bfloat16')]
+      >>> jax.jit(autocast(layer))(w, x).dtype
+      dtype('float32')
+    """
+    if not callable(fun):
+        raise TypeError(f"autocast expects a callable, got {type(fun).__name__}: {fun!r}.")
+    policy = get_policy(policy)
+    rules = AUTOCAST_RULES if rules is None else rules
+    if not isinstance(rules, AutocastRules):
+        raise TypeError(
+            f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
+            "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
+        )
+    config = (policy, rules)
+    validate_residuals(residuals)
+    if policy.compute_dtype.itemsize >= 4:
+        residuals = "all"
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        arrays, rebuild_inputs = partition_arrays((args, kwargs))
+        rebuild_outputs = []
+
+        def traced(*arrays):
+            call_args, call_kwargs = rebuild_inputs(arrays)
+            out_arrays, rebuild = partition_arrays(fun(*call_args, **call_kwargs))
+            rebuild_outputs.append(rebuild)
+            return out_arrays
+
+        closed = jax.make_jaxpr(traced)(*arrays)
+        evaluate = checkpoint_residuals(
+            lambda consts, arrays: cast_to_traced(
+                eval_jaxpr(closed.jaxpr, consts, arrays, config), closed.jaxpr.outvars
+            ),
+            residuals,
+        )
+        return rebuild_outputs[0](evaluate(closed.consts, arrays))
+
+    return wrapped
+
+
+def autocast_float32(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks ``fun`` to be evaluated exactly as traced inside :func:`autocast`.
+
+    The calls ``fun`` makes run under ``jax.named_scope("jaxamp_float32")``;
+    :func:`autocast` casts the inputs of every primitive in that scope back to
+    their traced dtypes, so a function traced in float32 (a sensitive matmul, a
+    loss) runs in float32. Outside :func:`autocast` it only names a scope.
+
+    Args:
+      fun: the function to keep as traced.
+
+    Returns:
+      ``fun``, wrapped.
+
+    Raises:
+      TypeError: if ``fun`` is not callable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxamp
+      >>> @autocast_float32
+      ... def head(w, x):
+      ...     return x @ w
+      >>> f = autocast(lambda w, x: head(w, x @ w), "mixed_bfloat16")
+      >>> report = jaxamp.precision_report(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> [op.lhs_dtype for op in report.ops]
+      ['bfloat16', 'float32']
+    """
+    if not callable(fun):
+        raise TypeError(f"autocast_float32 expects a callable, got {type(fun).__name__}: {fun!r}.")
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(FLOAT32_SCOPE):
+            return fun(*args, **kwargs)
+
+    return wrapped

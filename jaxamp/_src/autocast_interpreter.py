@@ -1,0 +1,393 @@
+"""The interpreter behind :func:`jaxamp.autocast`.
+
+It evaluates a traced program equation by equation, the way
+``jax.core.eval_jaxpr`` does (the "custom Jaxpr interpreter" pattern of the JAX
+docs), binding each primitive again on inputs cast by the rule its name has in
+:class:`jaxamp.AutocastRules`. Calls (nested ``jit``) are inlined; ``checkpoint``,
+``cond``, ``while``, ``scan`` and ``shard_map`` are rebuilt with their public
+APIs around interpreted bodies. The JAX internals it needs are kept in one
+section, with the versions they differ between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src.autocast_rules import AutocastRules
+from jaxamp._src.backend import dot_algorithm
+from jaxamp._src.policy import Policy
+
+# The name scope that marks equations to be evaluated exactly as traced.
+FLOAT32_SCOPE = "jaxamp_float32"
+_FLOAT32 = np.dtype(jnp.float32)
+
+
+def _is_float(dtype: Any) -> bool:
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+# --- JAX internals, in one place ------------------------------------------------------------
+# Evaluating one equation the way ``jax.core.eval_jaxpr`` does needs three things JAX keeps
+# private: ``Primitive.get_bind_params`` (turns jaxpr-valued params into what ``bind`` takes;
+# it returns ``params`` from jax 0.7 on and ``(subfuns, params)`` before), the equation's
+# context (``eqn.ctx.manager``: compute_on, the abstract mesh...) and its name stack (so the
+# lowered program keeps the layer names ``jaxamp.precision_report`` shows).
+
+
+def _bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
+    """Binds ``eqn``'s primitive on ``invals``, with ``params`` (default: the equation's)."""
+    primitive = eqn.primitive
+    bind_params = primitive.get_bind_params(eqn.params if params is None else params)
+    if isinstance(bind_params, tuple):  # jax < 0.7: (subfuns, params)
+        subfuns, bind_params = bind_params
+        out = primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = primitive.bind(*invals, **bind_params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+def _eqn_context(eqn: Any) -> contextlib.ExitStack:
+    """The name stack and equation context ``jax.core.eval_jaxpr`` evaluates ``eqn`` in."""
+    stack = contextlib.ExitStack()
+    source_info_util = getattr(jex, "source_info_util", None)
+    source_info = getattr(eqn, "source_info", None)
+    if source_info_util is not None and source_info is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            name_stack = source_info_util.current_name_stack() + source_info.name_stack
+            stack.enter_context(
+                source_info_util.user_context(source_info.traceback, name_stack=name_stack)
+            )
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+        stack.enter_context(manager)
+    return stack
+
+
+def _in_float32_scope(eqn: Any) -> bool:
+    source_info = getattr(eqn, "source_info", None)
+    return source_info is not None and FLOAT32_SCOPE in str(source_info.name_stack)
+
+
+def _open(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
+    """``(jaxpr, consts)`` of a ``ClosedJaxpr`` or an open ``Jaxpr``."""
+    if isinstance(jaxpr, jex.core.ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    return jaxpr, ()
+
+
+# --- The interpreter --------------------------------------------------------------------------
+
+
+class _Env:
+    """Values of one jaxpr's variables, and the casts made of them (each made once)."""
+
+    def __init__(self, config: tuple[Policy, AutocastRules]):
+        self.policy, self.rules = config
+        self.config = config
+        self.values: dict[Any, Any] = {}
+        self.casts: dict[tuple[Any, str], Any] = {}
+
+    def read(self, atom: Any) -> Any:
+        return atom.val if isinstance(atom, jex.core.Literal) else self.values[atom]
+
+    def dtype(self, atom: Any) -> Any:
+        if isinstance(atom, jex.core.Literal):
+            return atom.aval.dtype
+        return getattr(self.values[atom], "dtype", None)
+
+    def read_as(self, atom: Any, dtype: Any) -> Any:
+        """``atom``'s value, cast to ``dtype`` if it is floating and in another dtype."""
+        value = self.read(atom)
+        current = self.dtype(atom)
+        if dtype is None or not _is_float(current) or np.dtype(current) == np.dtype(dtype):
+            return value
+        if isinstance(atom, jex.core.Literal):  # a constant: cast it here, no convert emitted
+            return np.asarray(value, dtype=dtype)
+        key = (atom, np.dtype(dtype).name)
+        if key not in self.casts:
+            self.casts[key] = lax.convert_element_type(value, dtype)
+        return self.casts[key]
+
+
+def _traced_dtype(atom: Any) -> Any:
+    return getattr(atom.aval, "dtype", None)
+
+
+def cast_to_traced(values: Sequence[Any], atoms: Sequence[Any]) -> list[Any]:
+    """Casts floating ``values`` to the dtypes ``atoms`` had in the traced program."""
+    out = []
+    for value, atom in zip(values, atoms, strict=True):
+        dtype = _traced_dtype(atom)
+        current = getattr(value, "dtype", None)
+        if _is_float(dtype) and _is_float(current) and np.dtype(current) != np.dtype(dtype):
+            value = lax.convert_element_type(value, dtype)
+        out.append(value)
+    return out
+
+
+def _planned_inputs(eqn: Any, env: _Env, wanted: Sequence[Any] | None = None) -> list[Any]:
+    """Input values: each floating input in its ``wanted`` dtype (``None``: as it arrives),
+    then inputs that shared a floating dtype in the trace promoted to the widest of them."""
+    atoms = eqn.invars
+    dtypes = [
+        (w if w is not None and _is_float(env.dtype(a)) else env.dtype(a))
+        for a, w in zip(atoms, wanted or [None] * len(atoms), strict=True)
+    ]
+    groups: dict[Any, list[int]] = {}
+    for i, atom in enumerate(atoms):
+        if _is_float(_traced_dtype(atom)) and _is_float(dtypes[i]):
+            groups.setdefault(np.dtype(_traced_dtype(atom)), []).append(i)
+    for members in groups.values():
+        if len({np.dtype(dtypes[i]) for i in members}) < 2:
+            continue
+        strong = [i for i in members if not _is_weak(atoms[i])]
+        target = functools.reduce(jnp.promote_types, [dtypes[i] for i in strong or members])
+        for i in members:
+            dtypes[i] = target
+    return [env.read_as(a, d) for a, d in zip(atoms, dtypes, strict=True)]
+
+
+def _is_weak(atom: Any) -> bool:
+    """Literals and weakly typed values (Python scalars) follow the other inputs' dtype."""
+    return isinstance(atom, jex.core.Literal) or bool(getattr(atom.aval, "weak_type", False))
+
+
+def _as_traced(eqn: Any, env: _Env) -> list[Any]:
+    return _bind(eqn, [env.read_as(a, _traced_dtype(a)) for a in eqn.invars])
+
+
+def _promote(eqn: Any, env: _Env) -> list[Any]:
+    return _bind(eqn, _planned_inputs(eqn, env))
+
+
+def _float32(eqn: Any, env: _Env) -> list[Any]:
+    wanted = [
+        _FLOAT32 if _is_float(env.dtype(a)) and np.dtype(env.dtype(a)).itemsize < 4 else None
+        for a in eqn.invars
+    ]
+    return _bind(eqn, _planned_inputs(eqn, env, wanted))
+
+
+def _is_default_precision(precision: Any) -> bool:
+    if precision is None or precision == lax.Precision.DEFAULT:
+        return True
+    return isinstance(precision, tuple) and all(
+        p is None or p == lax.Precision.DEFAULT for p in precision
+    )
+
+
+def _cpu_degenerate(eqn: Any) -> bool:
+    """Whether a ``dot_general`` is one XLA:CPU emits element by element.
+
+    XLA:CPU rejects dot algorithms on such dots (a vector product, a side or a
+    contraction of size 1: "Algorithm not supported by the ElementalIrEmitter"),
+    in the forward pass and in the transposed dots of the backward pass. They
+    keep the backend default, which on a CPU computes in float32 anyway.
+    """
+    if jax.default_backend() != "cpu":
+        return False
+    lhs, rhs = (a.aval.shape for a in eqn.invars[:2])
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
+
+    def free(shape, contract, batch):
+        return math.prod(d for i, d in enumerate(shape) if i not in (*contract, *batch))
+
+    try:
+        sizes = (
+            free(lhs, lhs_contract, lhs_batch),
+            free(rhs, rhs_contract, rhs_batch),
+            math.prod(lhs[i] for i in lhs_contract),
+        )
+        return min(sizes) <= 1
+    except (TypeError, jex.core.InconclusiveDimensionOperation):  # symbolic shapes
+        return False
+
+
+def _compute(eqn: Any, env: _Env) -> list[Any]:
+    """A matmul or convolution on compute-dtype operands, with a compute-dtype result."""
+    if not all(_is_float(_traced_dtype(a)) for a in eqn.invars[:2]):
+        return _as_traced(eqn, env)  # integer matmuls are left alone
+    compute = env.policy.compute_dtype
+    params = dict(eqn.params)
+    if _is_float(params.get("preferred_element_type")):
+        params["preferred_element_type"] = None
+    if eqn.primitive is lax.dot_general_p and _is_default_precision(params.get("precision")):
+        algorithm = dot_algorithm(compute)
+        if algorithm is not None and not _cpu_degenerate(eqn):
+            params["precision"] = algorithm
+    return _bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
+
+
+def _convert(eqn: Any, env: _Env) -> list[Any]:
+    """``convert_element_type``: skipped when the value already has the new dtype."""
+    (atom,) = eqn.invars
+    current = env.dtype(atom)
+    new_dtype = eqn.params.get("new_dtype")
+    if (
+        not isinstance(atom, jex.core.Literal)
+        and _is_float(current)
+        and np.dtype(current) == np.dtype(new_dtype)
+        and not eqn.params.get("weak_type", False)
+        and eqn.params.get("sharding") is None
+    ):
+        return [env.read(atom)]
+    return _bind(eqn, [env.read(atom)])
+
+
+_RULES = {"compute": _compute, "float32": _float32, "promote": _promote, "traced": _as_traced}
+
+
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], config: tuple) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs."""
+    env = _Env(config)
+    env.values.update(zip(jaxpr.constvars, consts, strict=True))
+    env.values.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        with _eqn_context(eqn):
+            outs = _eval_eqn(eqn, env)
+        env.values.update(zip(eqn.outvars, outs, strict=True))
+    return [env.read(v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
+    if _in_float32_scope(eqn):
+        return _as_traced(eqn, env)
+    name = eqn.primitive.name
+    if name in _HIGHER_ORDER:
+        return _HIGHER_ORDER[name](eqn, env)
+    if name == "convert_element_type":
+        return _convert(eqn, env)
+    return _RULES[env.rules.rule_for(name)](eqn, env)
+
+
+# --- Higher-order primitives ------------------------------------------------------------------
+
+
+def _inline(key: str) -> Callable[[Any, _Env], list[Any]]:
+    """A call (``jit``, ``closed_call``): its body is evaluated in place, with the rules."""
+
+    def evaluate(eqn, env):
+        if key not in eqn.params:
+            return _as_traced(eqn, env)
+        jaxpr, consts = _open(eqn.params[key])
+        return eval_jaxpr(jaxpr, consts, [env.read(a) for a in eqn.invars], env.config)
+
+    return evaluate
+
+
+def _checkpoint(eqn: Any, env: _Env) -> list[Any]:
+    jaxpr, consts = _open(eqn.params["jaxpr"])
+
+    def body(*args):
+        return eval_jaxpr(jaxpr, consts, args, env.config)
+
+    remat = jax.checkpoint(
+        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )
+    return list(remat(*[env.read(a) for a in eqn.invars]))
+
+
+def _closed_body(closed: Any, config: tuple, cast_outputs: int | None = None):
+    """A function evaluating a ``ClosedJaxpr`` with the rules; its first ``cast_outputs``
+    outputs (all when ``None``) are cast to their traced dtypes."""
+    jaxpr, consts = _open(closed)
+    n = len(jaxpr.outvars) if cast_outputs is None else cast_outputs
+
+    def body(*args):
+        outs = eval_jaxpr(jaxpr, consts, args, config)
+        return cast_to_traced(outs[:n], jaxpr.outvars[:n]) + outs[n:]
+
+    return body
+
+
+def _cond(eqn: Any, env: _Env) -> list[Any]:
+    index, *operands = (env.read(a) for a in eqn.invars)
+    branches = [_closed_body(b, env.config) for b in eqn.params["branches"]]
+    return list(lax.switch(index, branches, *operands))
+
+
+def _while(eqn: Any, env: _Env) -> list[Any]:
+    p = eqn.params
+    values = [env.read(a) for a in eqn.invars]
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = values[:n_cond], values[n_cond : n_cond + n_body]
+    init = cast_to_traced(values[n_cond + n_body :], eqn.outvars)
+    cond = _closed_body(p["cond_jaxpr"], env.config, cast_outputs=0)
+    body = _closed_body(p["body_jaxpr"], env.config)
+    return list(
+        lax.while_loop(
+            lambda carry: cond(*cond_consts, *carry)[0],
+            lambda carry: body(*body_consts, *carry),
+            init,
+        )
+    )
+
+
+def _scan(eqn: Any, env: _Env) -> list[Any]:
+    p = eqn.params
+    values = [env.read(a) for a in eqn.invars]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = values[:n_consts]
+    init = cast_to_traced(values[n_consts : n_consts + n_carry], eqn.outvars[:n_carry])
+    body = _closed_body(p["jaxpr"], env.config, cast_outputs=n_carry)
+
+    def step(carry, xs):
+        outs = body(*consts, *carry, *xs)
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(
+        step,
+        init,
+        values[n_consts + n_carry :],
+        length=p["length"],
+        reverse=p.get("reverse", False),
+        unroll=p.get("unroll", 1),
+    )
+    return [*carry, *ys]
+
+
+def _shard_map(eqn: Any, env: _Env) -> list[Any]:
+    p = eqn.params
+    axis_names = p.get("newly_manual_axes", p.get("manual_axes"))
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None or axis_names is None or not {"in_specs", "out_specs"} <= set(p):
+        return _as_traced(eqn, env)  # another version's parameters: run it as traced
+    jaxpr, consts = _open(p["jaxpr"])
+
+    def body(*args):
+        return tuple(eval_jaxpr(jaxpr, consts, args, env.config))
+
+    mapped = shard_map(
+        body,
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        axis_names=frozenset(axis_names),
+        check_vma=p.get("check_vma", True),
+    )
+    return list(mapped(*[env.read(a) for a in eqn.invars]))
+
+
+# Keyed by name: primitive objects and their module paths move between JAX versions.
+_HIGHER_ORDER: dict[str, Callable[[Any, _Env], list[Any]]] = {
+    "jit": _inline("jaxpr"),
+    "pjit": _inline("jaxpr"),
+    "closed_call": _inline("call_jaxpr"),
+    "core_call": _inline("call_jaxpr"),
+    "checkpoint": _checkpoint,
+    "remat2": _checkpoint,
+    "cond": _cond,
+    "while": _while,
+    "scan": _scan,
+    "shard_map": _shard_map,
+}

@@ -1,0 +1,191 @@
+"""The rule table of :func:`jaxamp.autocast`: which primitive runs in which dtype.
+
+Three sets of primitive names, read in this order (a name in two sets follows
+the first):
+
+* ``compute``: matmuls and convolutions. Floating operands are cast to the
+  policy's ``compute_dtype``; the result comes out in it.
+* ``float32``: numerically sensitive primitives (exponentials, logarithms,
+  powers, reductions, cumulative sums, ``erf``, ``logistic``...). Floating
+  inputs narrower than float32 are cast to float32; the result is float32.
+  Softmax, log-softmax, logsumexp, normalisation statistics and the losses
+  built from them run in float32 because their parts are here.
+* ``promote``: primitives that run in whatever dtype arrives: elementwise
+  arithmetic and comparisons, shape and indexing operations, ``select_n``,
+  ``concatenate``... Floating inputs that shared one dtype in the traced
+  program are promoted to the widest dtype they now arrive in (Python scalars
+  and weakly typed values follow the others rather than widening them).
+
+Every other primitive (collectives, custom derivative rules, scatters, random
+number generation, primitives of other libraries) runs as traced: floating
+inputs are cast back to the dtypes they had in the traced program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from jax import lax
+
+
+def _names(*attributes: str) -> frozenset[str]:
+    """Primitive names of ``jax.lax.<attribute>`` objects; those a JAX version lacks are skipped."""
+    return frozenset(p.name for p in (getattr(lax, a, None) for a in attributes) if p is not None)
+
+
+COMPUTE_PRIMITIVES = _names("dot_general_p", "conv_general_dilated_p")
+
+FLOAT32_PRIMITIVES = _names(
+    "exp_p",
+    "exp2_p",
+    "log_p",
+    "log1p_p",
+    "expm1_p",
+    "pow_p",
+    "integer_pow_p",
+    "square_p",
+    "rsqrt_p",
+    "tan_p",
+    "acos_p",
+    "asin_p",
+    "cosh_p",
+    "sinh_p",
+    "logistic_p",
+    "erf_p",
+    "erfc_p",
+    "erf_inv_p",
+    "lgamma_p",
+    "digamma_p",
+    "reduce_sum_p",
+    "reduce_max_p",
+    "reduce_min_p",
+    "reduce_prod_p",
+    "cumsum_p",
+    "cumprod_p",
+    "cumlogsumexp_p",
+)
+
+PROMOTE_PRIMITIVES = _names(
+    # elementwise binary and ternary arithmetic, comparisons
+    "add_p",
+    "sub_p",
+    "mul_p",
+    "div_p",
+    "rem_p",
+    "max_p",
+    "min_p",
+    "atan2_p",
+    "nextafter_p",
+    "eq_p",
+    "ne_p",
+    "lt_p",
+    "le_p",
+    "gt_p",
+    "ge_p",
+    "select_n_p",
+    "clamp_p",
+    # elementwise unary
+    "neg_p",
+    "sign_p",
+    "abs_p",
+    "floor_p",
+    "ceil_p",
+    "round_p",
+    "is_finite_p",
+    "sqrt_p",
+    "cbrt_p",
+    "tanh_p",
+    "sin_p",
+    "cos_p",
+    "atan_p",
+    "stop_gradient_p",
+    "reduce_precision_p",
+    # shapes, indexing, order
+    "broadcast_in_dim_p",
+    "reshape_p",
+    "transpose_p",
+    "squeeze_p",
+    "rev_p",
+    "slice_p",
+    "dynamic_slice_p",
+    "dynamic_update_slice_p",
+    "gather_p",
+    "concatenate_p",
+    "pad_p",
+    "split_p",
+    "copy_p",
+    "sharding_constraint_p",
+    "argmax_p",
+    "argmin_p",
+    "cummax_p",
+    "cummin_p",
+    "sort_p",
+    "reduce_window_max_p",
+    "reduce_window_min_p",
+    "reduce_window_sum_p",
+    "optimization_barrier_p",
+) | {"add_any"}  # the sum of two cotangents, when ``fun`` takes gradients itself
+
+
+def _primitive_names(value: Iterable[Any], field: str) -> frozenset[str]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"AutocastRules.{field} must be a set of primitive names, got {type(value).__name__}: "
+            f"{value!r}."
+        )
+    names = []
+    for item in value:
+        name = getattr(item, "name", item)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"AutocastRules.{field} holds {item!r}; expected primitive names such as "
+                f"{lax.exp_p.name!r} or primitives such as jax.lax.exp_p."
+            )
+        names.append(name)
+    return frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastRules:
+    """Which primitives :func:`jaxamp.autocast` runs in the compute dtype, in float32, or as given.
+
+    Frozen and hashable. Start from :data:`jaxamp.AUTOCAST_RULES` and replace a
+    field to change it; entries may be primitive names or primitives
+    (``jax.lax.tanh_p``). A primitive in two sets follows the first of
+    ``compute``, ``float32``, ``promote``; a primitive in none runs as traced.
+
+    Attributes:
+      compute: primitives whose floating operands are cast to the compute dtype
+        (``dot_general``, ``conv_general_dilated``).
+      float32: primitives whose floating inputs are cast up to float32.
+      promote: primitives that run in the dtype their inputs arrive in.
+
+    Example:
+      >>> import dataclasses, jax
+      >>> import jaxamp
+      >>> rules = dataclasses.replace(
+      ...     jaxamp.AUTOCAST_RULES, float32=jaxamp.AUTOCAST_RULES.float32 | {jax.lax.tanh_p}
+      ... )
+      >>> rules.rule_for("tanh"), jaxamp.AUTOCAST_RULES.rule_for("tanh")
+      ('float32', 'promote')
+    """
+
+    compute: frozenset[str] = COMPUTE_PRIMITIVES
+    float32: frozenset[str] = FLOAT32_PRIMITIVES
+    promote: frozenset[str] = PROMOTE_PRIMITIVES
+
+    def __post_init__(self):
+        for field in ("compute", "float32", "promote"):
+            object.__setattr__(self, field, _primitive_names(getattr(self, field), field))
+
+    def rule_for(self, name: str) -> str:
+        """``"compute"``, ``"float32"``, ``"promote"`` or ``"traced"`` for a primitive name."""
+        for field in ("compute", "float32", "promote"):
+            if name in getattr(self, field):
+                return field
+        return "traced"
+
+
+AUTOCAST_RULES = AutocastRules()
