@@ -221,6 +221,19 @@ def test_outputs_come_back_in_their_traced_dtypes_and_static_values_pass_through
     _assert_close(eager["y"], fun(w, x, jnp.tanh, scale=2.0)["y"], "bfloat16")
 
 
+def test_strong_outputs_stay_strong_and_numpy_strings_stay_static():
+    def fun(x, activation):
+        aux = jnp.sum(jnp.full((4,), 0.5))  # a weakly typed value made strong by a convert
+        return getattr(jax.nn, str(activation))(x @ x.T), aux
+
+    x, names = jnp.ones((3, 4)), np.array(["tanh", "relu"])
+    out, aux = jaxamp.autocast(fun)(x, names[0])
+    _, expected = fun(x, names[0])
+    half = jnp.ones(2, jnp.bfloat16)
+    assert (aux * half).dtype == (expected * half).dtype == jnp.float32
+    _assert_close(out, fun(x, names[0])[0], "bfloat16")
+
+
 @pytest.mark.parametrize("policy", MIXED)
 def test_autocast_float32_keeps_a_functions_matmul_in_float32(policy):
     @jaxamp.autocast_float32

@@ -229,7 +229,9 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
 
 
 def _convert(eqn: Any, env: _Env) -> list[Any]:
-    """``convert_element_type``: skipped when the value already has the new dtype."""
+    """``convert_element_type``: skipped when the value already has the new dtype (and
+    the convert does not change weak typing: one that makes a weakly typed value strong
+    is kept, or the output would promote differently in the caller)."""
     (atom,) = eqn.invars
     current = env.dtype(atom)
     new_dtype = eqn.params.get("new_dtype")
@@ -238,6 +240,7 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
         and _is_float(current)
         and np.dtype(current) == np.dtype(new_dtype)
         and not eqn.params.get("weak_type", False)
+        and not getattr(atom.aval, "weak_type", False)
         and eqn.params.get("sharding") is None
     ):
         return [env.read(atom)]

@@ -143,12 +143,19 @@ def validate_residuals(residuals: str) -> str:
     return residuals
 
 
+def _is_numeric_array(x: Any) -> bool:
+    """JAX arrays, and NumPy arrays and scalars JAX can take (not strings or objects)."""
+    if isinstance(x, jax.Array):
+        return True
+    return isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "biufcV"
+
+
 def partition_arrays(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
     """``(arrays, rebuild)``: the array leaves of ``tree``, and a function that puts
     new arrays in their places, keeping the other leaves (numbers, strings,
     callables) as they are. Lets a transformation hold non-array arguments static."""
     leaves, treedef = jax.tree.flatten(tree)
-    mask = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+    mask = [_is_numeric_array(x) for x in leaves]
 
     def rebuild(arrays: Sequence[Any]) -> Any:
         it = iter(arrays)
