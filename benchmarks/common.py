@@ -44,9 +44,13 @@ def environment() -> dict[str, Any]:
         env["torch_threads"] = torch.get_num_threads()
     except ImportError:
         env["torch"] = None
-    flags = _cpu_flags()
-    env["cpu_bf16_flags"] = sorted(f for f in flags if "bf16" in f or f.startswith("amx"))
-    env["cpu_model"] = _cpu_model()
+    from jaxamp._src.environment import environment as jaxamp_environment
+
+    shared = jaxamp_environment()  # CPU model and 16-bit flags, read from /proc/cpuinfo
+    env["cpu_model"] = shared["cpu_model"]
+    env["cpu_bf16_flags"] = shared["cpu_bf16_features"]
+    env["cpu_fp16_flags"] = shared["cpu_fp16_features"]
+    env["matmul_form"] = shared["matmul_form"]
     return env
 
 
@@ -57,28 +61,6 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def summarize(times: Sequence[float]) -> dict[str, float]:

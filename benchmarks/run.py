@@ -65,6 +65,13 @@ SUITES = {
         warmup=3,
         repeats=5,
     ),
+    # The 16-bit GEMM shapes on a CPU: 4 x 768 BERT and GPT-2 (see benchmarks/specs.py).
+    "cpu-transformers": Suite(
+        alternate_frameworks=False,
+        models=(("bert4-128", 8), ("gpt2-4-128", 4)),
+        warmup=3,
+        repeats=7,
+    ),
     # One H200 in about 8 minutes: three models, every variant, torch.compile for bf16 only
     # (its compilation takes minutes), largest-batch estimates for fp32 and bf16.
     "gpu": Suite(

@@ -91,6 +91,10 @@ class ModelSpec:
 # step on a CPU without bf16 units): 4 layers, width 256, both frameworks alike.
 _SMALL_BERT = BertConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
 _SMALL_GPT2 = GPT2Config(hidden_size=256, num_layers=4, num_heads=4)
+# BERT- and GPT-2-shaped layers at full width, fewer of them (4 x 768): the shape on which
+# 16-bit GEMMs pay on a CPU with bf16 units, at a step time a 2-core machine can repeat.
+_BERT4 = BertConfig(num_layers=4)
+_GPT2_4 = GPT2Config(num_layers=4)
 _TINY_BERT = BertConfig(
     vocab_size=512,
     hidden_size=32,
@@ -113,6 +117,8 @@ SPECS: dict[str, ModelSpec] = {
         ModelSpec("gpt2-256", "gpt2", seq_len=256, config=GPT2Config()),
         ModelSpec("bert-small-128", "bert", seq_len=128, config=_SMALL_BERT),
         ModelSpec("gpt2-small-256", "gpt2", seq_len=256, config=_SMALL_GPT2),
+        ModelSpec("bert4-128", "bert", seq_len=128, config=_BERT4),
+        ModelSpec("gpt2-4-128", "gpt2", seq_len=128, config=_GPT2_4),
         ModelSpec(
             "resnet-tiny", "resnet", image=32, channels=3, num_classes=10, config=((1, 1), 8)
         ),

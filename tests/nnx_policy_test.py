@@ -9,6 +9,8 @@ from flax import nnx
 from nnx_models import ConvBlock, ResNet, Transformer
 
 import jaxamp
+from jaxamp._src.layers import nnx_promote_keeping_kernel
+from jaxamp._src.matmul import DotGeneral
 
 DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 IMAGES = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
@@ -60,7 +62,9 @@ def test_layer_settings():
     layer = model.layers[0]
     assert layer.up.dtype == jnp.bfloat16 and layer.norm1.dtype == jnp.bfloat16
     assert layer.attn.attention_fn is jaxamp.dot_product_attention
-    assert layer.attn.query.precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+    # The 16-bit matmul rule is the projection's dot_general; the kernel is left to it.
+    assert layer.attn.query.dot_general == DotGeneral(jnp.bfloat16)
+    assert layer.attn.query.promote_dtype is nnx_promote_keeping_kernel
     assert isinstance(model, Transformer)
     # Embedding lookups gather in float32 and cast the rows.
     assert model.embed.embedding.dtype == jnp.float32

@@ -16,7 +16,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from jaxamp._src.matmul import DotGeneral
 
 Array = jax.Array
 
@@ -106,8 +109,9 @@ def dot_product_attention(
       dropout_rate: dropout probability on the attention weights.
       deterministic: disables dropout.
       dtype: compute dtype of the matmuls (default: promoted from the inputs).
-      precision: ``precision`` of the two matmuls (a ``lax.Precision`` or a dot
-        algorithm such as ``"BF16_BF16_F32"``).
+      precision: ``precision`` of the two matmuls (a ``lax.Precision``); with a
+        16-bit ``dtype`` they run under jaxamp's matmul rule (16-bit operands,
+        float32 accumulation, forward and backward).
       module: the Flax module to sow the attention weights into, or ``None``.
       is_causal: apply a causal mask.
       qk_attn_weights_einsum: optional replacement for the query-key ``einsum``.
@@ -128,8 +132,9 @@ def dot_product_attention(
         key = jnp.repeat(key, q_heads // kv_heads, axis=-2)
         value = jnp.repeat(value, q_heads // kv_heads, axis=-2)
 
-    qk_einsum = qk_attn_weights_einsum or jnp.einsum
-    wv_einsum = attn_weights_value_einsum or jnp.einsum
+    rule_einsum = DotGeneral(dtype).einsum if np.dtype(dtype).itemsize == 2 else jnp.einsum
+    qk_einsum = qk_attn_weights_einsum or rule_einsum
+    wv_einsum = attn_weights_value_einsum or rule_einsum
     query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
     logits = qk_einsum("...qhd,...khd->...hqk", query, key, precision=precision)
     weights = softmax_float32(logits, bias, mask, is_causal, dtype)

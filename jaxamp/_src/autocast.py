@@ -103,8 +103,8 @@ def autocast(
       ...     return jax.nn.log_softmax(x @ w)
       >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
       >>> report = jaxamp.precision_report(autocast(layer, "mixed_bfloat16"))(w, x)
-      >>> [(op.lhs_dtype, op.result_dtype) for op in report.ops]
-      [('bfloat16', 'bfloat16')]
+      >>> [(op.lhs_dtype, op.rhs_dtype, op.result_dtype) for op in report.ops]
+      [('bfloat16', 'bfloat16', 'float32')]
       >>> jax.jit(autocast(layer))(w, x).dtype
       dtype('float32')
     """

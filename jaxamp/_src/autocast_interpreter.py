@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src.autocast_rules import AutocastRules
-from jaxamp._src.backend import dot_algorithm
+from jaxamp._src.matmul import amp_conv_from_params, amp_dot_general
 from jaxamp._src.policy import Policy
 
 # The name scope that marks equations to be evaluated exactly as traced.
@@ -186,45 +185,29 @@ def _is_default_precision(precision: Any) -> bool:
     )
 
 
-def _cpu_degenerate(eqn: Any) -> bool:
-    """Whether a ``dot_general`` is one XLA:CPU emits element by element.
-
-    XLA:CPU rejects dot algorithms on such dots (a vector product, a side or a
-    contraction of size 1: "Algorithm not supported by the ElementalIrEmitter"),
-    in the forward pass and in the transposed dots of the backward pass. They
-    keep the backend default, which on a CPU computes in float32 anyway.
-    """
-    if jax.default_backend() != "cpu":
-        return False
-    lhs, rhs = (a.aval.shape for a in eqn.invars[:2])
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = eqn.params["dimension_numbers"]
-
-    def free(shape, contract, batch):
-        return math.prod(d for i, d in enumerate(shape) if i not in (*contract, *batch))
-
-    try:
-        sizes = (
-            free(lhs, lhs_contract, lhs_batch),
-            free(rhs, rhs_contract, rhs_batch),
-            math.prod(lhs[i] for i in lhs_contract),
-        )
-        return min(sizes) <= 1
-    except (TypeError, jex.core.InconclusiveDimensionOperation):  # symbolic shapes
-        return False
-
-
 def _compute(eqn: Any, env: _Env) -> list[Any]:
-    """A matmul or convolution on compute-dtype operands, with a compute-dtype result."""
+    """A matmul or convolution on compute-dtype operands, with a compute-dtype result.
+
+    A 16-bit compute dtype runs it under the matmul rule (:mod:`jaxamp._src.matmul`),
+    which casts the operands itself, so a float32 weight's 16-bit copy is not
+    saved for the backward pass and its gradient comes out in float32.
+    """
     if not all(_is_float(_traced_dtype(a)) for a in eqn.invars[:2]):
         return _as_traced(eqn, env)  # integer matmuls are left alone
     compute = env.policy.compute_dtype
     params = dict(eqn.params)
+    if np.dtype(compute).itemsize == 2:
+        lhs, rhs = (env.read(a) for a in eqn.invars)
+        if eqn.primitive is lax.dot_general_p:
+            dims = params["dimension_numbers"]
+            return [
+                amp_dot_general(
+                    lhs, rhs, dims, params.get("precision"), None, compute_dtype=compute
+                )
+            ]
+        return [amp_conv_from_params(lhs, rhs, params, compute)]
     if _is_float(params.get("preferred_element_type")):
         params["preferred_element_type"] = None
-    if eqn.primitive is lax.dot_general_p and _is_default_precision(params.get("precision")):
-        algorithm = dot_algorithm(compute)
-        if algorithm is not None and not _cpu_degenerate(eqn):
-            params["precision"] = algorithm
     return _bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
 
 

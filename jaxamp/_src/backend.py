@@ -97,6 +97,11 @@ def _algorithm_supported(platform: str, capability: float | None, dtype_name: st
 def dot_algorithm(compute_dtype: Any, device: Any = None) -> lax.DotAlgorithmPreset | None:
     """The dot algorithm that makes 16-bit operands accumulate in float32, if the backend has it.
 
+    jaxamp's layers and ``autocast`` no longer use it: they run the 16-bit
+    matmul rule (``jaxamp/_src/matmul.py``), whose float32-result GEMMs XLA:CPU
+    runs on its bf16 kernels where this algorithm runs no faster than float32.
+    It stays for code that sets ``precision=`` itself.
+
     With ``precision=BF16_BF16_F32`` (or ``F16_F16_F32``) a ``dot_general`` takes
     16-bit operands, returns a 16-bit result and states float32 accumulation in
     the lowered program, in the forward pass and in the transposed dots of the

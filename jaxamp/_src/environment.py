@@ -18,7 +18,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _cpu_info() -> tuple[str, set[str]]:
+def cpu_info() -> tuple[str, set[str]]:
     model, flags = platform.processor(), set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -40,7 +40,7 @@ def environment() -> dict[str, Any]:
       >>> sorted(k for k in env if k in ("jax", "backend", "device"))
       ['backend', 'device', 'jax']
     """
-    cpu_model, flags = _cpu_info()
+    cpu_model, flags = cpu_info()
     device = jax.devices()[0]
     env: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -58,7 +58,11 @@ def environment() -> dict[str, Any]:
         "cpu_model": cpu_model,
         "cpu_count": os.cpu_count(),
         "cpu_bf16_features": sorted(f for f in flags if "bf16" in f or f.startswith("amx")),
+        "cpu_fp16_features": sorted(f for f in flags if "fp16" in f),
     }
+    from jaxamp._src.matmul import matmul_form  # the 16-bit GEMM form this machine gets
+
+    env["matmul_form"] = matmul_form().name
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         env["compute_capability"] = str(capability)
@@ -66,7 +70,13 @@ def environment() -> dict[str, Any]:
 
 
 def describe_hardware(env: dict[str, Any]) -> str:
-    """A one-line name for the hardware, e.g. ``"NVIDIA H200"`` or ``"cpu: AMD EPYC (2 cores)"``."""
+    """A one-line name for the hardware, e.g. ``"NVIDIA H200"``.
+
+    On a CPU: the model, the core count and the 16-bit flags of /proc/cpuinfo,
+    e.g. ``"cpu: AMD EPYC (2 cores; avx512_bf16)"``.
+    """
     if env.get("backend") == "cpu":
-        return f"cpu: {env.get('cpu_model')} ({env.get('cpu_count')} cores)"
+        units = [*env.get("cpu_bf16_features", ()), *env.get("cpu_fp16_features", ())]
+        listed = ", ".join(units) if units else "no bf16/fp16 flags"
+        return f"cpu: {env.get('cpu_model')} ({env.get('cpu_count')} cores; {listed})"
     return str(env.get("device"))

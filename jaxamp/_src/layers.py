@@ -6,8 +6,11 @@ the precision of its matmuls. Applying a policy to an unmodified model means
 setting those attributes on every layer, plus three things Flax's defaults do
 not give:
 
-* matmul layers get ``precision=BF16_BF16_F32`` (or ``F16_F16_F32``) where the
-  backend has it, so float32 accumulation is stated in the program;
+* matmul and convolution layers get the 16-bit matmul rule
+  (:mod:`jaxamp._src.matmul`) as their ``dot_general``, ``einsum_op`` or
+  ``conv_general_dilated``, and a ``promote_dtype`` that leaves the float32
+  kernel to the rule, which casts it to 16 bits on both passes and gives it a
+  float32 gradient straight from the weight-gradient GEMM;
 * attention layers that use Flax's default ``attention_fn`` get
   :func:`jaxamp.dot_product_attention` (16-bit matmuls, float32 softmax);
 * embedding lookups gather in the parameter dtype and cast the gathered rows,
@@ -20,34 +23,23 @@ makes them emit compute-dtype activations.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.linen import dtypes as linen_dtypes
+from flax.nnx.nn import dtypes as nnx_dtypes
+from jax import lax
 
 from jaxamp._src import attention
-from jaxamp._src.backend import dot_algorithm
+from jaxamp._src.matmul import ConvGeneralDilated, DotGeneral
 from jaxamp._src.policy import Policy, get_policy
 
-# Layers whose matmuls take a ``precision``; they get a float32-accumulating dot algorithm.
-DOT_LAYERS: tuple[type, ...] = (
-    nn.Dense,
-    nn.DenseGeneral,
-    nn.Einsum,
-    nn.MultiHeadDotProductAttention,
-    nn.MultiHeadAttention,
-    nnx.Linear,
-    nnx.LinearGeneral,
-    nnx.Einsum,
-    nnx.MultiHeadAttention,
-)
 EMBED_LAYERS: tuple[type, ...] = (nn.Embed, nnx.Embed)
 _FLAX_ATTENTION_FNS = (nn.dot_product_attention, nnx.dot_product_attention)
 
@@ -61,26 +53,17 @@ class LayerPlan:
     Attributes:
       attributes: ``(name, value)`` pairs to set on the layer.
       cast_output_to: dtype to cast the floating outputs to, or ``None``.
-      matmul_precision: ``jax.default_matmul_precision`` for the call, for a layer
-        whose matmul takes no ``precision`` (``Embed.attend``), or ``None``.
+      matmul: the rule for a method Flax gives no matmul hook
+        (``Embed.attend``, ``linen.Einsum``), which jaxamp then runs itself
+        (see :func:`run_unhooked`), or ``None``.
     """
 
     attributes: tuple[tuple[str, Any], ...] = ()
     cast_output_to: Any = None
-    matmul_precision: Any = None
+    matmul: DotGeneral | None = None
 
     def __bool__(self) -> bool:
-        return (
-            bool(self.attributes)
-            or self.cast_output_to is not None
-            or self.matmul_precision is not None
-        )
-
-    def context(self):
-        """The matmul-precision context to run the call in."""
-        if self.matmul_precision is None:
-            return contextlib.nullcontext()
-        return jax.default_matmul_precision(self.matmul_precision.name)
+        return bool(self.attributes) or self.cast_output_to is not None or self.matmul is not None
 
 
 def _is_float_setting(value: Any) -> bool:
@@ -106,25 +89,111 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
       A :class:`LayerPlan`; empty when the module has nothing to set.
     """
     attrs: dict[str, Any] = {}
-    cast_output_to = matmul_precision = None
+    cast_output_to = matmul = None
     if hasattr(module, "param_dtype") and _is_float_setting(module.param_dtype):
         attrs["param_dtype"] = policy.param_dtype
     if hasattr(module, "dtype") and _is_float_setting(module.dtype):
         attrs["dtype"] = policy.compute_dtype
+    sixteen_bit = policy.compute_dtype.itemsize == 2
     if isinstance(module, EMBED_LAYERS):
-        if method_name == "attend":  # a matmul against the table, with no precision field
-            matmul_precision = dot_algorithm(policy.compute_dtype)
+        if method_name == "attend":  # a matmul against the table, with no hook
+            matmul = DotGeneral(policy.compute_dtype) if sixteen_bit else None
         else:  # gather in the table's dtype, then cast the rows (see the module docstring)
             attrs.pop("dtype", None)
             cast_output_to = policy.compute_dtype
-    if isinstance(module, (*DOT_LAYERS, *EMBED_LAYERS)) and getattr(module, "precision", 1) is None:
-        algorithm = dot_algorithm(policy.compute_dtype)
-        if algorithm is not None:
-            attrs["precision"] = algorithm
+    elif isinstance(module, nn.Einsum) and sixteen_bit and method_name == "__call__":
+        matmul = DotGeneral(policy.compute_dtype)
+    elif sixteen_bit:
+        attrs.update(_matmul_hooks(module, policy.compute_dtype))
     if getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
         attrs["attention_fn"] = attention.dot_product_attention
     changed = tuple((k, v) for k, v in attrs.items() if getattr(module, k) is not v)
-    return LayerPlan(changed, cast_output_to, matmul_precision)
+    return LayerPlan(changed, cast_output_to, matmul)
+
+
+# A layer's matmul hook, the functions Flax puts there by default, and the rule's factory.
+_HOOKS = (
+    ("dot_general", (None, lax.dot_general), DotGeneral),
+    ("conv_general_dilated", (None, lax.conv_general_dilated), ConvGeneralDilated),
+    ("einsum_op", (jnp.einsum,), lambda dtype: DotGeneral(dtype).einsum),
+)
+_FLAX_PROMOTES = (linen_dtypes.promote_dtype, nnx_dtypes.promote_dtype)
+
+
+def _matmul_hooks(module: Any, compute_dtype: Any) -> dict[str, Any]:
+    """The rule in the layer's matmul hook, and a ``promote_dtype`` that leaves it the kernel."""
+    if (
+        getattr(module, "dot_general_cls", None) is not None
+        or getattr(module, "conv_general_dilated_cls", None) is not None
+    ):
+        return {}  # a user's own matmul class (quantisation, say): leave it alone
+    for name, defaults, rule in _HOOKS:
+        if hasattr(module, name) and any(getattr(module, name) is d for d in defaults):
+            hooks = {name: rule(compute_dtype)}
+            promote = getattr(module, "promote_dtype", None)
+            if promote is linen_dtypes.promote_dtype:
+                hooks["promote_dtype"] = promote_keeping_kernel
+            elif promote is nnx_dtypes.promote_dtype:
+                hooks["promote_dtype"] = nnx_promote_keeping_kernel
+            return hooks
+    return {}
+
+
+def promote_keeping_kernel(*args: Any, dtype: Any = None, inexact: bool = True) -> list[Any]:
+    """Flax Linen's ``promote_dtype``, but the kernel (second argument) keeps its dtype.
+
+    The matmul rule casts the kernel itself, so that the backward pass keeps no
+    16-bit copy of it and its gradient leaves the GEMM in float32.
+    """
+    out = list(linen_dtypes.promote_dtype(*args, dtype=dtype, inexact=inexact))
+    if len(args) > 1 and args[1] is not None:
+        out[1] = args[1]
+    return out
+
+
+def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
+    """:func:`promote_keeping_kernel` with Flax NNX's signature."""
+    out = nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
+    if len(args) > 1 and args[1] is not None:
+        out = type(out)((out[0], args[1], *out[2:]))
+    return out
+
+
+def run_unhooked(module: Any, plan: LayerPlan, method: Callable[..., Any], *args, **kwargs):
+    """Runs a method Flax gives no matmul hook (``Embed.attend``, ``linen.Einsum``).
+
+    Args:
+      module: the (bound) layer.
+      plan: its plan, whose ``matmul`` is set.
+      method: the original method, for what the rule does not cover.
+      *args: the method's arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      What the method returns, with its matmul under the rule.
+    """
+    rule = plan.matmul
+    if isinstance(module, EMBED_LAYERS):
+        (query,) = args
+        table = module.embedding
+        table = table[...] if isinstance(table, nnx.Variable) else table
+        dn = (((query.ndim - 1,), (1,)), ((), ()))
+        return rule(query.astype(rule.compute_dtype), table, dn)
+    return _linen_einsum(module, rule, *args, **kwargs)
+
+
+def _linen_einsum(module: nn.Einsum, rule: DotGeneral, inputs, einsum_str=None):
+    """``flax.linen.Einsum.__call__`` with its contraction under the rule."""
+    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+    kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+    y = rule.einsum(
+        einsum_str, inputs.astype(rule.compute_dtype), kernel, precision=module.precision
+    )
+    if module.use_bias:
+        bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+        bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+        y += jnp.reshape(bias.astype(rule.compute_dtype), broadcast_shape)
+    return y
 
 
 def normalize_overrides(

@@ -79,8 +79,11 @@ class PolicyModule:
         plan = layers.plan_layer(module, policy, context.method_name)
         if not plan:
             return next_fun(*args, **kwargs)
-        with _temporarily_set(module, plan.attributes), plan.context():
-            out = next_fun(*args, **kwargs)
+        with _temporarily_set(module, plan.attributes):
+            if plan.matmul is not None:
+                out = layers.run_unhooked(module, plan, next_fun, *args, **kwargs)
+            else:
+                out = next_fun(*args, **kwargs)
         if plan.cast_output_to is not None:
             out = cast_floating(out, plan.cast_output_to)
         return out
@@ -148,8 +151,9 @@ def apply_policy(
     ``Einsum``, ``Conv``, ``ConvTranspose``, ``Embed``, the attention and
     normalisation layers, and your own modules that have ``dtype``/``param_dtype``
     fields) runs with ``dtype=compute_dtype`` and creates its params in
-    ``param_dtype``; matmuls accumulate in float32 (see
-    :func:`jaxamp.dot_algorithm`), attention's softmax and normalisation
+    ``param_dtype``; matmuls and convolutions run under jaxamp's 16-bit matmul rule
+    (16-bit operands, float32 accumulation, forward and backward, float32 weight
+    gradients; see ``jaxamp/_src/matmul.py``), attention's softmax and normalisation
     statistics are computed in float32, ``batch_stats`` stay float32. Arithmetic
     a custom module writes itself (``x @ self.param(...)``) follows JAX's type
     promotion; :func:`jaxamp.autocast` covers such code.

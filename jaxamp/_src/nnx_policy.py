@@ -67,15 +67,10 @@ def _embed_call(self, *args, **kwargs):
 def _embed_attend(self, *args, **kwargs):
     """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
     plan: layers.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
-    saved = [(name, getattr(self, name)) for name, _ in plan.attributes]
-    try:
-        for name, value in plan.attributes:
-            object.__setattr__(self, name, value)
-        with plan.context():
-            return type(self).__mro__[1].attend(self, *args, **kwargs)
-    finally:
-        for name, value in saved:
-            object.__setattr__(self, name, value)
+    attend = functools.partial(type(self).__mro__[1].attend, self)
+    if plan.matmul is None:
+        return attend(*args, **kwargs)
+    return layers.run_unhooked(self, plan, attend, *args, **kwargs)
 
 
 @functools.cache
@@ -105,8 +100,9 @@ def apply_policy(
     """Puts an existing NNX model under a precision policy, in place, and returns it.
 
     Every layer gets the settings :func:`jaxamp.linen.apply_policy` gives Linen
-    layers (``dtype``, ``param_dtype``, a float32-accumulating matmul
-    ``precision``, a float32-softmax ``attention_fn``); existing parameters are
+    layers (``dtype``, ``param_dtype``, the 16-bit matmul rule as the layer's
+    ``dot_general``/``einsum_op``/``conv_general_dilated``, a float32-softmax
+    ``attention_fn``); existing parameters are
     cast to their layer's ``param_dtype``; ``BatchStat`` variables stay float32.
     The model's ``__call__`` casts floating inputs to the compute dtype and its
     outputs to the output dtype. The model keeps its class for ``isinstance``
