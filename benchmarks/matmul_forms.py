@@ -32,12 +32,9 @@ from benchmarks.common import (
     time_alternating,
     write_results,
 )
+from jaxamp._src.backend import dot_algorithm
 from jaxamp._src.matmul import FORMS, amp_dot_general
 
-_ALG = {
-    "bfloat16": lax.DotAlgorithmPreset.BF16_BF16_F32,
-    "float16": lax.DotAlgorithmPreset.F16_F16_F32,
-}
 _FWD = (((1,), (0,)), ((), ()))
 _DW = (((0,), (0,)), ((), ()))
 
@@ -49,13 +46,9 @@ def _gemms(n: int, dtype) -> dict[str, tuple]:
     a, b = a32.astype(dtype), b32.astype(dtype)
     name = jnp.dtype(dtype).name
     f32 = jnp.float32
-    return {
+    cases = {
         "float32": (lambda x, y: lax.dot_general(x, y, _FWD, precision="highest"), (a32, b32)),
         f"{name} -> {name}": (lambda x, y: lax.dot_general(x, y, _FWD), (a, b)),
-        f"{name}, precision={_ALG[name].name}": (
-            lambda x, y: lax.dot_general(x, y, _FWD, precision=_ALG[name]),
-            (a, b),
-        ),
         f"{name}, preferred float32, (1),(0)": (
             lambda x, y: lax.dot_general(x, y, _FWD, preferred_element_type=f32),
             (a, b),
@@ -65,6 +58,13 @@ def _gemms(n: int, dtype) -> dict[str, tuple]:
             (a, b),
         ),
     }
+    algorithm = dot_algorithm(dtype)  # None where the backend refuses it (F16_F16_F32 on CPU)
+    if algorithm is not None:
+        cases[f"{name}, precision={algorithm.name}"] = (
+            lambda x, y: lax.dot_general(x, y, _FWD, precision=algorithm),
+            (a, b),
+        )
+    return cases
 
 
 def _dense_steps(batch: int, features: int, dtype) -> dict[str, tuple]:
@@ -78,13 +78,14 @@ def _dense_steps(batch: int, features: int, dtype) -> dict[str, tuple]:
         loss = lambda x, w: jnp.sum(dot(x, w).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1)), (x, w)
 
-    def algorithm(x, w):
-        return lax.dot_general(x, w.astype(dtype), _FWD, precision=_ALG[name])
-
     steps = {
         "float32": grad_of(lambda x, w: lax.dot_general(x, w, _FWD, precision="highest"), x32),
-        f"{name}, precision={_ALG[name].name}": grad_of(algorithm, x),
     }
+    algorithm = dot_algorithm(dtype)
+    if algorithm is not None:  # jaxamp's form before the rule
+        steps[f"{name}, precision={algorithm.name}"] = grad_of(
+            lambda x, w: lax.dot_general(x, w.astype(dtype), _FWD, precision=algorithm), x
+        )
     for form in FORMS.values():
         if form.name in ("gpu", "tpu"):
             continue  # on a CPU the same program as "cpu"

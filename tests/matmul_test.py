@@ -133,10 +133,15 @@ def test_cpu_form_lays_out_every_gemm_with_its_contraction_last():
 def test_matmul_form_per_backend(monkeypatch):
     assert matmul.matmul_form("gpu") is FORMS["gpu"]
     assert matmul.matmul_form("tpu") is FORMS["tpu"]
-    monkeypatch.setattr(matmul, "_cpu_has_16bit_units", lambda: True)
+    flags = {"avx2", "avx512_bf16"}
+    monkeypatch.setattr(matmul, "cpu_info", lambda: ("a CPU", flags))
+    matmul._cpu_has_16bit_units.cache_clear()
     assert matmul.matmul_form("cpu") is FORMS["cpu-bf16-units"]
-    monkeypatch.setattr(matmul, "_cpu_has_16bit_units", lambda: False)
+    assert matmul.matmul_form("cpu", jnp.float16) is FORMS["cpu"]  # no avx512_fp16
+    flags.discard("avx512_bf16")
+    matmul._cpu_has_16bit_units.cache_clear()
     assert matmul.matmul_form("cpu") is FORMS["cpu"]
+    matmul._cpu_has_16bit_units.cache_clear()
 
 
 @pytest.mark.parametrize("form", ["cpu-bf16-units", "cpu"])

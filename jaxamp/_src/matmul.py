@@ -27,9 +27,9 @@ when tracing, from the default backend and, on CPU, from ``/proc/cpuinfo``:
 backend                     form
 ==========================  ===========================================================
 CPU with ``avx512_bf16``    16-bit operands, float32 accumulation; operands laid out
-or ``amx_bf16``             ``[batch, free, contracting]`` (a 2-D right operand may be
-                            ``[contracting, free]``), transposes materialised where the
-                            layout differs, because XLA:CPU runs only those layouts on
+or ``amx_bf16`` (float16:   ``[batch, free, contracting]`` (a 2-D right operand may be
+``avx512_fp16``,            ``[contracting, free]``), transposes materialised where the
+``amx_fp16``)               layout differs, because XLA:CPU runs only those layouts on
                             its bf16 kernels (a weight-gradient dot, contracting dim 0
                             of both operands, otherwise runs in float32)
 other CPUs                  16-bit operands, float32 accumulation, XLA's layouts
@@ -59,7 +59,12 @@ from jax.custom_derivatives import SymbolicZero
 from jaxamp._src.environment import cpu_info
 
 _F32 = np.dtype(np.float32)
-_CPU_16BIT_UNITS = ("avx512_bf16", "amx_bf16")
+# The /proc/cpuinfo flags of CPUs with 16-bit GEMM units, per dtype. float16 was not
+# measured here (no such CPU at hand); on CPUs without them float16 gains nothing.
+_CPU_16BIT_UNITS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16"),
+    "float16": ("avx512_fp16", "amx_fp16"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +90,13 @@ FORMS = {
 
 
 @functools.cache
-def _cpu_has_16bit_units() -> bool:
-    return any(flag in cpu_info()[1] for flag in _CPU_16BIT_UNITS)
+def _cpu_has_16bit_units(dtype_name: str = "bfloat16") -> bool:
+    flags = _CPU_16BIT_UNITS.get(dtype_name, ())
+    return any(flag in cpu_info()[1] for flag in flags)
 
 
-def matmul_form(platform: str | None = None) -> MatmulForm:
-    """The form of the 16-bit GEMMs on ``platform`` (default: the default backend).
+def matmul_form(platform: str | None = None, dtype: Any = jnp.bfloat16) -> MatmulForm:
+    """The form of the 16-bit GEMMs in ``dtype`` on ``platform`` (default: the default backend).
 
     Example:
       >>> matmul_form("gpu").name
@@ -98,7 +104,8 @@ def matmul_form(platform: str | None = None) -> MatmulForm:
     """
     platform = jax.default_backend() if platform is None else platform
     if platform == "cpu":
-        return FORMS["cpu-bf16-units" if _cpu_has_16bit_units() else "cpu"]
+        units = _cpu_has_16bit_units(np.dtype(dtype).name)
+        return FORMS["cpu-bf16-units" if units else "cpu"]
     if platform in ("gpu", "cuda", "rocm"):
         return FORMS["gpu"]
     return FORMS.get(platform, FORMS["tpu"])
@@ -354,7 +361,7 @@ def amp_dot_general(
     out = compute
     if preferred_element_type is not None and jnp.issubdtype(preferred_element_type, jnp.floating):
         out = np.dtype(preferred_element_type)
-    spec = _Spec(compute, out, _rule_precision(precision), form or matmul_form())
+    spec = _Spec(compute, out, _rule_precision(precision), form or matmul_form(dtype=compute))
     lhs, rhs = _same_varying_axes(lhs, rhs)
     return _amp_dot(lhs, rhs, _normalize_dimension_numbers(dimension_numbers), spec)
 
