@@ -94,7 +94,7 @@ def test_compare_writes_report_and_plots(tmp_path, capsys):
     assert [r["variant"] for r in report["runs"]] == ["fp32", "fp16"]
     assert "environment" in report and "jax" in report["environment"]
     assert "| variant |" in (out / "report.md").read_text()
-    for name in ("loss.png", "loss_scale.png", "underflow.png", "time.png"):
+    for name in ("loss.png", "loss_scale.png", "underflow.png", "time.png", "accuracy.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
 

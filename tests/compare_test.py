@@ -88,7 +88,7 @@ def test_resnet_with_batch_norm_recalibration():
 
 def test_default_variants_and_config_errors():
     assert CompareConfig().variants is None
-    with pytest.raises(ValueError, match=r"Unknown model 'vgg'\. Valid choices: resnet50"):
+    with pytest.raises(ValueError, match=r"Unknown model 'vgg'\. Valid choices: auto, resnet50"):
         CompareConfig(model="vgg")
     with pytest.raises(ValueError, match="Unknown variant 'fp8'"):
         CompareConfig(variants=("fp32", "fp8"))

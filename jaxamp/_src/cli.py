@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         choices=MODELS,
         default=defaults.model,
-        help="resnet50/resnet18 on FashionMNIST, bert on IMDB (default %(default)s)",
+        help="resnet50/resnet18 on FashionMNIST, bert on IMDB; auto: the model that shows "
+        "AMP on this machine (a BERT-shaped transformer on a CPU with bf16 units, else "
+        "ResNet50) (default %(default)s)",
     )
     compare.add_argument(
         "--variants",
@@ -78,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Adam learning rate (default 1e-3 for ResNets, 1e-4 for BERT)",
     )
     compare.add_argument("--seed", type=int, default=defaults.seed)
+    compare.add_argument(
+        "--seeds",
+        type=_positive,
+        default=defaults.seeds,
+        help="runs with seeds seed, seed+1, ...: accuracy is reported with its spread and "
+        "read against it (default %(default)s)",
+    )
     compare.add_argument(
         "--data",
         choices=DATA_SOURCES,

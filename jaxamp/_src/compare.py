@@ -21,6 +21,7 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxamp._src import data as data_lib
+from jaxamp._src.compare_stats import choose_model, merge_seeds
 from jaxamp._src.diagnostics import underflow_fraction
 from jaxamp._src.environment import environment
 from jaxamp._src.linen_policy import apply_policy
@@ -30,7 +31,7 @@ from jaxamp._src.residuals import activation_bytes
 from jaxamp._src.scale_loss import find_loss_scaled_state, value_and_grad
 from jaxamp._src.variants import Variant, default_variants, get_variant
 
-MODELS = ("resnet50", "resnet18", "bert")
+MODELS = ("auto", "resnet50", "resnet18", "bert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +39,18 @@ class CompareConfig:
     """What ``jaxamp compare`` runs; the defaults finish in minutes on a 2-core CPU.
 
     Attributes:
-      model: ``"resnet50"`` (FashionMNIST, 28x28x1), ``"resnet18"`` or ``"bert"`` (IMDB).
+      model: ``"resnet50"`` (FashionMNIST, 28x28x1), ``"resnet18"``, ``"bert"`` (IMDB),
+        or ``"auto"``: the model that shows AMP on this machine (see
+        :func:`jaxamp._src.compare_stats.choose_model`).
       variants: variant names, or ``None`` for :func:`jaxamp.default_variants`.
       epochs: passes over the training examples.
       batch_size: examples per step.
       train_examples: training examples used (``None``: all).
       test_examples: test examples evaluated (``None``: all).
       learning_rate: Adam's learning rate (``None``: 1e-3 for ResNets, 1e-4 for BERT).
-      seed: initialisation, shuffling and dropout seed.
+      seed: initialisation, shuffling and dropout seed (of the first run).
+      seeds: runs with seeds ``seed, seed + 1, ...``; test accuracy is reported
+        with its spread over them and read against that noise.
       data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see :func:`jaxamp.data.load_dataset`).
       data_dir: tensorflow-datasets data directory.
       bn_recalibration: before evaluation, run this many training batches through the
@@ -60,7 +65,7 @@ class CompareConfig:
       vocab_size: BERT vocabulary (hashing tokenizer) size.
     """
 
-    model: str = "resnet50"
+    model: str = "auto"
     variants: tuple[str, ...] | None = None
     epochs: int = 2
     batch_size: int = 32
@@ -68,6 +73,7 @@ class CompareConfig:
     test_examples: int | None = 1000
     learning_rate: float | None = None
     seed: int = 0
+    seeds: int = 1
     data: str = "auto"
     data_dir: str | None = None
     bn_recalibration: int = 20
@@ -81,7 +87,8 @@ class CompareConfig:
     def __post_init__(self):
         if self.model not in MODELS:
             raise ValueError(f"Unknown model {self.model!r}. Valid choices: {', '.join(MODELS)}.")
-        for name in ("epochs", "batch_size", "width", "layers", "hidden", "heads", "seq_len"):
+        names = ("epochs", "batch_size", "width", "layers", "hidden", "heads", "seq_len", "seeds")
+        for name in names:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.hidden % self.heads:
@@ -309,15 +316,21 @@ def compare(
     """Runs the comparison and returns the report (``runs``: one record per variant).
 
     Args:
-      config: what to run.
-      log: where to say that the dataset fell back to the embedded one.
+      config: what to run; ``model="auto"`` is resolved first (the report's
+        ``model_choice`` says to what, and why).
+      log: where to say which model runs, and that the dataset fell back to the
+        embedded one.
       dataset: a :class:`jaxamp.data.Dataset` to use instead of the model's own
         (NHWC float32 images for ResNets, int32 token ids for BERT).
 
     Returns:
-      The report: ``config``, ``model``, ``dataset``, ``steps``, ``environment``
-      and ``runs``, one record per variant.
+      The report: ``config``, ``model``, ``model_choice``, ``dataset``, ``steps``,
+      ``seeds``, ``environment`` and ``runs``, one record per variant (test accuracy
+      as the mean over seeds, with its spread and a verdict against fp32).
     """
+    config, reason = choose_model(config)
+    if reason.startswith("auto"):
+        log(reason)
     note = None
     if dataset is None:
         kind = "text" if config.model == "bert" else "images"
@@ -326,6 +339,20 @@ def compare(
         if note:
             log(note)
     dataset = dataset.subset(config.train_examples, config.test_examples)
+    per_seed = []
+    for i in range(config.seeds):
+        if config.seeds > 1:
+            log(f"seed {config.seed + i} ({i + 1} of {config.seeds})")
+        per_seed.append(_compare_once(dataclasses.replace(config, seed=config.seed + i), dataset))
+    report = merge_seeds(per_seed)
+    report["config"] = dataclasses.asdict(config)
+    report["model_choice"] = reason
+    report["dataset"]["note"] = note
+    return report
+
+
+def _compare_once(config: CompareConfig, dataset: data_lib.Dataset) -> dict[str, Any]:
+    """One seed: every variant trained side by side."""
     steps_per_epoch = len(dataset.train_x) // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(
@@ -381,7 +408,7 @@ def compare(
         "dataset": {
             "name": dataset.name,
             "source": dataset.source,
-            "note": note,
+            "note": None,
             "train_examples": len(dataset.train_x),
             "test_examples": len(dataset.test_x),
             "classes": list(dataset.class_names),

@@ -20,6 +20,10 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("activation_bytes", "activations MB", "{:.1f}"),
     ("final_loss", "final loss", "{:.4f}"),
     ("test_accuracy", "test acc", "{:.4f}"),
+    ("test_accuracy_sd", "sd over seeds", "{:.4f}"),
+    ("accuracy_vs_fp32", "vs fp32", "{:+.4f}"),
+    ("accuracy_noise", "noise (2 SE)", "{:.4f}"),
+    ("accuracy_verdict", "accuracy", "{}"),
     ("precision", "precision", "{:.4f}"),
     ("recall", "recall", "{:.4f}"),
     ("f1", "F1", "{:.4f}"),
@@ -67,6 +71,20 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"({config['epochs']} epochs), Adam, same initialisation and batch order for every "
         "variant; the variants' steps interleaved",
     ]
+    if report.get("model_choice"):
+        lines.append(f"- Model: {report['model_choice']}")
+    seeds = report.get("seeds") or [config.get("seed", 0)]
+    lines.append(
+        f"- Seeds: {', '.join(str(x) for x in seeds)}. Test accuracy is the mean over seeds; a "
+        "difference from fp32 is called one only outside the noise: two standard errors of "
+        "the difference, from the seeds' spread"
+        + (
+            "."
+            if len(seeds) > 1
+            else " when there are several, here from the test set's sampling error alone "
+            "(one seed: the seed-to-seed spread, often larger, is not in it)."
+        )
+    )
     if config.get("bn_recalibration") and report["model"].startswith("resnet"):
         lines.append(
             "- Evaluation: BatchNorm statistics recomputed on "
@@ -84,10 +102,17 @@ def format_markdown(report: dict[str, Any]) -> str:
         "XLA's temporary buffer size for the training step; activations are the bytes saved "
         "for the backward pass, read from the jaxpr (see `jaxamp.activation_bytes`).",
     ]
-    if env["backend"] == "cpu":
+    if env["backend"] == "cpu" and env.get("matmul_form") == "cpu-bf16-units":
         lines.append(
-            "On a CPU, XLA computes 16-bit matmuls and convolutions in float32: neither time "
-            "nor compiled memory shows what mixed precision buys on a GPU."
+            "This CPU has bf16 GEMM units: bfloat16 matmuls run on them (jaxamp's matmul rule "
+            "lays the GEMMs out for them); float16 matmuls and all 16-bit convolutions are "
+            "computed in float32 by XLA:CPU, so they gain no time here."
+        )
+    elif env["backend"] == "cpu":
+        lines.append(
+            "This CPU lists no bf16 units: XLA computes 16-bit matmuls and convolutions in "
+            "float32, so neither time nor compiled memory shows what mixed precision buys on "
+            "a GPU."
         )
     return "\n".join(lines) + "\n"
 
@@ -160,6 +185,33 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
         title=f"time per step on {describe_hardware(report['environment'])}",
     )
     save(fig, "time.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, r in enumerate(runs):
+        seeds = r.get("test_accuracy_seeds") or [r["test_accuracy"]]
+        ax.scatter([i] * len(seeds), seeds, color="tab:gray", s=12, zorder=3)
+        ax.errorbar(
+            i,
+            r["test_accuracy"],
+            yerr=r.get("accuracy_noise") or 0,
+            fmt="o",
+            color="tab:blue",
+            capsize=6,
+            zorder=4,
+        )
+        ax.annotate(
+            r.get("accuracy_verdict", ""),
+            (i, r["test_accuracy"]),
+            textcoords="offset points",
+            xytext=(8, 0),
+            va="center",
+        )
+    ax.set_xticks(range(len(runs)), [r["variant"] for r in runs])
+    ax.set(
+        ylabel="test accuracy",
+        title="accuracy: each seed (grey), mean and noise vs fp32 (blue)",
+    )
+    save(fig, "accuracy.png")
     return paths
 
 
