@@ -13,7 +13,7 @@ from jaxamp import DynamicLossScale
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_underflow_fraction(dtype):
     grads = {
-        "a": jnp.array([1.0, 1e-9, 0.0, -3e-8], dtype=jnp.float32),  # 2 below 2**-24
+        "a": jnp.array([1.0, 1e-9, 0.0, -2e-8], dtype=jnp.float32),  # 2 at most 2**-25: flush
         "b": jnp.array([6e-8, 1.0], dtype=jnp.float32),  # 6e-8 > 2**-24 ~ 5.96e-8
         "step": jnp.array(3),  # not floating: ignored
     }
@@ -65,3 +65,12 @@ def test_scale_history_wraps_around():
     np.testing.assert_array_equal(
         jaxamp.scale_history(state), [1024.0 / 2**k for k in range(3, 11)]
     )
+
+
+def test_underflow_fraction_follows_float16_rounding():
+    """float16 rounds (2**-25, 2**-24) up to its smallest subnormal; 2**-25 and below flush."""
+    tiny = 2.0**-24
+    kept = jnp.array([0.75 * tiny, 0.51 * tiny, tiny], jnp.float32)
+    flushed = jnp.array([0.5 * tiny, 0.3 * tiny], jnp.float32)
+    assert float(jax.jit(jaxamp.underflow_fraction)(kept)) == 0.0
+    assert float(jax.jit(jaxamp.underflow_fraction)(flushed)) == 1.0

@@ -179,3 +179,22 @@ def test_invalid_static_scale():
 def test_configurations_are_hashable():
     assert hash(DynamicLossScale()) == hash(DynamicLossScale())
     assert hash(StaticLossScale(2.0)) != hash(StaticLossScale(4.0))
+
+
+@pytest.mark.parametrize("make", [np.float32, np.float64, jnp.float32, float])
+def test_numpy_and_jax_scalars_are_accepted(make):
+    rule = DynamicLossScale(
+        init_scale=make(1024.0), growth_factor=make(2.0), growth_interval=np.int64(10)
+    )
+    assert rule == DynamicLossScale(init_scale=1024.0, growth_interval=10)
+    assert type(rule.init_scale) is float and type(rule.growth_interval) is int
+    assert hash(rule) == hash(DynamicLossScale(init_scale=1024.0, growth_interval=10))
+    assert float(rule.init().scale) == 1024.0
+    assert StaticLossScale(make(8.0)).scale == 8.0
+
+
+def test_a_non_number_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="init_scale must be a real number, got 'big'"):
+        DynamicLossScale(init_scale="big")
+    with pytest.raises(TypeError, match="got True"):
+        DynamicLossScale(init_scale=True)

@@ -216,7 +216,16 @@ def test_extra_args_reach_the_inner_transformation():
     assert "value" in seen
 
 
+def test_all_finite_sees_complex_nan_and_inf():
+    finite = jax.jit(jaxamp.all_finite)
+    assert bool(finite({"z": jnp.array([1 + 2j, 3j], jnp.complex64)}))
+    assert not bool(finite({"z": jnp.array([1 + 2j, complex(0, float("nan"))], jnp.complex64)}))
+    assert not bool(finite([jnp.ones(2), jnp.array([complex(float("inf"), 0)])]))
+
+
 def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"expects an optax.GradientTransformation .* got 'adam'"):
+        jaxamp.loss_scaled("adam")
     with pytest.raises(TypeError, match="got str"):
         jaxamp.loss_scaled(optax.sgd(0.1), "dynamic")
     with pytest.raises(ValueError, match="history_length"):

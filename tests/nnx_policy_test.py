@@ -1,5 +1,7 @@
 """Tests for jaxamp/_src/nnx_policy.py on unmodified NNX models (ResNet and Transformer)."""
 
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +137,11 @@ def test_bad_arguments():
         jaxamp.nnx.apply_policy(object(), "float32")
     with pytest.raises(ValueError, match="Valid choices"):
         jaxamp.nnx.apply_policy(make("resnet"), "p=f32,c=fp8")
+
+
+def test_a_model_under_a_policy_pickles():
+    model = make("transformer", "mixed_bfloat16")
+    restored = pickle.loads(pickle.dumps(model))
+    assert isinstance(restored, Transformer) and type(restored) is type(model)
+    np.testing.assert_array_equal(restored(TOKENS), model(TOKENS))
+    assert restored.embed(TOKENS).dtype == jnp.bfloat16  # the embedding wrapper survives too

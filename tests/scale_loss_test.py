@@ -171,3 +171,38 @@ def test_readme_nnx_optimizer():
     losses = [float(train_step(model, optimizer, x, y)) for _ in range(30)]
     assert losses[-1] < 0.7 * losses[0]
     assert model.up.kernel[...].dtype == jnp.float32
+
+
+def test_nnx_transform_is_used_on_a_model_with_batch_norm_and_dropout():
+    """``transform=nnx.value_and_grad`` differentiates Params only, not RNG or BatchStat state."""
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.down = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(self.drop(nnx.relu(self.norm(self.up(x)))))
+
+    x, y = jax.random.normal(jax.random.key(0), (32, 8)), jnp.arange(32) % 3
+    model = jaxamp.nnx.apply_policy(Net(nnx.Rngs(0)), "mixed_float16")
+    optimizer = nnx.Optimizer(model, jaxamp.loss_scaled(optax.adam(1e-2)), wrt=nnx.Param)
+
+    def loss_fn(model, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = jaxamp.value_and_grad(loss_fn, transform=nnx.value_and_grad)(
+            model, x, y, opt_state=optimizer
+        )
+        optimizer.update(model, grads)
+        return loss, grads
+
+    _, grads = train_step(model, optimizer, x, y)
+    assert isinstance(grads, nnx.State)
+    assert all(jnp.issubdtype(g.dtype, jnp.floating) for g in jax.tree.leaves(grads))
+    losses = [float(train_step(model, optimizer, x, y)[0]) for _ in range(20)]
+    assert losses[-1] < losses[0]

@@ -15,9 +15,10 @@ from jaxamp._src.scale_loss import find_loss_scaled_state
 def underflow_fraction(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
     """Fraction of gradient elements that would flush to zero in ``dtype``; jittable.
 
-    An element counts when it is non-zero and smaller in magnitude than
-    ``dtype``'s smallest subnormal (2**-24 for float16). Pass the true
-    (unscaled) gradients to see what loss scaling rescues.
+    An element counts when it is non-zero and becomes zero when cast to
+    ``dtype`` (round to nearest even): for float16, magnitudes up to 2**-25;
+    those between 2**-25 and 2**-24 round up to the smallest subnormal and are
+    kept. Pass the true (unscaled) gradients to see what loss scaling rescues.
 
     Args:
       grads: a pytree of gradients (non-floating leaves are ignored).
@@ -31,14 +32,10 @@ def underflow_fraction(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
       >>> float(underflow_fraction(jnp.array([1.0, 1e-9, 0.0, 1e-3])))
       0.25
     """
-    threshold = float(jnp.finfo(dtype).smallest_subnormal)
     leaves = [x for x in jax.tree.leaves(grads) if is_floating_array(x)]
     if not leaves:
         return jnp.zeros([], jnp.float32)
-    count = sum(
-        jnp.sum((x != 0) & (jnp.abs(x.astype(jnp.float32)) < threshold), dtype=jnp.float32)
-        for x in leaves
-    )
+    count = sum(jnp.sum((x != 0) & (x.astype(dtype) == 0), dtype=jnp.float32) for x in leaves)
     total = float(sum(x.size for x in leaves))
     return count / total
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+import numbers
+import operator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class LossScaleState(NamedTuple):
@@ -43,9 +46,39 @@ def _state(scale: float, hysteresis: int = 1) -> LossScaleState:
     )
 
 
-def _check_scale(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+def _real(name: str, value: Any) -> float:
+    """``value`` as a Python float: a Python, NumPy or JAX real scalar (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.generic, jax.Array)):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
+    if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+        raise TypeError(f"{name} must be a real scalar, got {value!r}.")
+    return float(value)
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as a Python int: a Python, NumPy or JAX integer scalar (not a bool)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}.")
+    try:
+        return operator.index(value)
+    except TypeError as e:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.") from e
+
+
+def _check_scale(name: str, value: Any) -> float:
+    value = _real(name, value)
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive, finite number, got {value!r}.")
+    return value
+
+
+def _normalize(config: Any, reals: tuple[str, ...], integers: tuple[str, ...] = ()) -> None:
+    """Stores NumPy/JAX scalars of a frozen config as Python numbers (hashable, static)."""
+    for name in reals:
+        if getattr(config, name) is not None:
+            object.__setattr__(config, name, _real(name, getattr(config, name)))
+    for name in integers:
+        object.__setattr__(config, name, _integer(name, getattr(config, name)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +120,7 @@ class StaticLossScale:
     dynamic = False
 
     def __post_init__(self):
-        _check_scale("StaticLossScale.scale", self.scale)
+        object.__setattr__(self, "scale", _check_scale("StaticLossScale.scale", self.scale))
 
     def init(self) -> LossScaleState:
         """The initial state."""
@@ -149,16 +182,21 @@ class DynamicLossScale:
     dynamic = True
 
     def __post_init__(self):
+        _normalize(
+            self,
+            ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"),
+            ("growth_interval", "hysteresis"),
+        )
         _check_scale("init_scale", self.init_scale)
         if not (math.isfinite(self.growth_factor) and self.growth_factor > 1):
             raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}.")
         if not 0 < self.backoff_factor < 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}.")
-        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+        if self.growth_interval < 1:
             raise ValueError(
                 f"growth_interval must be an integer >= 1, got {self.growth_interval!r}."
             )
-        if not (isinstance(self.hysteresis, int) and self.hysteresis >= 1):
+        if self.hysteresis < 1:
             raise ValueError(f"hysteresis must be an integer >= 1, got {self.hysteresis!r}.")
         for name in ("min_scale", "max_scale"):
             if getattr(self, name) is not None:

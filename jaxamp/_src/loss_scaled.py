@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -63,15 +64,22 @@ def _to_float32(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(jnp.float32) if is_floating_array(x) else x, tree)
 
 
+def _is_inexact_array(x: Any) -> bool:
+    """A floating or complex array: ``isfinite`` of a complex value checks both parts."""
+    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(
+        x.dtype, jnp.inexact
+    )
+
+
 def all_finite(tree: Any) -> jax.Array:
-    """Whether every floating element of ``tree`` is finite (a global reduction under ``jit``).
+    """Whether every floating or complex element of ``tree`` is finite (one reduction under jit).
 
     Example:
       >>> import jax.numpy as jnp
       >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_floating_array(x)]
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_inexact_array(x)]
     if not leaves:
         return jnp.asarray(True)
     return jnp.stack(leaves).all()
@@ -138,11 +146,16 @@ def loss_scaled(
       >>> updates["w"]  # -0.1 * 2w: the scale is gone
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            "loss_scaled expects an optax.GradientTransformation (e.g. optax.adam(1e-3)) as "
+            f"inner, got {inner!r} ({type(inner).__name__})."
+        )
     loss_scale = DynamicLossScale() if loss_scale is None else loss_scale
     if not hasattr(loss_scale, "adjust"):
         raise TypeError(
             "loss_scale must be jaxamp.NoOpLossScale, StaticLossScale or DynamicLossScale, "
-            f"got {type(loss_scale).__name__}."
+            f"got {type(loss_scale).__name__}: {loss_scale!r}."
         )
     if skip_with not in ("select", "cond"):
         raise ValueError(f"skip_with must be 'select' or 'cond', got {skip_with!r}.")

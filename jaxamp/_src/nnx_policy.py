@@ -80,7 +80,19 @@ def _subclass(cls: type, call_name: str) -> type:
         "policy": {"__call__": _policy_call},
         "embed": {"__call__": _embed_call, "attend": _embed_attend},
     }[call_name]
-    return type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__})
+
+    def __reduce__(self):  # pickled as the original class plus the name of the wrapper
+        return _rebuild, (cls, call_name, self.__getstate__())
+
+    namespace = {**methods, "__reduce__": __reduce__, "__module__": cls.__module__}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _rebuild(cls: type, call_name: str, state: Any) -> nnx.Module:
+    """Unpickles a module under a policy: the original class, wrapped again."""
+    module = object.__new__(_subclass(cls, call_name))
+    module.__setstate__(state)
+    return module
 
 
 def _swap_class(module: nnx.Module, call_name: str) -> None:

@@ -133,7 +133,8 @@ def value_and_grad(
                 loss_f32 = loss_f32.astype(jnp.float32)
             return loss_f32 * scale.astype(loss_f32.dtype), (loss, aux)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(*args, **kwargs)
+        vg = transform(scaled, argnums=argnums, has_aux=True)
+        (_, (loss, aux)), grads = vg(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
