@@ -9,6 +9,7 @@
 #
 # Needs jax[cuda12|cuda13], flax, optax, jmp and torch. Packages missing on the machine
 # may be given as wheels in .whl/ (installed with --no-index). At tiny sizes on a CPU:
+#   MATMUL_SIZE=64 DENSE_BATCH=64 DENSE_FEATURES=32 \
 #   benchmarks/gpu_suite.sh /tmp/gpu-test --models resnet-tiny:4 --frameworks jaxamp \
 #       --warmup 1 --repeats 2 --memory-limit-gb 1
 set -euo pipefail
@@ -29,4 +30,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvi
 limit=$(python3 -c "import jax; s = jax.devices()[0].memory_stats() or {}; print(round(s.get('bytes_limit', 0) / ${XLA_PYTHON_CLIENT_MEM_FRACTION} / 2**30, 1))")
 extra=()
 if [ "$limit" != "0.0" ]; then extra=(--memory-limit-gb "$limit"); fi
+# The 16-bit matmul forms first (about a minute): which runs fastest here, and the compiled
+# HLO of each (cuBLAS/cuDNN calls and their dtypes), to decide the GPU form from.
+python3 -m benchmarks.matmul_forms --size "${MATMUL_SIZE:-8192}" --batch "${DENSE_BATCH:-16384}" \
+  --features "${DENSE_FEATURES:-4096}" --warmup 5 --repeats 20 --out "$out" \
+  --hlo-out "$out/matmul_hlo" 2>&1 | tee "$out/matmul_forms.log"
 python3 -m benchmarks.run --suite gpu --out "$out" "${extra[@]}" "$@" 2>&1 | tee "$out/log.txt"

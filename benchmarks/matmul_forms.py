@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +98,20 @@ def _dense_steps(batch: int, features: int, dtype) -> dict[str, tuple]:
     return steps
 
 
-def _measure(cases: dict[str, tuple], flops: float, warmup: int, repeats: int, kind: str):
+def _measure(
+    cases: dict[str, tuple],
+    flops: float,
+    warmup: int,
+    repeats: int,
+    kind: str,
+    hlo_dir: str | None = None,
+):
     compiled = {k: (jax.jit(f), args) for k, (f, args) in cases.items()}
+    if hlo_dir:  # what the backend made of each form (on a GPU: the cuBLAS calls)
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        for k, (f, args) in compiled.items():
+            slug = re.sub(r"[^a-z0-9]+", "_", f"{kind} {k}".lower()).strip("_")
+            (Path(hlo_dir) / f"{slug}.hlo.txt").write_text(f.lower(*args).compile().as_text())
     steps = {k: functools.partial(f, *args) for k, (f, args) in compiled.items()}
     times = time_alternating(steps, warmup=warmup, repeats=repeats)
     base = summarize(times["float32"])["median_s"]
@@ -125,19 +139,23 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--hlo-out", default=None, help="folder for each form's compiled HLO")
     args = parser.parse_args(argv)
 
     rows = []
     for dtype in args.dtypes.split(","):
         dt = jnp.dtype(dtype)
         n, b, f = args.size, args.batch, args.features
-        rows += _measure(_gemms(n, dt), 2 * n**3, args.warmup, args.repeats, f"GEMM {n}^3")
+        rows += _measure(
+            _gemms(n, dt), 2 * n**3, args.warmup, args.repeats, f"GEMM {n}^3", args.hlo_out
+        )
         rows += _measure(
             _dense_steps(b, f, dt),
             3 * 2 * b * f * f,
             args.warmup,
             args.repeats,
             f"Dense {b}x{f}x{f}, fwd+bwd",
+            args.hlo_out,
         )
     env = environment()
     columns = [

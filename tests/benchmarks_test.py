@@ -114,3 +114,19 @@ def test_autocast_benchmark_at_small_size(tmp_path):
     saved = json.loads((tmp_path / "autocast.json").read_text())
     assert len(saved["records"]) == 3
     assert "Autocast overhead" in (tmp_path / "autocast.md").read_text()
+
+
+def test_matmul_forms_at_tiny_size(tmp_path):
+    from benchmarks import matmul_forms
+
+    argv = ["--size", "32", "--batch", "16", "--features", "8", "--warmup", "1", "--repeats", "2"]
+    matmul_forms.main([*argv, "--out", str(tmp_path), "--hlo-out", str(tmp_path / "hlo")])
+    result = json.loads((tmp_path / "matmul_forms.json").read_text())
+    forms = {r["form"] for r in result["records"]}
+    assert "bfloat16, matmul rule (cpu-bf16-units)" in forms and "float32" in forms
+    assert all(
+        r["gflops"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in result["records"]
+    )
+    assert result["environment"]["matmul_form"] in ("cpu", "cpu-bf16-units")
+    assert "cpu_fp16_flags" in result["environment"]
+    assert any(p.name.endswith(".hlo.txt") for p in (tmp_path / "hlo").iterdir())

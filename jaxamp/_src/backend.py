@@ -47,8 +47,11 @@ def auto_policy(device: Any = None) -> Policy:
     * AMD GPUs (ROCm) and TPUs: ``mixed_bfloat16``;
     * CPUs and anything else: ``float32``.
 
-    On CPU, XLA computes 16-bit matmuls and convolutions in float32, so a mixed
-    policy there saves activation memory but no time; ``float32`` is chosen.
+    On a CPU, ``float32`` is chosen: without bf16 units XLA computes 16-bit
+    matmuls and convolutions in float32 (a mixed policy saves activation memory
+    but no time); with them (``avx512_bf16``, ``amx_bf16``) bfloat16 matmuls run
+    faster under jaxamp's matmul rule, but convolutions and float16 gain
+    nothing, so ask for ``mixed_bfloat16`` for a matmul-heavy model there.
 
     Args:
       device: the device to decide for; the first device of the default backend

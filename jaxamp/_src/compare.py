@@ -67,9 +67,9 @@ class CompareConfig:
 
     model: str = "auto"
     variants: tuple[str, ...] | None = None
-    epochs: int = 2
+    epochs: int = 3
     batch_size: int = 32
-    train_examples: int | None = 768
+    train_examples: int | None = None
     test_examples: int | None = 1000
     learning_rate: float | None = None
     seed: int = 0

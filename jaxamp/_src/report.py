@@ -79,7 +79,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         "difference from fp32 is called one only outside the noise: two standard errors of "
         "the difference, from the seeds' spread"
         + (
-            "."
+            "; final loss, precision, recall, F1, memory and the curves are the first seed's."
             if len(seeds) > 1
             else " when there are several, here from the test set's sampling error alone "
             "(one seed: the seed-to-seed spread, often larger, is not in it)."
