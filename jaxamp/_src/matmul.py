@@ -318,8 +318,10 @@ def amp_dot_general(
     multiplied with float32 accumulation; the result comes back in
     ``preferred_element_type`` if that is a floating dtype, else in
     ``compute_dtype``. Gradients come back in the dtypes the operands came in.
-    Non-floating operands, a float32 ``compute_dtype`` or arguments the rule
-    does not know (``out_sharding``) leave the call to ``lax.dot_general``.
+    Non-floating operands or a float32 ``compute_dtype`` leave the call to
+    ``lax.dot_general``; so does an argument the rule does not take (an explicit
+    ``out_sharding``), with the operands cast to ``compute_dtype`` (JAX's own
+    backward pass then, not the rule's).
 
     Args:
       lhs: left operand.
@@ -349,13 +351,22 @@ def amp_dot_general(
     floating = all(jnp.issubdtype(x.dtype, jnp.floating) for x in (lhs, rhs))
     if kwargs.get("out_sharding") is None:
         kwargs.pop("out_sharding", None)
-    if not (_is_16bit_float(compute) and floating) or kwargs:
+    if not (_is_16bit_float(compute) and floating):
         return lax.dot_general(
             lhs,
             rhs,
             dimension_numbers,
             precision=precision,
             preferred_element_type=preferred_element_type,
+            **kwargs,
+        )
+    if kwargs:  # e.g. an explicit out_sharding: JAX's own dot, on 16-bit operands
+        return lax.dot_general(
+            lhs.astype(compute),
+            rhs.astype(compute),
+            dimension_numbers,
+            precision=_rule_precision(precision),
+            preferred_element_type=preferred_element_type or compute,
             **kwargs,
         )
     out = compute
