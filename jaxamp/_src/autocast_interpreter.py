@@ -177,14 +177,6 @@ def _float32(eqn: Any, env: _Env) -> list[Any]:
     return _bind(eqn, _planned_inputs(eqn, env, wanted))
 
 
-def _is_default_precision(precision: Any) -> bool:
-    if precision is None or precision == lax.Precision.DEFAULT:
-        return True
-    return isinstance(precision, tuple) and all(
-        p is None or p == lax.Precision.DEFAULT for p in precision
-    )
-
-
 def _compute(eqn: Any, env: _Env) -> list[Any]:
     """A matmul or convolution on compute-dtype operands, with a compute-dtype result.
 

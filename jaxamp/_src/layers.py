@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -159,13 +159,12 @@ def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool
     return out
 
 
-def run_unhooked(module: Any, plan: LayerPlan, method: Callable[..., Any], *args, **kwargs):
+def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
     """Runs a method Flax gives no matmul hook (``Embed.attend``, ``linen.Einsum``).
 
     Args:
       module: the (bound) layer.
       plan: its plan, whose ``matmul`` is set.
-      method: the original method, for what the rule does not cover.
       *args: the method's arguments.
       **kwargs: its keyword arguments.
 

@@ -81,7 +81,7 @@ class PolicyModule:
             return next_fun(*args, **kwargs)
         with _temporarily_set(module, plan.attributes):
             if plan.matmul is not None:
-                out = layers.run_unhooked(module, plan, next_fun, *args, **kwargs)
+                out = layers.run_unhooked(module, plan, *args, **kwargs)
             else:
                 out = next_fun(*args, **kwargs)
         if plan.cast_output_to is not None:

@@ -67,10 +67,9 @@ def _embed_call(self, *args, **kwargs):
 def _embed_attend(self, *args, **kwargs):
     """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
     plan: layers.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
-    attend = functools.partial(type(self).__mro__[1].attend, self)
     if plan.matmul is None:
-        return attend(*args, **kwargs)
-    return layers.run_unhooked(self, plan, attend, *args, **kwargs)
+        return type(self).__mro__[1].attend(self, *args, **kwargs)
+    return layers.run_unhooked(self, plan, *args, **kwargs)
 
 
 @functools.cache
