@@ -172,10 +172,12 @@ def records_for(
         r["framework"]: r["control_flow_ops"] for r in records if r["variant"] == "fp32"
     }
     for r in records:
+        if r["framework"].startswith("torch"):  # not measured: eager PyTorch has no program
+            r.pop("control_flow_ops")
+            r["host_syncs_per_step"] = None
+            continue
         base = baseline_ops.get(r["framework"], baseline_ops.get("jaxamp", 0))
-        r["host_syncs_per_step"] = max(r["control_flow_ops"] - base, 0)
-        if r["framework"].startswith("torch"):
-            r["host_syncs_per_step"] = r.pop("control_flow_ops")
+        r["host_syncs_per_step"] = r["control_flow_ops"] - base  # a difference, not floored
     handwritten = by_key.get(("flax", "bf16"))
     for r in records:
         if r["framework"] == "jaxamp" and r["variant"] == "bf16" and handwritten:
@@ -313,8 +315,9 @@ def markdown(records: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "Activations: bytes saved for the backward pass (PyTorch: without autocast's weight "
         "copies). Host syncs: the conditionals, loops and host callbacks a variant's compiled "
         "step has beyond the same framework's fp32 step (the model's own, such as dropout's "
-        "random-number loop on CPU, are not the recipe's); for PyTorch fp16, GradScaler's "
-        "read of `found_inf` on the host. For PyTorch eager, compile s is the first step.\n"
+        "random-number loop on CPU, are not the recipe's), counted in the compiled program; "
+        "not measured for PyTorch (eager PyTorch has no program to read). For PyTorch "
+        "eager, compile s is the first step.\n"
     )
     return head + markdown_table(rows, COLUMNS) + note
 

@@ -8,6 +8,7 @@ a compiled program really runs in.
 
 from jaxamp import linen, nnx
 from jaxamp._src.attention import dot_product_attention, softmax_float32
+from jaxamp._src.audit import PrecisionError, Problem, SensitiveOp
 from jaxamp._src.autocast import autocast, autocast_float32
 from jaxamp._src.autocast_rules import AUTOCAST_RULES, AutocastRules
 from jaxamp._src.backend import auto_policy, dot_algorithm
@@ -50,7 +51,10 @@ __all__ = (
     "MatmulOp",
     "NoOpLossScale",
     "Policy",
+    "PrecisionError",
     "PrecisionReport",
+    "Problem",
+    "SensitiveOp",
     "StaticLossScale",
     "activation_bytes",
     "all_finite",

@@ -409,8 +409,8 @@ def test_flax_linen_models_match_apply_policy(setup, residuals):
         loss(jaxamp.linen.apply_policy(model, "mixed_bfloat16", residuals=residuals).apply),
         has_aux=True,
     )
-    report = jaxamp.precision_report(step)(params, state)
-    reference = jaxamp.precision_report(by_hand)(params, state)
+    report = jaxamp.precision_report(step)(params, state).check(jnp.bfloat16)
+    reference = jaxamp.precision_report(by_hand)(params, state).check(jnp.bfloat16)
     assert report.all_operands_in("bfloat16"), report
     assert len(report.ops) == len(reference.ops)
     assert report.converts <= 1.10 * reference.converts, (report.converts, reference.converts)
@@ -448,6 +448,53 @@ def test_nnx_module():
     _assert_close(grads, jax.grad(loss)(state, x), "bfloat16")
 
 
+def _stateful_nnx_model():
+    return nnx.Sequential(
+        nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+        nnx.BatchNorm(8, rngs=nnx.Rngs(0)),
+        nnx.Dropout(0.5, rngs=nnx.Rngs(1)),
+        nnx.Linear(8, 2, rngs=nnx.Rngs(2)),
+    )
+
+
+@pytest.mark.parametrize("under_nnx_jit", [False, True])
+def test_stateful_nnx_module_updates_its_state(under_nnx_jit):
+    """BatchNorm's statistics and Dropout's RNG count move as in a plain call."""
+    ours, plain = _stateful_nnx_model(), _stateful_nnx_model()
+    x = jax.random.normal(jax.random.key(3), (16, 4))
+    call = (lambda m, x: m(x)) if not under_nnx_jit else nnx.jit(lambda m, x: m(x))
+    amp_call = (
+        jaxamp.autocast(call, "mixed_bfloat16")
+        if not under_nnx_jit
+        else nnx.jit(lambda m, x: jaxamp.autocast(m, "mixed_bfloat16")(x))
+    )
+    for _ in range(2):
+        y, y_plain = amp_call(ours, x), call(plain, x)
+    assert y.dtype == jnp.float32
+    bn, bn_plain = ours.layers[1], plain.layers[1]
+    assert not np.allclose(bn.mean[...], 0.0)  # the statistics moved
+    np.testing.assert_allclose(bn.mean[...], bn_plain.mean[...], rtol=0.05, atol=1e-3)
+    np.testing.assert_allclose(bn.var[...], bn_plain.var[...], rtol=0.05, atol=1e-3)
+    assert int(ours.layers[2].rngs.count[...]) == int(plain.layers[2].rngs.count[...]) == 2
+    np.testing.assert_allclose(y, y_plain, rtol=0.1, atol=0.05)  # the same dropout mask
+
+
+def test_stateful_nnx_module_gradients():
+    model = _stateful_nnx_model()
+    x = jax.random.normal(jax.random.key(3), (16, 4))
+    grads = nnx.grad(lambda m, x: jnp.mean(jaxamp.autocast(m)(x) ** 2))(model, x)
+    params = nnx.state(grads, nnx.Param)
+    assert {g.dtype for g in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(params))
+
+
+def test_module_that_mutates_nothing_is_left_alone():
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    kernel = model.kernel[...]
+    jax.jit(lambda x: jaxamp.autocast(model)(x))(jnp.ones((3, 4)))  # closed over: no write
+    assert model.kernel[...] is kernel
+
+
 def test_equinox_module():
     mlp = eqx.nn.MLP(4, 2, width_size=8, depth=2, key=jax.random.key(0))
     x = jnp.ones((3, 4))
@@ -461,7 +508,7 @@ def test_equinox_module():
     _assert_close(grads, eqx.filter(eqx.filter_grad(loss)(mlp, x), eqx.is_array), "bfloat16")
     params, static = eqx.partition(mlp, eqx.is_array)
     step = jax.grad(jaxamp.autocast(lambda p, x: loss(eqx.combine(p, static), x)))
-    report = jaxamp.precision_report(step)(params, x)
+    report = jaxamp.precision_report(step)(params, x).check(jnp.bfloat16)
     assert report.all_operands_in("bfloat16") and len(report.ops) == 8, report
 
 
@@ -503,3 +550,19 @@ def test_clear_errors():
         jaxamp.autocast(jnp.sin, rules={"float32": {"exp"}})
     with pytest.raises(TypeError, match="primitive names"):
         dataclasses.replace(jaxamp.AUTOCAST_RULES, float32="exp")
+
+
+def test_a_constant_too_large_for_the_compute_dtype_keeps_its_operation_in_float32():
+    """``(x @ w) + 1e5``: in float16 the constant is inf (and softmax of inf is NaN); the add
+    runs in float32, as the traced program did, so softmax sees finite values."""
+
+    def shifted_softmax(w, x):
+        return jax.nn.softmax((x @ w) + 1e5, axis=-1)
+
+    w, x = _inputs()
+    out = jax.jit(jaxamp.autocast(shifted_softmax, "mixed_float16"))(w, x)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_allclose(out, jax.nn.softmax(x @ w, axis=-1), atol=0.02)
+    jaxpr = _traced(jaxamp.autocast(shifted_softmax, "mixed_float16"), w, x)
+    (add,) = [e for e in _find(jaxpr, "add") if any(getattr(v, "val", 0) == 1e5 for v in e.invars)]
+    assert _float_dtypes(add.invars) == {"float32"}

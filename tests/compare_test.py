@@ -84,6 +84,10 @@ def test_resnet_with_batch_norm_recalibration():
     report = compare(config, dataset=dataset)
     assert [r["variant"] for r in report["runs"]] == ["fp32", "fp16"]
     assert report["dataset"]["test_examples"] == 32
+    # the running statistics were recomputed at the final weights: they moved
+    assert all(r["bn_recalibration_change"] > 1e-3 for r in report["runs"])
+    plain = compare(dataclasses.replace(config, bn_recalibration=0), dataset=dataset)
+    assert all(r["bn_recalibration_change"] is None for r in plain["runs"])
 
 
 def test_default_variants_and_config_errors():

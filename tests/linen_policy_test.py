@@ -1,5 +1,8 @@
 """Tests for jaxamp/_src/linen_policy.py on unmodified Linen models (ResNet and BERT)."""
 
+import dataclasses
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -64,6 +67,7 @@ def test_resnet_dtypes(name, images):
     report = jaxamp.precision_report(jax.grad(resnet_loss(model, images), has_aux=True))(
         variables["params"], variables["batch_stats"]
     )
+    report.check(DTYPES[name])
     assert report.count(kind="convolution") > 0 and report.count(kind="dot_general") > 0
     assert report.all_operands_in(DTYPES[name]), report
     assert {op.direction for op in report.ops} == {"forward", "backward"}
@@ -82,6 +86,7 @@ def test_bert_dtypes(name, tokens):
     report = jaxamp.precision_report(jax.grad(bert_loss(model, tokens), has_aux=True))(
         variables["params"]
     )
+    report.check(DTYPES[name])
     # q, k, v, out projections + two attention matmuls + two FFN layers per layer, forward.
     forward = [op for op in report.ops if op.direction == "forward"]
     assert len(forward) >= 2 * 8 + 2
@@ -96,6 +101,7 @@ def test_float32_policy_has_no_16_bit_matmuls(images):
     )
     assert report.all_operands_in("float32")
     assert report.count("bfloat16") == report.count("float16") == 0
+    report.check(jnp.float32)
 
 
 def test_activations_are_in_compute_dtype(images, tokens):
@@ -258,9 +264,39 @@ def test_overrides_by_path_and_class(images):
     assert report.count("float32", kind="convolution") >= 4
 
 
+class BodyAndHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(nn.Dense(4, name="body")(x))
+
+
+@pytest.mark.parametrize("root", ["p=bf16,c=bf16,o=f32", "p=f16,c=f16,o=f32"])
+def test_an_overridden_layer_computes_with_its_own_param_dtype(root):
+    """Under a 16-bit param root, a float32 head keeps its float32 weights at apply time."""
+    model = jaxamp.linen.apply_policy(BodyAndHead(), root, overrides={"head": "float32"})
+    x = jax.random.normal(jax.random.key(0), (2, 5))
+    params = model.init(jax.random.key(1), x)["params"]
+    sixteen = model.policy.param_dtype
+    assert {p.dtype for p in jax.tree.leaves(params["body"])} == {sixteen}
+    assert {p.dtype for p in jax.tree.leaves(params["head"])} == {np.dtype("float32")}
+    # a head kernel that 16 bits cannot hold: 1 + 2**-12 rounds to 1 in bf16 and f16
+    params["head"]["kernel"] = jnp.full((4, 3), 1 + 2**-12, jnp.float32)
+    out = jax.jit(lambda p: model.apply({"params": p}, x))(params)
+    body = jaxamp.linen.apply_policy(nn.Dense(4), root)  # its 16-bit output, exactly, in f32
+    hidden = body.apply({"params": params["body"]}, x)
+    expected = hidden @ params["head"]["kernel"] + params["head"]["bias"]
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    grads = jax.grad(lambda p: model.apply({"params": p}, x).sum())(params)
+    assert grads["head"]["kernel"].dtype == jnp.float32
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match=r"jaxamp\.nnx\.apply_policy"):
         jaxamp.linen.apply_policy(object(), "float32")
+    with pytest.raises(TypeError, match=r"got str: 'mixed_bfloat16'"):  # arguments swapped
+        jaxamp.linen.apply_policy("mixed_bfloat16", tiny_resnet())
+    with pytest.raises(TypeError, match=r"AutocastRules, got str: 'strict'"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "float32", rules="strict")
     with pytest.raises(ValueError, match="Valid choices"):
         jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bf16")
     with pytest.raises(TypeError, match="override key"):
@@ -318,7 +354,8 @@ def test_converts_are_hand_written_dtypes_plus_the_matmul_rule(kind, images, tok
         def loss_of(model):
             return lambda p: bert_loss(model, x)(p)[0]
 
-    policy = jaxamp.linen.apply_policy(plain, "mixed_bfloat16", residuals="all")
+    no_float32 = dataclasses.replace(jaxamp.AUTOCAST_RULES, float32=frozenset())
+    policy = jaxamp.linen.apply_policy(plain, "mixed_bfloat16", residuals="all", rules=no_float32)
     ours = jaxamp.precision_report(jax.grad(loss_of(policy)))(variables["params"])
     theirs = jaxamp.precision_report(jax.grad(loss_of(hand)))(variables["params"])
     assert ours.by_dtype() == theirs.by_dtype()
@@ -327,4 +364,122 @@ def test_converts_are_hand_written_dtypes_plus_the_matmul_rule(kind, images, tok
     two_activation_matmuls = 2 * TINY_BERT.num_layers if kind == "bert" else 0
     with_weight_and_input_gradient = backward - forward - two_activation_matmuls
     expected = 2 * with_weight_and_input_gradient + 3 * two_activation_matmuls
+    layers = [p for p in jax.tree_util.tree_leaves(variables["params"], is_leaf=_is_layer)]
+    dense_biases = sum(1 for p in layers if _is_layer(p) and {"kernel", "bias"} <= set(p))
+    position_embeddings = 1 if kind == "bert" else 0
+    expected += 2 * (dense_biases + position_embeddings)
     assert ours.converts - theirs.converts == expected
+
+
+def _is_layer(tree):
+    return isinstance(tree, dict) and any(not isinstance(v, dict) for v in tree.values())
+
+
+class DirectAttention(nn.Module):
+    """Calls Flax's and JAX's attention and softmax functions directly, as transformers'
+    Flax models do, instead of through a layer's ``attention_fn``."""
+
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.DenseGeneral((2, 4), dtype=self.dtype, name=n)(x) for n in "qkv")
+        weights = nn.dot_product_attention_weights(q, k, dtype=self.dtype)
+        y = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+        y = y + nn.dot_product_attention(q, k, v, dtype=self.dtype)
+        y = y + jax.nn.dot_product_attention(q, k, v)
+        y = nn.DenseGeneral(8, axis=(-2, -1), dtype=self.dtype, name="out")(y)
+        return jax.nn.log_softmax(y) + jax.nn.softmax(y) + jax.nn.logsumexp(y, -1, keepdims=True)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_directly_called_softmax_runs_in_float32(name):
+    """Every softmax, logsumexp and attention matmul of a model that calls them itself:
+    sensitive operations in float32, matmuls accumulating in float32 (forward and backward)."""
+    model = jaxamp.linen.apply_policy(DirectAttention(), name)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 8))
+    params = model.init(jax.random.key(1), x)
+    loss = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))
+    report = jaxamp.precision_report(loss)(params).check(DTYPES[name])
+    exps = [op for op in report.sensitive if op.primitive == "exp"]
+    assert len(exps) >= 6 and {op.dtype for op in exps} == {"float32"}
+    assert report.by_dtype() == {np.dtype(DTYPES[name]).name: len(report.ops)}
+    grads = jax.jit(jax.grad(lambda p: loss(p)[0]))(params)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    reference = jax.grad(lambda p: jnp.mean(DirectAttention().apply(p, x) ** 2))(params)
+    tolerance = {"float32": 1e-5, "mixed_bfloat16": 0.05, "mixed_float16": 0.01}[name]
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(reference))
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
+        assert float(jnp.max(jnp.abs(ours - theirs))) <= tolerance * scale
+
+
+class TwoMethods(nn.Module):
+    features: int = 4
+
+    def setup(self):
+        self.dense = nn.Dense(self.features)
+
+    def __call__(self, x):
+        return jax.nn.softmax(self.dense(x))
+
+    def encode(self, x):
+        return self.dense(x)
+
+
+def _dense_operands(report):
+    return {op.operand_dtype for op in report.ops}
+
+
+def test_bind_tabulate_lazy_init_and_methods_keep_the_policy():
+    model = jaxamp.linen.apply_policy(TwoMethods(), "mixed_bfloat16")
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    assert jax.tree.structure(variables) == jax.tree.structure(
+        TwoMethods().init(jax.random.key(0), x)
+    )
+    bound = model.bind(variables)
+    report = jaxamp.precision_report(lambda x: bound(x))(x).check(jnp.bfloat16)
+    assert _dense_operands(report) == {"bfloat16"}
+    assert bound(x).dtype == jnp.float32
+    lazy = model.lazy_init(jax.random.key(0), jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    assert jax.tree.map(lambda a: a.shape, lazy) == jax.tree.map(lambda a: a.shape, variables)
+    table = re.sub(r"\x1b\[[0-9;]*m", "", model.tabulate(jax.random.key(0), x, depth=2))
+    dense_row = next(line for line in table.splitlines() if "│ dense" in line)
+    assert "bfloat16[2,3]" in dense_row and "bfloat16[2,4]" in dense_row  # under the policy
+    for method in ("encode", TwoMethods.encode):
+        run = lambda v, x, method=method: model.apply(v, x, method=method)
+        report = jaxamp.precision_report(run)(variables, x).check(jnp.bfloat16)
+        assert _dense_operands(report) == {"bfloat16"}
+        assert run(variables, x).dtype == jnp.float32
+    encoded = jaxamp.precision_report(lambda x: bound.encode(x))(x)
+    assert _dense_operands(encoded) == {"bfloat16"}
+    assert model.features == 4  # fields of the wrapped module are read through
+
+
+class WithBackbone(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        backbone = jaxamp.linen.apply_policy(TwoMethods(name="backbone"), "mixed_bfloat16")
+        return nn.Dense(2, name="head")(backbone(x))
+
+
+class Bare(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="head")(TwoMethods(name="backbone")(x))
+
+
+def test_a_policy_module_is_a_submodule():
+    x = jnp.ones((2, 3))
+    variables = WithBackbone().init(jax.random.key(0), x)
+    bare = Bare().init(jax.random.key(0), x)
+    assert jax.tree.structure(variables) == jax.tree.structure(bare)  # where the bare one's are
+    report = jaxamp.precision_report(
+        jax.value_and_grad(lambda v: WithBackbone().apply(v, x).sum())
+    )(variables)
+    by_layer = {(op.layer.split("/")[-1], op.operand_dtype) for op in report.ops}
+    assert ("dense", "bfloat16") in by_layer and ("head", "float32") in by_layer
+    assert not [p for p in report.problems() if p.kind == "sensitive_in_16bit"]
+    np.testing.assert_allclose(
+        WithBackbone().apply(variables, x), Bare().apply(variables, x), rtol=0.02, atol=0.02
+    )

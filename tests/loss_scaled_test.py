@@ -124,6 +124,47 @@ def test_16_bit_params_keep_a_float32_master(dtype):
     assert float(optax.apply_updates(p, u)["w"][0]) == 1.0
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("skip_with", ["select", "cond"])
+def test_master_adopts_changes_made_to_the_params_outside_update(dtype, skip_with):
+    """Weight clipping between steps is kept: the master takes the clipped values."""
+    params = params_of(dtype)
+    tx = jaxamp.loss_scaled(optax.sgd(1e-2), StaticLossScale(8.0), skip_with=skip_with)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    updates, state = update(scaled_grads(params, state), state, params)
+    params = optax.apply_updates(params, updates)
+    clipped = jax.tree.map(lambda p: jnp.clip(p, -0.5, 0.5), params)  # outside update
+    assert not np.array_equal(clipped["w"], params["w"]) and float(params["b"][0]) > 0.5
+    master = state.master_params
+    updates, state = update(scaled_grads(clipped, state), state, clipped)
+    params = optax.apply_updates(clipped, updates)
+    # sgd on sum(p**2): m <- m - 0.01 * 2p. The master starts from the clipped value where
+    # clipping changed the param, and keeps its own float32 value where it did not.
+    for ours, new_master, old_master, c in zip(
+        jax.tree.leaves(params),
+        jax.tree.leaves(state.master_params),
+        jax.tree.leaves(master),
+        jax.tree.leaves(clipped),
+        strict=True,
+    ):
+        changed = old_master.astype(dtype) != c
+        assert bool(jnp.any(changed))
+        start = jnp.where(changed, c.astype(jnp.float32), old_master)
+        expected = start - 0.01 * 2 * c.astype(jnp.float32)
+        np.testing.assert_allclose(new_master, expected, rtol=1e-6)
+        np.testing.assert_array_equal(ours, new_master.astype(dtype))
+        assert float(jnp.max(jnp.abs(ours.astype(jnp.float32)))) <= 0.5
+    # ...and a skipped step keeps the adopted master too
+    clipped = jax.tree.map(lambda p: jnp.clip(p, -0.25, 0.25), params)
+    updates, state = update(scaled_grads(clipped, state, poison=True), state, clipped)
+    assert not bool(state.last_finite)
+    for master, c in zip(
+        jax.tree.leaves(state.master_params), jax.tree.leaves(clipped), strict=True
+    ):
+        np.testing.assert_array_equal(master.astype(dtype), c)
+
+
 def test_master_needs_params():
     params = params_of(jnp.bfloat16)
     tx = jaxamp.loss_scaled(optax.sgd(0.1))

@@ -111,7 +111,7 @@ def test_gpt2_under_mixed_bfloat16(tokens):
 
     report = jaxamp.precision_report(lambda p: model.apply({"params": p}, tokens))(
         variables["params"]
-    )
+    ).check(jnp.bfloat16)
     # q, k, v, out projections + two attention matmuls + two MLP layers per block, + LM head.
     assert len(report.ops) == TINY_GPT2.num_layers * 8 + 1, report
     assert report.all_operands_in(jnp.bfloat16), report

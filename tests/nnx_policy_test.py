@@ -51,6 +51,7 @@ def test_dtypes_and_precision_report(kind, name):
     out = model(inputs(kind))
     assert out.dtype == jnp.float32
     report = train_step_report(model, inputs(kind))
+    report.check(DTYPES[name])
     assert report.all_operands_in(DTYPES[name]), report
     assert {op.direction for op in report.ops} == {"forward", "backward"}
     if kind == "resnet":
@@ -135,6 +136,10 @@ def test_apply_twice_replaces_the_policy():
 def test_bad_arguments():
     with pytest.raises(TypeError, match=r"jaxamp\.linen\.apply_policy"):
         jaxamp.nnx.apply_policy(object(), "float32")
+    with pytest.raises(TypeError, match=r"got str: 'mixed_bfloat16'"):  # arguments swapped
+        jaxamp.nnx.apply_policy("mixed_bfloat16", make("resnet"))
+    with pytest.raises(TypeError, match=r"AutocastRules, got str: 'strict'"):
+        jaxamp.nnx.apply_policy(make("resnet"), "float32", rules="strict")
     with pytest.raises(ValueError, match="Valid choices"):
         jaxamp.nnx.apply_policy(make("resnet"), "p=f32,c=fp8")
 
@@ -145,3 +150,36 @@ def test_a_model_under_a_policy_pickles():
     assert isinstance(restored, Transformer) and type(restored) is type(model)
     np.testing.assert_array_equal(restored(TOKENS), model(TOKENS))
     assert restored.embed(TOKENS).dtype == jnp.bfloat16  # the embedding wrapper survives too
+
+
+class DirectAttention(nnx.Module):
+    """Calls NNX's and JAX's attention and softmax functions directly."""
+
+    def __init__(self, rngs):
+        self.qkv = nnx.LinearGeneral(8, (3, 2, 4), rngs=rngs)
+        self.out = nnx.LinearGeneral((2, 4), 8, axis=(-2, -1), rngs=rngs)
+        self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+        qkv = self.qkv(x)
+        q, k, v = qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
+        y = nnx.dot_product_attention(q, k, v) + jax.nn.dot_product_attention(q, k, v)
+        y = self.norm(self.out(y))
+        return jax.nn.log_softmax(y) + jax.nn.softmax(y)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_directly_called_softmax_runs_in_float32(name):
+    model = jaxamp.nnx.apply_policy(DirectAttention(nnx.Rngs(0)), name)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 8))
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        return jnp.mean(nnx.merge(graphdef, state)(x) ** 2)
+
+    report = jaxamp.precision_report(jax.value_and_grad(loss))(state).check(DTYPES[name])
+    exps = [op for op in report.sensitive if op.primitive == "exp"]
+    assert len(exps) >= 4 and {op.dtype for op in exps} == {"float32"}
+    assert report.by_dtype() == {np.dtype(DTYPES[name]).name: len(report.ops)}
+    grads = jax.jit(jax.grad(loss))(state)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}

@@ -145,12 +145,14 @@ def test_readme_linen_train_state():
 def test_readme_nnx_optimizer():
     """The README's NNX example."""
 
-    class MLP(nnx.Module):
+    class MLP(nnx.Module):  # with BatchNorm and Dropout: their state is not differentiable
         def __init__(self, rngs):
             self.up, self.down = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+            self.norm = nnx.BatchNorm(16, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
 
         def __call__(self, x):
-            return self.down(nnx.relu(self.up(x)))
+            return self.down(self.dropout(nnx.relu(self.norm(self.up(x)))))
 
     x, y = jax.random.normal(jax.random.key(0), (32, 8)), jnp.arange(32) % 3
     model = MLP(nnx.Rngs(0))
@@ -171,6 +173,8 @@ def test_readme_nnx_optimizer():
     losses = [float(train_step(model, optimizer, x, y)) for _ in range(30)]
     assert losses[-1] < 0.7 * losses[0]
     assert model.up.kernel[...].dtype == jnp.float32
+    assert not np.allclose(model.norm.mean[...], 0.0)  # BatchNorm's statistics moved
+    assert int(model.dropout.rngs.count[...]) == 30
 
 
 def test_nnx_transform_is_used_on_a_model_with_batch_norm_and_dropout():

@@ -40,6 +40,12 @@ def test_unknown_variant():
 
 
 def test_default_variants_on_this_machine():
-    expected = ["fp32", "bf16", "fp16"] if jax.default_backend() == "cpu" else None
-    if expected:
-        assert default_variants() == expected
+    picked = jaxamp.auto_policy()
+    expected = {
+        str(jaxamp.PRESETS["mixed_bfloat16"]): ["fp32", "bf16"],
+        str(jaxamp.PRESETS["mixed_float16"]): ["fp32", "fp16"],
+        str(jaxamp.PRESETS["float32"]): ["fp32", "bf16", "fp16"],
+    }[str(picked)]
+    assert default_variants() == expected
+    if jax.default_backend() == "cpu":
+        assert expected == ["fp32", "bf16", "fp16"]

@@ -10,18 +10,20 @@ binds every primitive again, with its inputs cast by the rules of
 rule       primitives (``jaxamp.AUTOCAST_RULES``)      inputs
 =========  ==========================================  ===================================
 compute    ``dot_general``, ``conv_general_dilated``   floating operands -> compute dtype
-float32    exp, log, log1p, expm1, pow, rsqrt, square,  floating inputs -> float32
-           erf, logistic, reduce_sum/max/min/prod,
-           cumsum...
+float32    exp, log, log1p, expm1, pow, rsqrt, sqrt,    floating inputs -> float32
+           square, erf, logistic, reduce_sum/max/min/
+           prod, cumsum...
 promote    add, mul, max, select_n, reshape, gather,    shared dtypes -> widest arrival
            concatenate... (elementwise, shapes)
 traced     everything else                              floating inputs -> traced dtypes
 =========  ==========================================  ===================================
 
-Matmuls state float32 accumulation in the program with
-``precision=jaxamp.dot_algorithm(compute_dtype)`` where the backend has that
-algorithm and the matmul asked for no precision of its own (convolutions keep
-the backend's default, as under ``jaxamp.linen.apply_policy``). Softmax,
+Matmuls and convolutions on a 16-bit compute dtype run under the 16-bit matmul
+rule (``jaxamp/_src/matmul.py``): 16-bit operands, float32 accumulation in the
+forward and both backward GEMMs, float32 weight gradients. A matmul left as
+traced (not in the ``compute`` set, as under ``apply_policy``) whose traced
+operands are 16-bit runs under the rule too, in its traced dtype. A 16-bit value
+broadcast into a larger one gets its gradient summed in float32. Softmax,
 log-softmax, logsumexp, normalisation and the losses built from them run in
 float32 because their reductions and exponentials do. Integer and boolean
 values are never cast. The outputs come back in the dtypes they had in the
@@ -51,10 +53,12 @@ wrapped function under ``jax.jit``.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax import nnx
 
 from jaxamp._src.autocast_interpreter import FLOAT32_SCOPE, cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast_rules import AUTOCAST_RULES, AutocastRules
@@ -117,19 +121,78 @@ def autocast(
             f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
             "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
-    config = (policy, rules)
+    return interpreted(fun, (policy, rules), residuals)
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, nnx.Module)
+
+
+def _state_values(state: Any) -> dict[Any, tuple[Any, ...]]:
+    """``{path: the variable's leaves}`` of an NNX state, taken now (variables mutate)."""
+    return {path: tuple(jax.tree.leaves(v)) for path, v in nnx.to_flat_state(state)}
+
+
+def _changed_state(before: dict[Any, tuple[Any, ...]], merged: Any) -> Any:
+    """The variables of ``merged`` whose values are not those of ``before`` (by identity:
+    an unchanged variable still holds its input tracer), or ``None`` when none changed.
+    Only these are written back, so a module whose call mutates nothing is left untouched."""
+    changed = []
+    for path, variable in nnx.to_flat_state(nnx.state(merged)):
+        previous = before.get(path, ())
+        leaves = jax.tree.leaves(variable)
+        same = len(leaves) == len(previous) and all(
+            a is b for a, b in zip(leaves, previous, strict=True)
+        )
+        if not same:
+            changed.append((path, variable))
+    return nnx.from_flat_state(changed) if changed else None
+
+
+def interpreted(
+    fun: Callable[..., Any], config: tuple[Policy, AutocastRules], residuals: str
+) -> Callable[..., Any]:
+    """``fun`` evaluated by the autocast interpreter with ``config``'s policy and rules.
+
+    Shared by :func:`autocast` and the policies' ``apply``. Non-array arguments are
+    held static. NNX modules (``fun`` itself, the object of a bound method, or
+    modules among the arguments) are split into their state, so the traced
+    program is pure; the state they leave (BatchNorm statistics, RNG counts) is
+    put back into them afterwards, as a call outside the interpreter would.
+    """
+    policy, _ = config
     validate_residuals(residuals)
     if policy.compute_dtype.itemsize >= 4:
         residuals = "all"
+    callee, method = fun, None
+    if inspect.ismethod(fun) and _is_module(fun.__self__):
+        callee, method = fun.__self__, fun.__func__
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        arrays, rebuild_inputs = partition_arrays((args, kwargs))
+        leaves, treedef = jax.tree.flatten((callee, args, kwargs), is_leaf=_is_module)
+        where = [i for i, leaf in enumerate(leaves) if _is_module(leaf)]
+        modules = [leaves[i] for i in where]
+        graphdef, state = nnx.split(modules) if modules else (None, None)
+        others = [leaf for i, leaf in enumerate(leaves) if i not in where]
+        arrays, rebuild_inputs = partition_arrays((state, others))
         rebuild_outputs = []
 
         def traced(*arrays):
-            call_args, call_kwargs = rebuild_inputs(arrays)
-            out_arrays, rebuild = partition_arrays(fun(*call_args, **call_kwargs))
+            state, others = rebuild_inputs(arrays)
+            before = _state_values(state) if modules else {}
+            merged = nnx.merge(graphdef, state) if modules else []
+            merged_iter, others_iter = iter(merged), iter(others)
+            call_leaves = [
+                next(merged_iter) if i in where else next(others_iter) for i in range(len(leaves))
+            ]
+            call_callee, call_args, call_kwargs = jax.tree.unflatten(treedef, call_leaves)
+            if method is None:
+                out = call_callee(*call_args, **call_kwargs)
+            else:
+                out = method(call_callee, *call_args, **call_kwargs)
+            new_state = _changed_state(before, merged) if modules else None
+            out_arrays, rebuild = partition_arrays((out, new_state))
             rebuild_outputs.append(rebuild)
             return out_arrays
 
@@ -140,7 +203,10 @@ def autocast(
             ),
             residuals,
         )
-        return rebuild_outputs[0](evaluate(closed.consts, arrays))
+        out, new_state = rebuild_outputs[0](evaluate(closed.consts, arrays))
+        if modules and new_state is not None:
+            nnx.update(modules, new_state)
+        return out
 
     return wrapped
 

@@ -12,6 +12,7 @@ section, with the versions they differ between.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,11 +91,11 @@ def _open(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
 class _Env:
     """Values of one jaxpr's variables, and the casts made of them (each made once)."""
 
-    def __init__(self, config: tuple[Policy, AutocastRules]):
+    def __init__(self, config: tuple[Policy, AutocastRules], parent: _Env | None = None):
         self.policy, self.rules = config
         self.config = config
-        self.values: dict[Any, Any] = {}
-        self.casts: dict[tuple[Any, str], Any] = {}
+        self.values: dict[Any, Any] = {} if parent is None else parent.values
+        self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, jex.core.Literal) else self.values[atom]
@@ -136,7 +137,8 @@ def cast_to_traced(values: Sequence[Any], atoms: Sequence[Any]) -> list[Any]:
 
 def _planned_inputs(eqn: Any, env: _Env, wanted: Sequence[Any] | None = None) -> list[Any]:
     """Input values: each floating input in its ``wanted`` dtype (``None``: as it arrives),
-    then inputs that shared a floating dtype in the trace promoted to the widest of them."""
+    then inputs that shared a floating dtype in the trace promoted to the widest of them
+    (to float32 where a constant among them is too large for that dtype)."""
     atoms = eqn.invars
     dtypes = [
         (w if w is not None and _is_float(env.dtype(a)) else env.dtype(a))
@@ -151,9 +153,23 @@ def _planned_inputs(eqn: Any, env: _Env, wanted: Sequence[Any] | None = None) ->
             continue
         strong = [i for i in members if not _is_weak(atoms[i])]
         target = functools.reduce(jnp.promote_types, [dtypes[i] for i in strong or members])
+        if any(_overflows(env.read(atoms[i]), target) for i in members if _is_weak(atoms[i])):
+            target = np.dtype(jnp.promote_types(target, _FLOAT32))
         for i in members:
             dtypes[i] = target
     return [env.read_as(a, d) for a, d in zip(atoms, dtypes, strict=True)]
+
+
+def _overflows(value: Any, dtype: Any) -> bool:
+    """Whether a constant (a Python scalar in the traced program) is finite but too large
+    for ``dtype``: ``1e30`` in float16 would become ``inf`` (and ``inf * 0`` a NaN)."""
+    if not isinstance(value, (int, float, np.ndarray, np.generic)) or not _is_float(dtype):
+        return False
+    value = np.asarray(value)
+    if value.dtype.kind not in "fiu" or value.size > 16:
+        return False
+    finite = np.isfinite(value.astype(np.float64))
+    return bool(np.any(finite & (np.abs(value.astype(np.float64)) > jnp.finfo(dtype).max)))
 
 
 def _is_weak(atom: Any) -> bool:
@@ -192,15 +208,129 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
         lhs, rhs = (env.read(a) for a in eqn.invars)
         if eqn.primitive is lax.dot_general_p:
             dims = params["dimension_numbers"]
+            # A result the traced program asked to be wider than its operands (16-bit
+            # operands, float32 logits) stays that wide; other results are 16-bit.
+            preferred = params.get("preferred_element_type")
+            traced = _traced_dtype(eqn.invars[0])
+            wider = _is_float(preferred) and np.dtype(preferred).itemsize > max(
+                compute.itemsize, np.dtype(traced).itemsize
+            )
             return [
                 amp_dot_general(
-                    lhs, rhs, dims, params.get("precision"), None, compute_dtype=compute
+                    lhs,
+                    rhs,
+                    dims,
+                    params.get("precision"),
+                    preferred if wider else None,
+                    compute_dtype=compute,
                 )
             ]
         return [amp_conv_from_params(lhs, rhs, params, compute)]
     if _is_float(params.get("preferred_element_type")):
         params["preferred_element_type"] = None
     return _bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
+
+
+def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:
+    """A matmul left as traced. One traced on 16-bit operands still accumulates in float32:
+    it runs under the matmul rule in its traced dtype (a model's own ``jnp.einsum`` on
+    16-bit activations, such as attention written out by hand), its result in the traced
+    dtype (float32 where it asked for it), and its backward GEMMs on 16-bit operands too.
+    The rule chooses its own dot algorithm, which also works around JAX asking XLA:CPU
+    for one it rejects (``jax.nn.dot_product_attention`` in float16 states
+    ``F16_F16_F32``, and fails to compile under ``jit`` on CPU). Others run as traced."""
+    lhs_dtype, rhs_dtype = (_traced_dtype(a) for a in eqn.invars[:2])
+    out_dtype = _traced_dtype(eqn.outvars[0])
+    if not (
+        _is_16bit(lhs_dtype) and np.dtype(rhs_dtype) == np.dtype(lhs_dtype) and _is_float(out_dtype)
+    ):
+        return _as_traced(eqn, env)
+    policy = dataclasses.replace(env.policy, compute_dtype=np.dtype(lhs_dtype))
+    return cast_to_traced(_compute(eqn, _Env((policy, env.rules), env)), eqn.outvars)
+
+
+def _names_of(*attributes: str) -> frozenset[str]:
+    return frozenset(getattr(lax, a).name for a in attributes if hasattr(lax, a))
+
+
+def _is_16bit(dtype: Any) -> bool:
+    return _is_float(dtype) and np.dtype(dtype).itemsize == 2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _broadcast(x: Any, shape: tuple[int, ...], spec: tuple[tuple[int, int], ...], dtype: str):
+    return lax.broadcast_in_dim(x, shape, tuple(d for d, _ in spec))
+
+
+def _broadcast_fwd(x, shape, spec, dtype):
+    return _broadcast(x, shape, spec, dtype), None
+
+
+def _broadcast_bwd(shape, spec, dtype, _, g):
+    """The sum a broadcast's transpose makes, accumulated in float32. ``spec`` pairs each
+    operand dimension's place in the output with its size."""
+    del shape
+    dims = tuple(d for d, _ in spec)
+    g = g.astype(_FLOAT32)
+    expanded = tuple(d for d, n in spec if n == 1 and g.shape[d] != 1)
+    if expanded:
+        g = jnp.sum(g, axis=expanded, keepdims=True)
+    new = tuple(d for d in range(g.ndim) if d not in dims)
+    if new:
+        g = jnp.sum(g, axis=new)
+    return (g.reshape(tuple(n for _, n in spec)).astype(dtype),)
+
+
+_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+def broadcast_summing_in_float32(x: Any, shape: Sequence[int], dims: Sequence[int]) -> Any:
+    """``lax.broadcast_in_dim(x, shape, dims)`` whose gradient is summed in float32.
+
+    JAX's transpose of a broadcast sums in the cotangent's dtype: 16 bits for a bias
+    or a positional embedding added to 16-bit activations."""
+    spec = tuple((int(d), int(n)) for d, n in zip(dims, np.shape(x), strict=True))
+    return _broadcast(x, tuple(int(n) for n in shape), spec, np.dtype(x.dtype).name)
+
+
+def _needs_float32_sum(x: Any, atom: Any, out_shape: Sequence[int]) -> bool:
+    """A 16-bit value (not a constant) that an operation broadcasts to ``out_shape``."""
+    return (
+        not isinstance(atom, jex.core.Literal)
+        and _is_16bit(getattr(x, "dtype", None))
+        and np.ndim(x) <= len(out_shape)
+        and int(np.prod(np.shape(x), dtype=int)) < int(np.prod(out_shape, dtype=int))
+    )
+
+
+def _broadcast_in_dim(eqn: Any, env: _Env) -> list[Any]:
+    """``broadcast_in_dim`` of a 16-bit value: its gradient is summed in float32."""
+    (x,) = _planned_inputs(eqn, env) if len(eqn.invars) == 1 else (None,)
+    out_shape = eqn.outvars[0].aval.shape
+    if x is None or eqn.params.get("sharding") is not None:
+        return _promote(eqn, env)
+    if not _needs_float32_sum(x, eqn.invars[0], out_shape):
+        return _promote(eqn, env)
+    return [broadcast_summing_in_float32(x, out_shape, eqn.params["broadcast_dimensions"])]
+
+
+# Elementwise primitives that take operands of different shapes (size-1 dimensions
+# broadcast): their transpose sums the broadcast dimensions in the cotangent's dtype.
+_IMPLICIT_BROADCAST = _names_of("add_p", "sub_p", "mul_p", "div_p", "max_p", "min_p", "atan2_p")
+
+
+def _elementwise(eqn: Any, env: _Env) -> list[Any]:
+    """An elementwise primitive; 16-bit operands it broadcasts are broadcast first, by
+    :func:`broadcast_summing_in_float32`, so their gradients are summed in float32."""
+    values = _planned_inputs(eqn, env)
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    values = [
+        broadcast_summing_in_float32(v, out_shape, range(len(out_shape)))
+        if _needs_float32_sum(v, a, out_shape) and np.ndim(v) == len(out_shape)
+        else v
+        for v, a in zip(values, eqn.invars, strict=True)
+    ]
+    return _bind(eqn, values)
 
 
 def _convert(eqn: Any, env: _Env) -> list[Any]:
@@ -222,6 +352,7 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
     return _bind(eqn, [env.read(atom)])
 
 
+_MATMULS = frozenset({lax.dot_general_p.name, lax.conv_general_dilated_p.name})
 _RULES = {"compute": _compute, "float32": _float32, "promote": _promote, "traced": _as_traced}
 
 
@@ -245,7 +376,14 @@ def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
         return _HIGHER_ORDER[name](eqn, env)
     if name == "convert_element_type":
         return _convert(eqn, env)
-    return _RULES[env.rules.rule_for(name)](eqn, env)
+    rule = env.rules.rule_for(name)
+    if rule == "traced" and name in _MATMULS:
+        return _traced_matmul(eqn, env)
+    if rule == "promote" and name == "broadcast_in_dim":
+        return _broadcast_in_dim(eqn, env)
+    if rule == "promote" and name in _IMPLICIT_BROADCAST:
+        return _elementwise(eqn, env)
+    return _RULES[rule](eqn, env)
 
 
 # --- Higher-order primitives ------------------------------------------------------------------

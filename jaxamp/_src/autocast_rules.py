@@ -14,7 +14,10 @@ the first):
   arithmetic and comparisons, shape and indexing operations, ``select_n``,
   ``concatenate``... Floating inputs that shared one dtype in the traced
   program are promoted to the widest dtype they now arrive in (Python scalars
-  and weakly typed values follow the others rather than widening them).
+  and weakly typed values follow the others rather than widening them, unless
+  that dtype cannot hold them: a model's ``scores - 1e30 * (1 - mask)`` in
+  float16 would turn ``1e30`` into ``inf`` and ``inf * 0`` into NaN, so such
+  an operation runs in float32).
 
 Every other primitive (collectives, custom derivative rules, scatters, random
 number generation, primitives of other libraries) runs as traced: floating
@@ -47,6 +50,7 @@ FLOAT32_PRIMITIVES = _names(
     "integer_pow_p",
     "square_p",
     "rsqrt_p",
+    "sqrt_p",
     "tan_p",
     "acos_p",
     "asin_p",
@@ -94,7 +98,6 @@ PROMOTE_PRIMITIVES = _names(
     "ceil_p",
     "round_p",
     "is_finite_p",
-    "sqrt_p",
     "cbrt_p",
     "tanh_p",
     "sin_p",
@@ -189,3 +192,16 @@ class AutocastRules:
 
 
 AUTOCAST_RULES = AutocastRules()
+
+
+def policy_rules(rules: AutocastRules | None = None) -> AutocastRules:
+    """The rules ``apply_policy`` evaluates a model with: ``rules`` without its ``compute``
+    set, since under a policy each layer's own settings decide its matmuls (overrides
+    included). Sensitive primitives still run in float32, wherever the model calls them."""
+    rules = AUTOCAST_RULES if rules is None else rules
+    if not isinstance(rules, AutocastRules):
+        raise TypeError(
+            f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}: {rules!r}; start "
+            "from dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
+        )
+    return dataclasses.replace(rules, compute=frozenset())

@@ -257,10 +257,17 @@ class _Run:
         self.underflow.append({"step": step, "unscaled": unscaled, "scaled": scaled})
 
     def recalibrate(self, batches: list[tuple[Any, Any]]) -> None:
-        """Recomputes BatchNorm running statistics at the final weights."""
+        """Recomputes BatchNorm running statistics at the final weights, and records how far
+        they moved (the largest change relative to the statistic's size)."""
+        before = self.state
         with self.variant.tracing():
             for x, _ in batches:
                 self.state = self.update_statistics(self.params, self.state, x)
+        changes = [
+            float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
+            for a, b in zip(jax.tree.leaves(self.state), jax.tree.leaves(before), strict=True)
+        ]
+        self.recalibration_change = max(changes, default=0.0)
 
     def evaluate(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, float]:
         predictions = []
@@ -302,6 +309,7 @@ class _Run:
             "f1": metrics["f1"],
             "skipped_steps": skipped,
             "final_loss_scale": final_scale,
+            "bn_recalibration_change": getattr(self, "recalibration_change", None),
             "losses": [float(v) for v in self.losses],
             "loss_scales": [float(v) for v in self.scales] if final_scale is not None else None,
             "underflow": [{k: float(v) for k, v in u.items()} for u in self.underflow],

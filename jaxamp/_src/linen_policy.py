@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
+from flax.core import lift
 
 from jaxamp._src import layers
+from jaxamp._src.autocast import interpreted
+from jaxamp._src.autocast_rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.policy import Policy, cast_floating, get_policy
-from jaxamp._src.residuals import checkpoint_residuals, validate_residuals
-
-# Keyword arguments of ``Module.init``/``Module.apply`` that are not model inputs.
-_APPLY_KWARGS = frozenset({"rngs", "method", "mutable", "capture_intermediates"})
+from jaxamp._src.residuals import validate_residuals
 
 
 @contextlib.contextmanager
@@ -38,44 +39,52 @@ def _module_chain(module: nn.Module) -> Iterator[tuple[tuple[str, ...], nn.Modul
         module = module.parent
 
 
-class PolicyModule:
-    """A Linen module with a precision policy, with the module's ``init``/``apply`` contract.
+def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
+    """A Flax core transformation (like ``flax.core.lift.checkpoint``): ``fn`` evaluated by
+    the autocast interpreter with ``config``, its variables and RNGs lifted through it."""
 
-    Made by :func:`jaxamp.linen.apply_policy`. ``init`` and ``apply`` take the same
-    arguments as the wrapped module's and return variables of the same structure,
-    so checkpoints, ``TrainState.create(apply_fn=model.apply, ...)`` and
-    ``method=`` keep working. Any other attribute is looked up on the wrapped module.
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+        def pure(variable_groups, rng_groups, *args, **kwargs):
+            scope = scope_fn(variable_groups, rng_groups)
+            return fn(scope, *args, **kwargs), repack_fn(scope)
 
-    Attributes:
-      module: the unmodified Linen module.
-      policy: the policy applied to it.
-      overrides: ``(key, Policy)`` pairs, as given to ``apply_policy``.
-      residuals: what the backward pass may save (see ``apply_policy``).
-    """
+        return interpreted(pure, config, residuals)(variable_groups, rng_groups, *args, **kwargs)
 
-    def __init__(
-        self,
-        module: nn.Module,
-        policy: Policy,
-        overrides: tuple[tuple[Any, Policy], ...] = (),
-        residuals: str = "compute_dtype",
-    ):
-        self.module = module
-        self.policy = policy
-        self.overrides = overrides
-        self.residuals = residuals
+    lifted = lift.pack(inner, (True,), (True,), (True,), name="jaxamp_policy", enable_kwargs=True)
+    return lifted(scope, *args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("module", "policy", "overrides", "residuals"):
-            raise AttributeError(name)
-        return getattr(self.module, name)
 
-    def __repr__(self) -> str:
-        return f"PolicyModule({type(self.module).__name__}, policy='{self.policy}')"
+_TARGET = "jaxamp_policy"  # the name of the lifted call, in the program's layer names
 
-    def _interceptor(self, next_fun, args, kwargs, context):
+
+def _without_policy_modules(capture: Any) -> Any:
+    """A ``capture_intermediates`` filter that leaves out the policy's own calls, so the
+    captured intermediates are the wrapped module's, as without the policy."""
+    if not capture:
+        return capture
+    if capture is True:
+        keep = lambda module, method_name: method_name == "__call__"
+    else:
+        keep = capture
+
+    def capture_filter(module, method_name):
+        return (
+            not isinstance(module, PolicyModule)
+            and method_name != _TARGET
+            and keep(module, method_name)
+        )
+
+    return capture_filter
+
+
+def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...]):
+    """The method interceptor that gives each layer its settings (see ``layers.plan_layer``)."""
+
+    def intercept(next_fun, args, kwargs, context):
         module = context.module
-        policy = layers.resolve_policy(self.policy, self.overrides, _module_chain(module))
+        if isinstance(module, PolicyModule):
+            return next_fun(*args, **kwargs)
+        policy = layers.resolve_policy(root, overrides, _module_chain(module))
         plan = layers.plan_layer(module, policy, context.method_name)
         if not plan:
             return next_fun(*args, **kwargs)
@@ -88,54 +97,123 @@ class PolicyModule:
             out = cast_floating(out, plan.cast_output_to)
         return out
 
-    def _cast_inputs(self, args, kwargs):
-        args = self.policy.cast_to_compute(args)
-        kwargs = {
-            k: v if k in _APPLY_KWARGS else self.policy.cast_to_compute(v)
-            for k, v in kwargs.items()
-        }
-        return args, kwargs
+    return intercept
 
-    def _returns_state(self, kwargs) -> bool:
-        return bool(kwargs.get("mutable", False)) or bool(
-            kwargs.get("capture_intermediates", False)
-        )
 
-    def init_with_output(self, rngs, *args, **kwargs):
-        """Like ``nn.Module.init_with_output``; params are created in ``param_dtype``."""
-        args, kwargs = self._cast_inputs(args, kwargs)
-        with nn.intercept_methods(self._interceptor):
-            out, variables = self.module.init_with_output(rngs, *args, **kwargs)
-        return self.policy.cast_to_output(out), variables
+class PolicyModule(nn.Module):
+    """A Linen module under a precision policy; itself a Linen module.
 
-    def init(self, rngs, *args, **kwargs):
-        """Like ``nn.Module.init``; params are created in ``param_dtype``."""
-        args, kwargs = self._cast_inputs(args, kwargs)
-        with nn.intercept_methods(self._interceptor):
-            return self.module.init(rngs, *args, **kwargs)
+    Made by :func:`jaxamp.linen.apply_policy`. It shares its scope with the wrapped
+    module, so ``init`` and ``apply`` take the same arguments as the wrapped
+    module's and return variables of the same structure: checkpoints,
+    ``TrainState.create(apply_fn=model.apply, ...)`` and ``method=`` keep working,
+    and so do ``bind``, ``tabulate``, ``lazy_init`` and use as a submodule of
+    another Linen module (its variables then sit where the bare module's would).
+    The wrapped module's methods (``model.encode``, ``method="encode"``) run
+    under the policy; its other attributes (config fields) are read through.
 
-    def apply(self, variables, *args, **kwargs):
+    Attributes:
+      module: the unmodified Linen module.
+      policy: the policy applied to it.
+      overrides: ``(key, Policy)`` pairs, as given to ``apply_policy``.
+      residuals: what the backward pass may save (see ``apply_policy``).
+      rules: the rule table ``apply`` evaluates the model with (see ``apply_policy``).
+    """
+
+    module: nn.Module
+    policy: Policy
+    overrides: tuple[tuple[Any, Policy], ...] = ()
+    residuals: str = "compute_dtype"
+    rules: AutocastRules | None = None
+
+    def setup(self):
+        nn.share_scope(self, self.module)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if name.startswith("_") or module is None or not hasattr(module, name):
+                raise
+            if callable(getattr(type(module), name, None)):
+                return functools.partial(self._run, name)  # its method, under the policy
+            return getattr(module, name)  # a field of the wrapped module
+
+    def __call__(self, *args, **kwargs):
+        return self._run("__call__", *args, **kwargs)
+
+    @nn.nowrap
+    def _run(self, method: Any, *args, **kwargs):
+        """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
+        args, kwargs = self.policy.cast_to_compute((args, kwargs))
+        interceptor = _interceptor(self.policy, self.overrides)
+
+        def target(mdl, *args, **kwargs):
+            inner = mdl.module
+            fn = getattr(type(inner), method) if isinstance(method, str) else method
+            with nn.intercept_methods(interceptor):
+                return fn(inner, *args, **kwargs)
+
+        target.__name__ = _TARGET
+
+        if self.is_initializing():  # creating params: the layers' settings are all it needs
+            out = target(self, *args, **kwargs)
+        else:
+            config = (self.policy, policy_rules(self.rules))
+            out = nn.transforms.lift_direct_transform(
+                functools.partial(_lifted_policy, config=config, residuals=self.residuals),
+                (target,),
+                self,
+                *args,
+                multi_scope=True,
+                **kwargs,
+            )
+        return self.policy.cast_to_output(out)
+
+    @nn.nowrap
+    def _method(self, method: Any) -> Any:
+        """``method`` of ``init``/``apply``, for the wrapped module, as a method of this one."""
+        if method is None or getattr(method, "_jaxamp_policy_method", False):
+            return method
+        if isinstance(method, str) and method in type(self).__dict__:
+            return method
+
+        def run(self, *args, **kwargs):
+            return self._run(method, *args, **kwargs)
+
+        run._jaxamp_policy_method = True
+        return run
+
+    @nn.nowrap
+    def init_with_output(self, rngs, *args, method=None, **kwargs):
+        """Like ``nn.Module.init_with_output``; params in each layer's ``param_dtype``."""
+        return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
+
+    @nn.nowrap
+    def init(self, rngs, *args, method=None, **kwargs):
+        """Like ``nn.Module.init``; params are created in each layer's ``param_dtype``."""
+        return super().init(rngs, *args, method=self._method(method), **kwargs)
+
+    @nn.nowrap
+    def apply(self, variables, *args, method=None, **kwargs):
         """Like ``nn.Module.apply``, with the policy; outputs come back in ``output_dtype``.
 
         Floating inputs are cast to the compute dtype (integer inputs such as token
-        ids are left alone), the ``params`` collection to the param dtype, and the
-        output (not the updated mutable collections) to the output dtype.
+        ids are left alone) and the output (not the updated mutable collections) to
+        the output dtype. Params are used in the dtypes they come in: ``init``
+        creates each layer's in its own ``param_dtype`` (overrides included), and
+        each layer casts them to its compute dtype, so a float32 layer under a
+        16-bit root computes with its float32 weights.
         """
-        args, kwargs = self._cast_inputs(args, kwargs)
-        if isinstance(variables, Mapping) and "params" in variables:
-            variables = {**variables, "params": self.policy.cast_to_param(variables["params"])}
+        if "capture_intermediates" in kwargs:
+            kwargs["capture_intermediates"] = _without_policy_modules(
+                kwargs["capture_intermediates"]
+            )
+        return super().apply(variables, *args, method=self._method(method), **kwargs)
 
-        def run(variables, args, kwargs):
-            with nn.intercept_methods(self._interceptor):
-                return self.module.apply(variables, *args, **kwargs)
-
-        if self.policy.compute_dtype.itemsize < 4:
-            run = checkpoint_residuals(run, self.residuals)
-        out = run(variables, args, kwargs)
-        if self._returns_state(kwargs):
-            y, state = out
-            return self.policy.cast_to_output(y), state
-        return self.policy.cast_to_output(out)
+    def __repr__(self) -> str:
+        return f"PolicyModule({type(self.module).__name__}, policy='{self.policy}')"
 
 
 def apply_policy(
@@ -144,6 +222,7 @@ def apply_policy(
     *,
     overrides: Mapping[Any, Any] | None = None,
     residuals: str = "compute_dtype",
+    rules: AutocastRules | None = None,
 ) -> PolicyModule:
     """Runs an unmodified Linen module under a precision policy.
 
@@ -154,9 +233,18 @@ def apply_policy(
     ``param_dtype``; matmuls and convolutions run under jaxamp's 16-bit matmul rule
     (16-bit operands, float32 accumulation, forward and backward, float32 weight
     gradients; see ``jaxamp/_src/matmul.py``), attention's softmax and normalisation
-    statistics are computed in float32, ``batch_stats`` stay float32. Arithmetic
-    a custom module writes itself (``x @ self.param(...)``) follows JAX's type
-    promotion; :func:`jaxamp.autocast` covers such code.
+    statistics are computed in float32, ``batch_stats`` stay float32.
+
+    ``apply`` then evaluates the model with the rule table of :func:`jaxamp.autocast`
+    (its ``float32`` and ``promote`` sets): wherever the model calls them itself,
+    numerically sensitive primitives (the exponentials and sums of a softmax
+    written out or called from ``jax.nn``/``flax.linen`` directly, ``logsumexp``,
+    ``erf``, losses) run in float32, a matmul the model writes on 16-bit values
+    accumulates in float32, and a 16-bit value broadcast into an activation
+    (a bias, a positional embedding) gets its gradient summed in float32.
+    A matmul a custom module writes on a float32 param (``x @ self.param(...)``)
+    runs as written, in float32: :func:`jaxamp.precision_report`'s ``problems``
+    flags it, and :func:`jaxamp.autocast` casts such code.
 
     The policy is applied while the returned object's ``init``/``apply`` trace
     the module, so the module's code and its variables' structure are unchanged.
@@ -175,6 +263,9 @@ def apply_policy(
         and softmax intermediates are recomputed from 16-bit values),
         ``"dots"`` (only matmul, convolution and reduction outputs are kept) or
         ``"all"`` (JAX's default). See :func:`jaxamp.checkpoint_residuals`.
+      rules: the :class:`jaxamp.AutocastRules` whose ``float32`` and ``promote`` sets
+        ``apply`` evaluates the model with (:data:`jaxamp.AUTOCAST_RULES` when
+        ``None``; its ``compute`` set is not used, layers decide their matmuls).
 
     Returns:
       A :class:`PolicyModule` with ``init``, ``init_with_output`` and ``apply``.
@@ -189,14 +280,20 @@ def apply_policy(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
-            f"apply_policy expects a flax.linen.Module, got {type(module).__name__}. "
-            "For flax.nnx modules use jaxamp.nnx.apply_policy."
+            f"apply_policy expects a flax.linen.Module, got {type(module).__name__}: "
+            f"{module!r:.80}. For flax.nnx modules use jaxamp.nnx.apply_policy."
         )
     if policy is None:
         policy = auto_policy()
+    policy_rules(rules)  # validates
+    # A top-level model's wrapper takes the model's class name, so that the layer names
+    # in its program read as the bare model's (``precision_report`` drops the wrapper's).
+    name = type(module).__name__ if module.parent is None else None
     return PolicyModule(
         module,
         get_policy(policy),
         layers.normalize_overrides(overrides),
         validate_residuals(residuals),
+        rules,
+        name=name,
     )

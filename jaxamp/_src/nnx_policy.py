@@ -9,12 +9,15 @@ from typing import Any
 from flax import nnx
 
 from jaxamp._src import layers
+from jaxamp._src.autocast import interpreted
+from jaxamp._src.autocast_rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.policy import Policy, cast_floating, get_policy
-from jaxamp._src.residuals import _POLICIES, partition_arrays, validate_residuals
+from jaxamp._src.residuals import validate_residuals
 
 _POLICY_ATTR = "jaxamp_policy"
 _RESIDUALS_ATTR = "jaxamp_residuals"
+_RULES_ATTR = "jaxamp_rules"
 _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
 _ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
 
@@ -40,21 +43,13 @@ def _set_value(variable: nnx.Variable, value: Any) -> None:
 
 
 def _policy_call(self, *args, **kwargs):
-    """``__call__`` of a model under a policy: cast inputs, checkpoint, cast outputs."""
+    """``__call__`` of a model under a policy: inputs cast, the call evaluated with the
+    policy's rules (see :func:`jaxamp.linen.apply_policy`), outputs cast."""
     policy: Policy = getattr(self, _POLICY_ATTR)
     base_call = type(self).__mro__[1].__call__
     args, kwargs = policy.cast_to_compute((args, kwargs))
-    residuals = getattr(self, _RESIDUALS_ATTR)
-    if policy.compute_dtype.itemsize >= 4 or residuals == "all":
-        return policy.cast_to_output(base_call(self, *args, **kwargs))
-
-    arrays, rebuild = partition_arrays((args, kwargs))
-
-    def pure(module, arrays):
-        call_args, call_kwargs = rebuild(arrays)
-        return base_call(module, *call_args, **call_kwargs)
-
-    out = nnx.remat(pure, policy=_POLICIES[residuals])(self, arrays)
+    config = (policy, getattr(self, _RULES_ATTR))
+    out = interpreted(base_call, config, getattr(self, _RESIDUALS_ATTR))(self, *args, **kwargs)
     return policy.cast_to_output(out)
 
 
@@ -107,6 +102,7 @@ def apply_policy(
     *,
     overrides: Mapping[Any, Any] | None = None,
     residuals: str = "compute_dtype",
+    rules: AutocastRules | None = None,
 ) -> nnx.Module:
     """Puts an existing NNX model under a precision policy, in place, and returns it.
 
@@ -115,8 +111,10 @@ def apply_policy(
     ``dot_general``/``einsum_op``/``conv_general_dilated``, a float32-softmax
     ``attention_fn``); existing parameters are
     cast to their layer's ``param_dtype``; ``BatchStat`` variables stay float32.
-    The model's ``__call__`` casts floating inputs to the compute dtype and its
-    outputs to the output dtype. The model keeps its class for ``isinstance``
+    The model's ``__call__`` casts floating inputs to the compute dtype, evaluates
+    the call with the policy's rules (sensitive primitives in float32 wherever the
+    model calls them; see :func:`jaxamp.linen.apply_policy`) and casts its outputs
+    to the output dtype. The model keeps its class for ``isinstance``
     (it becomes an instance of a subclass), works with ``nnx.Optimizer``,
     ``nnx.jit`` and ``nnx.grad``, and applying a policy again replaces the first.
 
@@ -127,6 +125,8 @@ def apply_policy(
       overrides: per-class or per-path policies, e.g. ``{"head": "float32"}``
         (paths are attribute paths such as ``"blocks/0/attn"``).
       residuals: what the backward pass may save; see
+        :func:`jaxamp.linen.apply_policy`.
+      rules: the rule table the call is evaluated with; see
         :func:`jaxamp.linen.apply_policy`.
 
     Returns:
@@ -142,12 +142,13 @@ def apply_policy(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(
-            f"apply_policy expects a flax.nnx.Module, got {type(model).__name__}. "
+            f"apply_policy expects a flax.nnx.Module, got {type(model).__name__}: {model!r:.80}. "
             "For flax.linen modules use jaxamp.linen.apply_policy."
         )
     policy = get_policy(auto_policy() if policy is None else policy)
     override_list = layers.normalize_overrides(overrides)
     residuals = validate_residuals(residuals)
+    rules = policy_rules(rules)
 
     modules = {tuple(path): module for path, module in _iter_modules(model)}
     for path, module in modules.items():
@@ -167,5 +168,6 @@ def apply_policy(
 
     setattr(model, _POLICY_ATTR, policy)
     setattr(model, _RESIDUALS_ATTR, residuals)
+    setattr(model, _RULES_ATTR, rules)
     _swap_class(model, "policy")
     return model

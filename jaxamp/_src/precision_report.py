@@ -23,27 +23,17 @@ from typing import Any
 
 import jax
 
-# StableHLO / HLO element type names -> numpy names.
-_DTYPE_NAMES = {
-    "bf16": "bfloat16",
-    "f16": "float16",
-    "f32": "float32",
-    "f64": "float64",
-    "f8E4M3FN": "float8_e4m3fn",
-    "f8E5M2": "float8_e5m2",
-    "f8e4m3fn": "float8_e4m3fn",
-    "f8e5m2": "float8_e5m2",
-    "i1": "bool",
-    "pred": "bool",
-    "i8": "int8",
-    "s8": "int8",
-    "i32": "int32",
-    "s32": "int32",
-    "ui32": "uint32",
-    "u32": "uint32",
-    "i64": "int64",
-    "s64": "int64",
-}
+from jaxamp._src.audit import (
+    DTYPE_NAMES,
+    PrecisionError,
+    SensitiveOp,
+    direction,
+    find_problems,
+    read_lowered,
+    short_name,
+)
+
+_DTYPE_NAMES = DTYPE_NAMES
 _FLOAT_NAMES = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
 
 _LOC_DEF = re.compile(r'^#loc(\d+) = loc\("([^"]*)"')
@@ -75,10 +65,7 @@ def _tensor_type(text: str) -> tuple[tuple[int, ...], str]:
     return shape, _dtype_name(parts[-1])
 
 
-def _direction(name: str) -> str:
-    if not name:
-        return "unknown"
-    return "backward" if "transpose(" in name else "forward"
+_direction = direction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +84,11 @@ class MatmulOp:
       rhs_shape: shape of the right operand.
       name: the source name JAX recorded (e.g. ``jit(step)/jvp(ResNet)/Conv_0/...``).
       direction: ``"forward"``, ``"backward"`` or ``"unknown"``.
+      executions: how many times it runs per call of the program (a ``scan``'s
+        length and repeated calls of a nested ``jit`` multiply), ``None`` inside
+        a loop of unknown trip count or where the report was read from text.
+      contracts: whether it sums over a contracting dimension (an einsum such as
+        ``"...hqk,h->...hqk"`` only multiplies).
     """
 
     kind: str
@@ -108,6 +100,13 @@ class MatmulOp:
     rhs_shape: tuple[int, ...]
     name: str = ""
     direction: str = "unknown"
+    executions: int | None = None
+    contracts: bool = True
+
+    @property
+    def layer(self) -> str:
+        """The layer path, e.g. ``"ResNet/Conv_0"``."""
+        return short_name(self.name)
 
     @property
     def operand_dtype(self) -> str:
@@ -121,15 +120,23 @@ class MatmulOp:
 class PrecisionReport:
     """The matmuls, convolutions and converts of one program.
 
+    Each operation of the program is listed once, with ``executions``: how many
+    times it runs per call. A report read from a lowered function also lists
+    the numerically sensitive operations (``sensitive``) and can be audited
+    with :meth:`problems` and :meth:`check`.
+
     Attributes:
       ops: every matmul and convolution, in program order.
-      converts: number of converts from one floating type to another.
+      converts: number of converts from one floating type to another (in the program).
       source: ``"stablehlo"`` (lowered) or ``"hlo"`` (compiled).
+      sensitive: the exponentials, logarithms, square roots, ``erf``, reductions and
+        cumulative sums (:class:`jaxamp.SensitiveOp`), for a lowered function.
     """
 
     ops: tuple[MatmulOp, ...]
     converts: int
     source: str
+    sensitive: tuple[SensitiveOp, ...] = ()
 
     @classmethod
     def from_text(cls, text: str) -> PrecisionReport:
@@ -143,7 +150,68 @@ class PrecisionReport:
         """Reads a ``jax.stages.Lowered``: its StableHLO, or its compiled HLO."""
         if compiled:
             return _parse_hlo(lowered.compile().as_text())
-        return _parse_stablehlo(lowered.as_text(debug_info=True))
+        matmuls, sensitive, converts = read_lowered(lowered.compiler_ir("stablehlo"))
+        ops = tuple(MatmulOp(**fields) for fields in matmuls)
+        for op in ops:
+            if op.accumulation_dtype is None:
+                wider = _wider(op.lhs_dtype, op.rhs_dtype, op.result_dtype)
+                object.__setattr__(op, "accumulation_dtype", wider)
+        return cls(ops, converts, "stablehlo", tuple(sensitive))
+
+    def problems(self, compute_dtype: Any = None, *, ignore: Sequence[str] = ()) -> list:
+        """The precision problems of the program, each naming its primitive, dtype and layer.
+
+        * a sensitive operation (``exp``, ``log``, ``sqrt``, ``erf``, sums, products,
+          cumulative sums...) computed in a 16-bit type (max and min are exact in
+          any dtype and are not problems);
+        * where ``compute_dtype`` is a 16-bit dtype, a matmul or convolution on
+          float32 operands (the silent upcast of ``x @ self.param(...)``);
+        * a matmul or convolution on 16-bit operands with a 16-bit result and no
+          wider accumulation stated.
+
+        Args:
+          compute_dtype: the policy's compute dtype, or ``None`` not to look for
+            float32 matmuls.
+          ignore: layer path patterns (globs, as in ``apply_policy``'s overrides,
+            e.g. ``"head"``) whose problems are expected, such as a layer kept
+            in float32 on purpose.
+
+        Returns:
+          A list of :class:`jaxamp.Problem`; empty when the program is clean.
+        """
+        return find_problems(self, compute_dtype, tuple(ignore))
+
+    def check(self, compute_dtype: Any = None, *, ignore: Sequence[str] = ()) -> PrecisionReport:
+        """Raises :class:`jaxamp.PrecisionError` listing :meth:`problems`; returns ``self``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jaxamp
+          >>> x = jnp.ones((4, 8), jnp.bfloat16)
+          >>> jaxamp.precision_report(jax.nn.softmax)(x).check()
+          Traceback (most recent call last):
+          ...
+          jaxamp.PrecisionError: 1 precision problem(s):
+            - exp computed in bfloat16 at <top level> (forward, runs 1x)
+          >>> report = jaxamp.precision_report(jaxamp.autocast(jax.nn.softmax))(x).check()
+          >>> sorted({(op.primitive, op.dtype) for op in report.sensitive})
+          [('exp', 'float32'), ('reduce_max', 'float32'), ('reduce_sum', 'float32')]
+        """
+        problems = self.problems(compute_dtype, ignore=ignore)
+        if problems:
+            raise PrecisionError(problems)
+        return self
+
+    def executed(self, operand_dtype: str | None = None) -> int | None:
+        """Matmuls and convolutions run per call (``None`` if a loop's trip count is
+        unknown), optionally only those with both operands in ``operand_dtype``."""
+        total = 0
+        for op in self.ops:
+            if operand_dtype is None or op.operand_dtype == _canonical(operand_dtype):
+                if op.executions is None:
+                    return None
+                total += op.executions
+        return total
 
     def count(self, operand_dtype: str | None = None, kind: str | None = None) -> int:
         """Number of ops, optionally with both operands in ``operand_dtype``, of ``kind``."""
@@ -172,10 +240,14 @@ class PrecisionReport:
                 collections.Counter(str(op.accumulation_dtype) for op in self.ops)
             ),
             "converts": self.converts,
+            "executed": self.executed(),
+            "sensitive": dict(
+                collections.Counter(f"{op.primitive}:{op.dtype}" for op in self.sensitive)
+            ),
         }
 
     def __str__(self) -> str:
-        header = ("kind", "pass", "operands", "result", "accumulate", "lhs shape", "layer")
+        header = ("kind", "pass", "operands", "result", "accumulate", "runs", "lhs shape", "layer")
         rows = [header] + [
             (
                 op.kind,
@@ -183,6 +255,7 @@ class PrecisionReport:
                 op.operand_dtype,
                 op.result_dtype,
                 op.accumulation_dtype or "backend",
+                "?" if op.executions is None else op.executions,
                 "x".join(map(str, op.lhs_shape)),
                 _short_name(op.name),
             )
@@ -194,6 +267,11 @@ class PrecisionReport:
             f"{len(self.ops)} matmuls/convolutions by operand dtype {self.by_dtype()}; "
             f"{self.converts} floating converts ({self.source})"
         )
+        if self.sensitive:
+            counts = collections.Counter(f"{op.primitive} {op.dtype}" for op in self.sensitive)
+            lines.append(
+                "sensitive operations: " + ", ".join(f"{k} x{n}" for k, n in counts.items())
+            )
         return "\n".join(lines)
 
 
@@ -205,11 +283,7 @@ def _canonical(dtype: Any) -> str:
     return np.dtype(dtype).name
 
 
-def _short_name(name: str) -> str:
-    """``jit(f)/transpose(jvp(M))/Dense_0/dot_general`` -> ``M/Dense_0``."""
-    parts = [p for p in name.split("/") if p]
-    parts = [re.sub(r"^(?:\w+\()+|\)+$", "", p) for p in parts[1:-1]]
-    return "/".join(parts)
+_short_name = short_name
 
 
 def _parse_stablehlo(text: str) -> PrecisionReport:

@@ -1,0 +1,347 @@
+"""The precision audit: what a lowered program computes in which dtype, and what is wrong.
+
+:func:`read_lowered` walks the StableHLO module of a lowered function (see
+:mod:`jaxamp._src.program_walk`) and returns its matmuls and convolutions and
+its numerically sensitive operations, each with its dtype, layer, pass and the
+number of times it runs per call. :func:`find_problems` reads those lists the
+way a reviewer of a mixed-precision program would:
+
+* a sensitive operation computed in a 16-bit type (an exponential, logarithm,
+  square root, ``erf``, sum or product: the parts of a softmax, a
+  normalisation or a loss). Max and min reductions are listed but are not
+  problems: they are exact in any dtype;
+* where a 16-bit compute dtype is given, a float32 matmul (the silent upcast a
+  custom layer's ``x @ self.param(...)`` causes under a policy);
+* a matmul that accumulates in 16 bits: 16-bit operands and a 16-bit result,
+  with no accumulation type stated (a ``dot_general`` with no contracting
+  dimension, an einsum that only multiplies, accumulates nothing and is not one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import Any
+
+from jaxamp._src.program_walk import WalkedOp, tensor_type, walk
+
+# StableHLO / HLO element type names -> numpy names.
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "f32": "float32",
+    "f64": "float64",
+    "f8E4M3FN": "float8_e4m3fn",
+    "f8E5M2": "float8_e5m2",
+    "f8e4m3fn": "float8_e4m3fn",
+    "f8e5m2": "float8_e5m2",
+    "i1": "bool",
+    "pred": "bool",
+    "i8": "int8",
+    "s8": "int8",
+    "i32": "int32",
+    "s32": "int32",
+    "ui32": "uint32",
+    "u32": "uint32",
+    "i64": "int64",
+    "s64": "int64",
+}
+SIXTEEN_BIT = frozenset({"bfloat16", "float16"})
+FLOATS = frozenset({"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"})
+
+# StableHLO/CHLO operation -> the JAX primitive it lowers.
+_ELEMENTWISE = {
+    "stablehlo.exponential": "exp",
+    "stablehlo.exponential_minus_one": "expm1",
+    "stablehlo.log": "log",
+    "stablehlo.log_plus_one": "log1p",
+    "stablehlo.logistic": "logistic",
+    "stablehlo.rsqrt": "rsqrt",
+    "stablehlo.sqrt": "sqrt",
+    "stablehlo.power": "pow",
+    "stablehlo.tan": "tan",
+    "chlo.tan": "tan",
+    "chlo.erf": "erf",
+    "chlo.erfc": "erfc",
+    "chlo.erf_inv": "erf_inv",
+    "chlo.lgamma": "lgamma",
+    "chlo.digamma": "digamma",
+    "chlo.cosh": "cosh",
+    "chlo.sinh": "sinh",
+}
+_REDUCTIONS = {
+    "stablehlo.add": "reduce_sum",
+    "stablehlo.multiply": "reduce_prod",
+    "stablehlo.maximum": "reduce_max",
+    "stablehlo.minimum": "reduce_min",
+}
+_CUMULATIVE = ("cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin")
+EXACT = frozenset({"reduce_max", "reduce_min", "cummax", "cummin"})
+_ALGORITHM = re.compile(r"accumulation_type\s*=\s*(\w+)")
+
+
+def dtype_name(element_type: str) -> str:
+    return DTYPE_NAMES.get(element_type, element_type)
+
+
+def direction(name: str) -> str:
+    if not name:
+        return "unknown"
+    return "backward" if "transpose(" in name else "forward"
+
+
+# Name-stack entries JAX's transformations add, which are not layers.
+_NOT_LAYERS = frozenset(
+    {
+        "checkpoint",
+        "rematted_computation",
+        "remat",
+        "while",
+        "body",
+        "cond",
+        "branch",
+        "closed_call",
+        "core_call",
+        "scan",
+        "pjit",
+        "custom_vjp_call",
+        "custom_jvp_call",
+    }
+)
+
+
+_POLICY_MODULE = re.compile(r"PolicyModule(_\d+)?")
+_POLICY_CALL = ".jaxamp_policy"  # the wrapper's lifted call (``linen_policy._TARGET``)
+
+
+def short_name(name: str) -> str:
+    """The layer path of a source name: ``jit(f)/transpose(jvp(M))/Dense_0/dot_general``
+    -> ``M/Dense_0`` (entries that transformations add, such as ``checkpoint``, dropped)."""
+    layers, previous = [], ""
+    for raw in [p for p in name.split("/") if p][1:-1]:
+        part = re.sub(r"^(?:\w+\()+|\)+$", "", raw)  # transpose(jvp(M)) -> M
+        wrapper = previous.endswith(_POLICY_CALL)
+        previous = part
+        if part.endswith(_POLICY_CALL) or _POLICY_MODULE.fullmatch(part):
+            continue  # jaxamp.linen's wrapper (named after the model it wraps, or PolicyModule_0)
+        if wrapper and part == "module":
+            continue  # the wrapped model, named after the wrapper's field
+        if raw != part and layers and layers[-1] == part:
+            continue  # a transformation of the same module again (a remat's recomputation)
+        if part and part not in _NOT_LAYERS:
+            layers.append(part)
+    return "/".join(layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class SensitiveOp:
+    """One numerically sensitive operation of a program.
+
+    Attributes:
+      primitive: the JAX primitive it lowers (``"exp"``, ``"reduce_sum"``, ``"cumsum"``...).
+      dtype: the dtype it computes in (its first operand's), e.g. ``"bfloat16"``.
+      shape: that operand's shape.
+      name: the source name JAX recorded.
+      direction: ``"forward"``, ``"backward"`` or ``"unknown"``.
+      executions: how many times it runs per call (scan lengths and repeated
+        calls multiply), or ``None`` inside a loop of unknown trip count.
+    """
+
+    primitive: str
+    dtype: str
+    shape: tuple[int, ...]
+    name: str = ""
+    direction: str = "unknown"
+    executions: int | None = 1
+
+    @property
+    def layer(self) -> str:
+        """The layer path, e.g. ``"Model/attention"``."""
+        return short_name(self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A precision problem: what, in which dtype, where.
+
+    Attributes:
+      kind: ``"sensitive_in_16bit"``, ``"float32_matmul"`` or ``"16bit_accumulation"``.
+      primitive: the primitive (``"exp"``, ``"dot_general"``...).
+      dtype: the dtype it computes in.
+      layer: the layer path.
+      direction: the pass.
+      executions: how many times it runs per call.
+    """
+
+    kind: str
+    primitive: str
+    dtype: str
+    layer: str
+    direction: str
+    executions: int | None
+
+    def __str__(self) -> str:
+        what = {
+            "sensitive_in_16bit": f"{self.primitive} computed in {self.dtype}",
+            "float32_matmul": f"{self.primitive} on {self.dtype} operands (not the compute dtype)",
+            "16bit_accumulation": f"{self.primitive} accumulating in {self.dtype}",
+        }[self.kind]
+        runs = "?" if self.executions is None else self.executions
+        return f"{what} at {self.layer or '<top level>'} ({self.direction}, runs {runs}x)"
+
+
+class PrecisionError(AssertionError):
+    """Raised by ``PrecisionReport.check`` when a program has precision problems.
+
+    Attributes:
+      problems: the :class:`Problem` list.
+    """
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} precision problem(s):\n{lines}")
+
+
+PrecisionError.__module__ = "jaxamp"  # raised to users as jaxamp.PrecisionError
+
+
+def _operand_dtype(operation: Any) -> tuple[tuple[int, ...], str]:
+    shape, element = tensor_type(operation.operands[0])
+    return shape, dtype_name(element)
+
+
+def _size(shape: tuple[int, ...]) -> int:
+    size = 1
+    for n in shape:
+        size *= n
+    return size
+
+
+def _sensitive(op: WalkedOp) -> SensitiveOp | None:
+    operation = op.operation
+    name = operation.name
+    primitive = _ELEMENTWISE.get(name)
+    if primitive is None and name == "stablehlo.reduce":
+        body = operation.regions[0].blocks[0]
+        combiners = [o.operation.name for o in body.operations]
+        primitive = _REDUCTIONS.get(combiners[0]) if combiners else None
+    if primitive is None and name == "stablehlo.reduce_window":  # cumsum's CPU/GPU lowering
+        primitive = next((c for c in _CUMULATIVE if c in op.name), None)
+    if primitive is None or not operation.operands:
+        return None
+    shape, dtype = _operand_dtype(operation)
+    if dtype not in FLOATS:
+        return None
+    if name == "stablehlo.reduce" and _size(shape) == _size(tensor_type(operation.results[0])[0]):
+        return None  # a reduction over size-1 dimensions only (a broadcast's transpose): a copy
+    return SensitiveOp(primitive, dtype, shape, op.name, direction(op.name), op.executions)
+
+
+def _attribute(operation: Any, name: str) -> str:
+    try:
+        return str(operation.attributes[name])
+    except KeyError:
+        return ""
+
+
+def read_lowered(module: Any) -> tuple[list[dict[str, Any]], list[SensitiveOp], int]:
+    """Matmuls (as field dicts for ``MatmulOp``), sensitive operations and the number
+    of floating converts of a lowered StableHLO module (``compiler_ir("stablehlo")``)."""
+    matmuls, sensitive, converts = [], [], 0
+    for op in walk(module):
+        operation = op.operation
+        name = operation.name
+        if name == "stablehlo.convert" and operation.operands and operation.results:
+            src = dtype_name(tensor_type(operation.operands[0])[1])
+            dst = dtype_name(tensor_type(operation.results[0])[1])
+            converts += src != dst and src in FLOATS and dst in FLOATS
+        elif name in ("stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"):
+            (lhs_shape, lhs), (rhs_shape, rhs) = (tensor_type(v) for v in operation.operands[:2])
+            lhs, rhs = dtype_name(lhs), dtype_name(rhs)
+            result = dtype_name(tensor_type(operation.results[0])[1])
+            algorithm = _ALGORITHM.search(_attribute(operation, "algorithm"))
+            matmuls.append(
+                dict(
+                    kind="convolution" if name.endswith("convolution") else "dot_general",
+                    lhs_dtype=lhs,
+                    rhs_dtype=rhs,
+                    result_dtype=result,
+                    accumulation_dtype=dtype_name(algorithm.group(1)) if algorithm else None,
+                    lhs_shape=lhs_shape,
+                    rhs_shape=rhs_shape,
+                    name=op.name,
+                    direction=direction(op.name),
+                    executions=op.executions,
+                    contracts=name != "stablehlo.dot_general"
+                    or "contracting_dimensions" in _attribute(operation, "dot_dimension_numbers"),
+                )
+            )
+        else:
+            found = _sensitive(op)
+            if found is not None:
+                sensitive.append(found)
+    return matmuls, sensitive, int(converts)
+
+
+def _ignored(layer: str, ignore: tuple[str, ...]) -> bool:
+    """Whether ``layer`` or a layer above it matches a glob pattern in ``ignore``."""
+    parts = layer.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(
+        fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, f"*/{pattern}")
+        for prefix in prefixes
+        for pattern in ignore
+    )
+
+
+def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...] = ()) -> list:
+    """The :class:`Problem` list of a ``PrecisionReport`` (see the module docs)."""
+    compute = None if compute_dtype is None else _canonical(compute_dtype)
+    problems = []
+    for op in report.sensitive:
+        if op.dtype in SIXTEEN_BIT and op.primitive not in EXACT:
+            problems.append(
+                Problem(
+                    "sensitive_in_16bit",
+                    op.primitive,
+                    op.dtype,
+                    op.layer,
+                    op.direction,
+                    op.executions,
+                )
+            )
+    for op in report.ops:
+        if not op.contracts:  # an einsum that only multiplies: nothing to accumulate
+            continue
+        layer = short_name(op.name)
+        operands = {op.lhs_dtype, op.rhs_dtype}
+        if compute in SIXTEEN_BIT and operands == {"float32"}:
+            problems.append(
+                Problem("float32_matmul", op.kind, "float32", layer, op.direction, op.executions)
+            )
+        elif (
+            operands <= SIXTEEN_BIT
+            and op.result_dtype in SIXTEEN_BIT
+            and op.accumulation_dtype in (None, *SIXTEEN_BIT)
+        ):
+            problems.append(
+                Problem(
+                    "16bit_accumulation",
+                    op.kind,
+                    op.result_dtype,
+                    layer,
+                    op.direction,
+                    op.executions,
+                )
+            )
+    return [p for p in problems if not _ignored(p.layer, tuple(ignore))]
+
+
+def _canonical(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return DTYPE_NAMES.get(dtype, dtype)
+    import numpy as np
+
+    return np.dtype(dtype).name

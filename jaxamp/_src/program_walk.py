@@ -1,0 +1,175 @@
+"""Walking a lowered program: every operation, its full layer name and how often it runs.
+
+:func:`jaxamp.precision_report` reads the StableHLO module JAX lowers a
+function to (``Lowered.compiler_ir("stablehlo")``), as MLIR objects rather than
+text, so that it can follow the program's structure:
+
+* a function JAX outlined (a nested ``jit``, ``cumsum``'s lowering, a ``scan``
+  body) is defined once but runs once per call: its operations are counted at
+  each call site, and their layer names are the call site's name followed by
+  their own;
+* the body of a ``stablehlo.while`` runs as many times as its condition allows:
+  the loops JAX writes for ``scan`` and ``fori_loop`` compare a counter that
+  starts at a constant with a constant bound, and that trip count multiplies
+  the body's operations. Any other loop's trip count is unknown (``None``);
+* each branch of a ``stablehlo.case`` (``lax.cond``/``switch``) is counted as
+  running once, which is at most what it does.
+
+Nothing here is JAX-private: the module and its operations are the MLIR Python
+objects ``compiler_ir`` returns, read through their documented attributes
+(``operation.name``, ``regions``, ``operands``, ``results``, ``location``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from typing import Any
+
+_LOC_NAME = re.compile(r'loc\("([^"]*)"')
+_DENSE_INT = re.compile(r"dense<(-?\d+)>")
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+
+
+@dataclasses.dataclass(frozen=True)
+class WalkedOp:
+    """One operation of the program, with what the walk learnt about it.
+
+    Attributes:
+      operation: the MLIR operation (``operation.name`` is e.g. ``"stablehlo.exponential"``).
+      name: its full layer name (``jit(step)/transpose(jvp(Model))/Dense_0/exp``).
+      executions: how many times it runs per call of the program, or ``None``
+        when it sits in a loop whose trip count the program does not state.
+      key: identifies the operation in the program text (function, position), so
+        that an operation reached from several call sites is one operation.
+    """
+
+    operation: Any
+    name: str
+    executions: int | None
+    key: tuple[str, int]
+
+
+def location_name(operation: Any) -> str:
+    """The name JAX gave an operation's location (``""`` when it has none)."""
+    match = _LOC_NAME.search(str(operation.location))
+    return match.group(1) if match else ""
+
+
+def tensor_type(value: Any) -> tuple[tuple[int, ...], str]:
+    """``(shape, element type)`` of an MLIR value: ``tensor<4x3xbf16>`` -> ``((4, 3), 'bf16')``."""
+    match = _TENSOR.search(str(value.type))
+    if not match:
+        return (), str(value.type)
+    parts = match.group(1).split("x")
+    return tuple(int(p) for p in parts[:-1] if p.isdigit()), parts[-1]
+
+
+def _join(prefix: str, name: str) -> str:
+    if not prefix or name.startswith("jit("):
+        return name
+    return f"{prefix}/{name}" if name else prefix
+
+
+def _multiply(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a * b
+
+
+def _constant(value: Any) -> int | None:
+    """The integer a value holds if a ``stablehlo.constant`` defines it."""
+    owner = getattr(value, "owner", None)
+    operation = getattr(owner, "operation", None)
+    if operation is None or operation.name != "stablehlo.constant":
+        return None
+    match = _DENSE_INT.search(str(operation.attributes["value"]))
+    return int(match.group(1)) if match else None
+
+
+def trip_count(while_op: Any) -> int | None:
+    """The number of iterations of a ``stablehlo.while`` written as JAX writes counted loops.
+
+    The condition is ``compare LT, %counter, %bound`` with a constant bound, and the
+    counter is a loop operand initialised by a constant; else ``None``.
+    """
+    cond = while_op.regions[0].blocks[0]
+    for inner in cond.operations:
+        operation = inner.operation
+        if operation.name != "stablehlo.compare":
+            continue
+        if "LT" not in str(operation.attributes["comparison_direction"]):
+            return None
+        counter, bound = operation.operands
+        hi = _constant(bound)
+        arguments = list(cond.arguments)
+        if hi is None or counter not in arguments:
+            return None
+        lo = _constant(while_op.operands[arguments.index(counter)])
+        return None if lo is None else max(hi - lo, 0)
+    return None
+
+
+def walk(module: Any) -> list[WalkedOp]:
+    """Every operation reachable from ``main``, merged per program position.
+
+    An operation reached from several call sites appears once, with the sum of
+    its executions (``None`` if any site's is unknown) and the name from its
+    first call site.
+    """
+    functions = {}
+    for operation in module.body.operations:
+        operation = operation.operation
+        if operation.name == "func.func":
+            functions[str(operation.attributes["sym_name"]).strip('"')] = operation
+    merged: dict[tuple[str, int], WalkedOp] = {}
+    order: list[tuple[str, int]] = []
+    entry = "main" if "main" in functions else next(iter(functions), None)
+    if entry is None:
+        return []
+    for op in _walk_function(functions, entry, "", 1, ()):
+        previous = merged.get(op.key)
+        if previous is None:
+            merged[op.key] = op
+            order.append(op.key)
+        else:
+            total = (
+                None
+                if previous.executions is None or op.executions is None
+                else previous.executions + op.executions
+            )
+            merged[op.key] = dataclasses.replace(previous, executions=total)
+    return [merged[k] for k in order]
+
+
+def _walk_function(
+    functions: dict[str, Any], name: str, prefix: str, times: int | None, stack: tuple[str, ...]
+) -> Iterator[WalkedOp]:
+    if name in stack or name not in functions:  # recursion cannot come from JAX; be safe
+        return
+    counter = iter(range(1 << 62))
+    for block in functions[name].regions[0].blocks:
+        yield from _walk_block(functions, block, name, prefix, times, (*stack, name), counter)
+
+
+def _walk_block(functions, block, function, prefix, times, stack, counter) -> Iterator[WalkedOp]:
+    for inner in block.operations:
+        operation = inner.operation
+        index = next(counter)
+        full_name = _join(prefix, location_name(operation))
+        yield WalkedOp(operation, full_name, times, (function, index))
+        if operation.name == "func.call":
+            callee = str(operation.attributes["callee"]).lstrip("@").strip('"')
+            yield from _walk_function(functions, callee, full_name, times, stack)
+        elif operation.name == "stablehlo.while":
+            cond, body = operation.regions
+            yield from _walk_region(functions, cond, function, prefix, times, stack, counter)
+            inner_times = _multiply(times, trip_count(operation))
+            yield from _walk_region(functions, body, function, prefix, inner_times, stack, counter)
+        else:
+            for region in operation.regions:
+                yield from _walk_region(functions, region, function, prefix, times, stack, counter)
+
+
+def _walk_region(functions, region, function, prefix, times, stack, counter):
+    for block in region.blocks:
+        yield from _walk_block(functions, block, function, prefix, times, stack, counter)
