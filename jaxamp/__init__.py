@@ -28,20 +28,24 @@ from jaxamp._src.distributed import (
 )
 from jaxamp._src.loss_scale import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
 from jaxamp._src.loss_scaled import LossScaledState, all_finite, loss_scaled
+from jaxamp._src.master_weights import MASTER_WEIGHTS
 from jaxamp._src.policy import PRESETS, Policy, cast_floating, get_policy
 from jaxamp._src.precision_report import MatmulOp, PrecisionReport, precision_report
 from jaxamp._src.residuals import activation_bytes, checkpoint_residuals, saved_residuals
+from jaxamp._src.rounding import stochastic_round
 from jaxamp._src.scale_loss import (
     find_loss_scaled_state,
     get_loss_scale,
     scale_loss,
     value_and_grad,
 )
+from jaxamp._src.state_dtype import StateDtypeState, with_state_dtype
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AUTOCAST_RULES",
+    "MASTER_WEIGHTS",
     "PRESETS",
     "AutocastRules",
     "DynamicLossScale",
@@ -55,6 +59,7 @@ __all__ = (
     "PrecisionReport",
     "Problem",
     "SensitiveOp",
+    "StateDtypeState",
     "StaticLossScale",
     "activation_bytes",
     "all_finite",
@@ -83,6 +88,8 @@ __all__ = (
     "scale_loss",
     "shard_batch",
     "softmax_float32",
+    "stochastic_round",
     "underflow_fraction",
     "value_and_grad",
+    "with_state_dtype",
 )

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxamp._src import master_weights as recipes
 from jaxamp._src.loss_scale import DynamicLossScale, LossScale, LossScaleState
 from jaxamp._src.policy import is_floating_array
 
@@ -48,6 +49,10 @@ class LossScaledState(NamedTuple):
       scale_history: the scale after each of the last ``history_length`` steps
         (a ring buffer; entries not yet written hold 0).
       step: updates applied or skipped since ``init``, int32, saturating.
+      compensation: the Kahan compensation of 16-bit params (``master_weights="kahan"``),
+        in the params' dtypes, else ``None``.
+      rounding_key: raw ``uint32`` PRNG key data (``master_weights="stochastic"``), else
+        ``None``; the rounding noise of a step is a function of it and ``step``.
     """
 
     loss_scale: LossScaleState
@@ -58,14 +63,12 @@ class LossScaledState(NamedTuple):
     last_finite: jax.Array
     scale_history: jax.Array
     step: jax.Array
+    compensation: Any = None
+    rounding_key: Any = None
 
 
-def _is_16_bit(x: Any) -> bool:
-    return is_floating_array(x) and x.dtype.itemsize < 4
-
-
-def _to_float32(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if is_floating_array(x) else x, tree)
+_is_16_bit = recipes.is_16_bit
+_to_float32 = recipes.to_float32
 
 
 def _is_inexact_array(x: Any) -> bool:
@@ -102,18 +105,6 @@ def _adopt_changes(master: Any, params: Any) -> Any:
     return jax.tree.map(adopt, master, params)
 
 
-def _landing_updates(new_master: Any, params: Any) -> Any:
-    """Updates ``u`` with ``(p + u).astype(p.dtype) == new_master.astype(p.dtype)`` exactly."""
-
-    def delta(master, p):
-        if not is_floating_array(p):
-            return jnp.zeros_like(p)
-        rounded = master.astype(p.dtype).astype(jnp.float32)
-        return rounded - p.astype(jnp.float32)
-
-    return jax.tree.map(delta, new_master, params)
-
-
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
@@ -121,6 +112,8 @@ def loss_scaled(
     axis_name: str | None = None,
     history_length: int = 32,
     skip_with: str = "select",
+    master_weights: str = "float32",
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer with loss scaling, on-device skipping and float32 master params.
 
@@ -149,6 +142,15 @@ def loss_scaled(
         large or data-dependent (line searches, matrix roots). What the
         wrapper costs over a plain optax step is measured by
         ``benchmarks/loss_scaling.py`` (``"select"`` mode).
+
+      master_weights: how updates reach 16-bit params (float32 params are updated
+        as they are): ``"float32"`` (default) keeps a float32 master copy;
+        ``"kahan"`` a 16-bit compensation buffer that carries each step's rounding
+        error into the next; ``"stochastic"`` no master, the params rounded
+        stochastically (unbiased); ``"none"`` no master, rounded to nearest (the
+        naive baseline, which stalls on updates below half a 16-bit ulp). See
+        ``jaxamp/_src/master_weights.py`` for the bytes each keeps.
+      seed: the seed of the stochastic rounding noise (``master_weights="stochastic"``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -181,28 +183,32 @@ def loss_scaled(
         raise ValueError(f"skip_with must be 'select' or 'cond', got {skip_with!r}.")
     if not (isinstance(history_length, int) and history_length >= 1):
         raise ValueError(f"history_length must be an integer >= 1, got {history_length!r}.")
+    master_weights = recipes.validate_master_weights(master_weights)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
         has_16_bit = any(_is_16_bit(x) for x in jax.tree.leaves(params))
-        master = _to_float32(params) if has_16_bit else None
+        master, compensation, key = recipes.init(params, master_weights, seed)
         return LossScaledState(
             loss_scale=loss_scale.init(),
-            inner_state=inner.init(master if has_16_bit else params),
+            inner_state=inner.init(_to_float32(params) if has_16_bit else params),
             master_params=master,
             skipped_steps=jnp.zeros([], jnp.int32),
             consecutive_skips=jnp.zeros([], jnp.int32),
             last_finite=jnp.asarray(True),
             scale_history=jnp.zeros([history_length], jnp.float32),
             step=jnp.zeros([], jnp.int32),
+            compensation=compensation,
+            rounding_key=key,
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         has_master = state.master_params is not None
-        if has_master and params is None:
+        rounds = state.compensation is not None or state.rounding_key is not None
+        if (has_master or rounds) and params is None:
             raise ValueError(
-                "loss_scaled holds float32 master params for 16-bit params, so update() "
-                "needs the current params: tx.update(grads, state, params)."
+                f"loss_scaled(master_weights={master_weights!r}) updates 16-bit params itself, "
+                "so update() needs the current params: tx.update(grads, state, params)."
             )
         inv_scale = 1.0 / state.loss_scale.scale
         grads = jax.tree.map(
@@ -212,33 +218,48 @@ def loss_scaled(
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
         master_params = _adopt_changes(state.master_params, params) if has_master else None
-        inner_params = master_params if has_master else params
+        if has_master or rounds:
+            inner_params = recipes.inner_params(params, master_params, state.compensation)
+        else:
+            inner_params = params
 
         def apply(_):
             new_updates, inner_state = inner.update(
                 grads, state.inner_state, inner_params, **extra_args
             )
-            if not has_master:
-                return new_updates, inner_state, None
-            new_master = optax.apply_updates(master_params, new_updates)
-            return _landing_updates(new_master, params), inner_state, new_master
+            if has_master:
+                new_master = optax.apply_updates(master_params, new_updates)
+                landing = recipes.landing_updates(new_master, params)
+                return landing, inner_state, new_master, state.compensation
+            if rounds:
+                new_updates, compensation = recipes.apply(
+                    master_weights,
+                    new_updates,
+                    params,
+                    state.compensation,
+                    state.rounding_key,
+                    state.step,
+                )
+                return new_updates, inner_state, None, compensation
+            return new_updates, inner_state, None, None
 
         if skip_with == "cond":
             update_shapes = jax.eval_shape(apply, None)[0]
 
             def skip(_):
                 zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
-                return zeros, state.inner_state, master_params
+                return zeros, state.inner_state, master_params, state.compensation
 
-            new_updates, inner_state, master = lax.cond(finite, apply, skip, None)
+            new_updates, inner_state, master, compensation = lax.cond(finite, apply, skip, None)
         else:
-            new_updates, inner_state, master = apply(None)
+            new_updates, inner_state, master, compensation = apply(None)
             keep = lambda new, old: jnp.where(finite, new, old)
             new_updates = jax.tree.map(
                 lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
             )
             inner_state = jax.tree.map(keep, inner_state, state.inner_state)
             master = jax.tree.map(keep, master, master_params)
+            compensation = jax.tree.map(keep, compensation, state.compensation)
         new_scale_state = loss_scale.adjust(state.loss_scale, finite)
         history = state.scale_history.at[state.step % history_length].set(new_scale_state.scale)
         return new_updates, LossScaledState(
@@ -252,6 +273,8 @@ def loss_scaled(
             last_finite=finite,
             scale_history=history,
             step=optax.safe_increment(state.step),
+            compensation=compensation,
+            rounding_key=state.rounding_key,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

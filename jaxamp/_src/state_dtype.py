@@ -1,0 +1,155 @@
+"""``with_state_dtype``: any optax transformation with its state stored in 16 bits.
+
+optax's ``scale_by_adam`` has ``mu_dtype`` but no ``nu_dtype``; other
+transformations have neither. This wrapper stores the floating leaves of any
+inner state in the dtypes asked for (one dtype, or one per state field such as
+``{"mu": jnp.bfloat16, "nu": jnp.float32}``) and computes each update in
+float32: it casts the stored state up, runs the inner update, and casts the new
+state down, to nearest or stochastically (unbiased, see
+:mod:`jaxamp._src.rounding`). Integer leaves (step counts) are never cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxamp._src.policy import canonical_dtype, is_floating_array
+from jaxamp._src.rounding import leaf_keys, new_key_data, round_to, step_key, validate_rounding
+
+
+class StateDtypeState(NamedTuple):
+    """State of :func:`with_state_dtype` (every leaf an array).
+
+    Attributes:
+      inner_state: the wrapped transformation's state, floating leaves in their
+        storage dtypes.
+      rounding_key: raw ``uint32`` PRNG key data for stochastic rounding.
+      count: updates made, int32, saturating (folded into the key each step).
+    """
+
+    inner_state: Any
+    rounding_key: jax.Array
+    count: jax.Array
+
+
+def _field_names(path: tuple[Any, ...]) -> list[str]:
+    """The state fields (``NamedTuple`` attributes such as ``mu``) on a leaf's path."""
+    return [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+
+
+def _targets(state: Any, dtype: Any) -> Any:
+    """The storage dtype of each floating leaf of ``state`` (``None``: kept as it is)."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    if not isinstance(dtype, Mapping):
+        return [canonical_dtype(dtype) if is_floating_array(x) else None for _, x in paths_leaves]
+    wanted = {str(k): canonical_dtype(v, f"the dtype for {k!r}") for k, v in dtype.items()}
+    floating = [path for path, x in paths_leaves if is_floating_array(x)]
+    found = {name for path in floating for name in _field_names(path)}
+    unknown = sorted(set(wanted) - found)
+    if unknown:
+        raise ValueError(
+            f"with_state_dtype: no floating state field named {', '.join(map(repr, unknown))} "
+            f"in this optimizer's state. Valid choices: {', '.join(map(repr, sorted(found)))}."
+        )
+    targets = []
+    for path, x in paths_leaves:
+        names = [n for n in _field_names(path) if n in wanted]
+        targets.append(wanted[names[-1]] if names and is_floating_array(x) else None)
+    return targets
+
+
+def _cast_leaves(state: Any, targets: list[Any], rounding: str, key: jax.Array | None) -> Any:
+    leaves, treedef = jax.tree.flatten(state)
+    keys = leaf_keys(key, leaves) if key is not None else [None] * len(leaves)
+    out = [
+        x if t is None else round_to(x.astype(jnp.float32), t, rounding, k)
+        for x, t, k in zip(leaves, targets, keys, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _up(state: Any) -> Any:
+    """Floating leaves narrower than float32, cast up to float32."""
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float32) if is_floating_array(x) and x.dtype.itemsize < 4 else x,
+        state,
+    )
+
+
+def with_state_dtype(
+    inner: optax.GradientTransformation,
+    dtype: Any,
+    *,
+    rounding: str = "nearest",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stores the floating state of ``inner`` in ``dtype``; computes each update in float32.
+
+    Args:
+      inner: any optax transformation, e.g. ``optax.adam(1e-3)``.
+      dtype: the storage dtype of every floating state leaf, or a mapping from
+        state field names (``"mu"``, ``"nu"``, ``"trace"``...) to dtypes; fields
+        not named keep the dtype ``inner`` gives them.
+      rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the noise is a pure
+        function of ``seed`` and the step, so a restored run rounds alike).
+      seed: the seed of the stochastic rounding noise.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`StateDtypeState`.
+
+    Raises:
+      ValueError: for an unknown rounding, a dtype that is not floating, or a field
+        name the state lacks (raised by ``init``, which sees the state).
+      TypeError: if ``inner`` is not an optax transformation.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jaxamp
+      >>> tx = jaxamp.with_state_dtype(optax.adam(1e-3), {"mu": jnp.bfloat16, "nu": jnp.bfloat16})
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> state.inner_state[0].mu["w"].dtype, state.inner_state[0].count.dtype
+      (dtype(bfloat16), dtype('int32'))
+    """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            "with_state_dtype expects an optax.GradientTransformation (e.g. optax.adam(1e-3)) "
+            f"as inner, got {type(inner).__name__}: {inner!r}."
+        )
+    validate_rounding(rounding)
+    if isinstance(dtype, Mapping):
+        for name, d in dtype.items():
+            canonical_dtype(d, f"the dtype for state field {name!r}")
+    else:
+        canonical_dtype(dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        state = inner.init(params)
+        targets = _targets(state, dtype)
+        return StateDtypeState(
+            inner_state=_cast_leaves(state, targets, "nearest", None),
+            rounding_key=new_key_data(seed),
+            count=jnp.zeros([], jnp.int32),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        stored = state.inner_state
+        targets = [
+            x.dtype if is_floating_array(x) and t is not None else None
+            for x, t in zip(jax.tree.leaves(stored), _targets(stored, dtype), strict=True)
+        ]
+        new_updates, new_inner = inner.update(updates, _up(stored), params, **extra_args)
+        key = step_key(state.rounding_key, state.count) if rounding == "stochastic" else None
+        return new_updates, StateDtypeState(
+            inner_state=_cast_leaves(new_inner, targets, rounding, key),
+            rounding_key=state.rounding_key,
+            count=optax.safe_increment(state.count),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
