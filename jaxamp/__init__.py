@@ -39,13 +39,19 @@ from jaxamp._src.scale_loss import (
     scale_loss,
     value_and_grad,
 )
-from jaxamp._src.state_dtype import StateDtypeState, with_state_dtype
+from jaxamp._src.state_dtype import (
+    OPTIMIZER_RECIPES,
+    StateDtypeState,
+    optimizer_recipe,
+    with_state_dtype,
+)
 
 __version__ = "0.1.0"
 
 __all__ = (
     "AUTOCAST_RULES",
     "MASTER_WEIGHTS",
+    "OPTIMIZER_RECIPES",
     "PRESETS",
     "AutocastRules",
     "DynamicLossScale",
@@ -79,6 +85,7 @@ __all__ = (
     "loss_scale_metrics",
     "loss_scaled",
     "nnx",
+    "optimizer_recipe",
     "precision_report",
     "raise_if_stuck",
     "reduce_gradients",

@@ -101,3 +101,31 @@ def test_stochastic_state_rounding_is_reproducible_and_unbiased():
     np.testing.assert_array_equal(s, again.inner_state.ema["w"].astype(jnp.float32))
     assert abs(float(s.mean()) - expected) < 0.01
     assert abs(float(nearest.astype(jnp.float32).mean()) - expected) > 0.05  # it stalls
+
+
+@pytest.mark.parametrize("name", list(jaxamp.OPTIMIZER_RECIPES))
+def test_named_recipes_give_a_policy_and_an_optimizer(name):
+    import flax.linen as nn
+
+    policy, tx = jaxamp.optimizer_recipe(name, optax.adam(1e-2))
+    model = jaxamp.linen.apply_policy(nn.Dense(3), policy)
+    x = jnp.ones((4, 5))
+    params = model.init(jax.random.key(0), x)["params"]
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)
+        value, grads = jaxamp.value_and_grad(loss)(params, opt_state=state)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for _ in range(5):
+        params, state, value = step(params, state)
+        losses.append(float(value))
+    assert losses[-1] < losses[0]
+    expected = jnp.float32 if name == "float32_params" else jnp.bfloat16
+    assert {p.dtype for p in jax.tree.leaves(params)} == {np.dtype(expected)}
+    with pytest.raises(ValueError, match=r"Unknown optimizer recipe 'sr'\. Valid choices"):
+        jaxamp.optimizer_recipe("sr", optax.adam(1e-2))
