@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import math
 import re
 from typing import Any
 
@@ -212,13 +213,6 @@ def _operand_dtype(operation: Any) -> tuple[tuple[int, ...], str]:
     return shape, dtype_name(element)
 
 
-def _size(shape: tuple[int, ...]) -> int:
-    size = 1
-    for n in shape:
-        size *= n
-    return size
-
-
 def _sensitive(op: WalkedOp) -> SensitiveOp | None:
     operation = op.operation
     name = operation.name
@@ -234,7 +228,9 @@ def _sensitive(op: WalkedOp) -> SensitiveOp | None:
     shape, dtype = _operand_dtype(operation)
     if dtype not in FLOATS:
         return None
-    if name == "stablehlo.reduce" and _size(shape) == _size(tensor_type(operation.results[0])[0]):
+    if name == "stablehlo.reduce" and math.prod(shape) == math.prod(
+        tensor_type(operation.results[0])[0]
+    ):
         return None  # a reduction over size-1 dimensions only (a broadcast's transpose): a copy
     return SensitiveOp(primitive, dtype, shape, op.name, direction(op.name), op.executions)
 
@@ -298,7 +294,7 @@ def _ignored(layer: str, ignore: tuple[str, ...]) -> bool:
 
 def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...] = ()) -> list:
     """The :class:`Problem` list of a ``PrecisionReport`` (see the module docs)."""
-    compute = None if compute_dtype is None else _canonical(compute_dtype)
+    compute = None if compute_dtype is None else canonical_dtype_name(compute_dtype)
     problems = []
     for op in report.sensitive:
         if op.dtype in SIXTEEN_BIT and op.primitive not in EXACT:
@@ -339,7 +335,7 @@ def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...
     return [p for p in problems if not _ignored(p.layer, tuple(ignore))]
 
 
-def _canonical(dtype: Any) -> str:
+def canonical_dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
         return DTYPE_NAMES.get(dtype, dtype)
     import numpy as np

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast_rules import AutocastRules
+from jaxamp._src.autocast_rules import AutocastRules, _names
 from jaxamp._src.matmul import amp_conv_from_params, amp_dot_general
 from jaxamp._src.policy import Policy
 
@@ -249,10 +249,6 @@ def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:
     return cast_to_traced(_compute(eqn, _Env((policy, env.rules), env)), eqn.outvars)
 
 
-def _names_of(*attributes: str) -> frozenset[str]:
-    return frozenset(getattr(lax, a).name for a in attributes if hasattr(lax, a))
-
-
 def _is_16bit(dtype: Any) -> bool:
     return _is_float(dtype) and np.dtype(dtype).itemsize == 2
 
@@ -316,7 +312,7 @@ def _broadcast_in_dim(eqn: Any, env: _Env) -> list[Any]:
 
 # Elementwise primitives that take operands of different shapes (size-1 dimensions
 # broadcast): their transpose sums the broadcast dimensions in the cotangent's dtype.
-_IMPLICIT_BROADCAST = _names_of("add_p", "sub_p", "mul_p", "div_p", "max_p", "min_p", "atan2_p")
+_IMPLICIT_BROADCAST = _names("add_p", "sub_p", "mul_p", "div_p", "max_p", "min_p", "atan2_p")
 
 
 def _elementwise(eqn: Any, env: _Env) -> list[Any]:

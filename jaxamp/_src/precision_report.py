@@ -27,6 +27,7 @@ from jaxamp._src.audit import (
     DTYPE_NAMES,
     PrecisionError,
     SensitiveOp,
+    canonical_dtype_name,
     direction,
     find_problems,
     read_lowered,
@@ -275,12 +276,7 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-def _canonical(dtype: Any) -> str:
-    if isinstance(dtype, str):
-        return _DTYPE_NAMES.get(dtype, dtype)
-    import numpy as np
-
-    return np.dtype(dtype).name
+_canonical = canonical_dtype_name
 
 
 _short_name = short_name
