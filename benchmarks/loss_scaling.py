@@ -1,20 +1,29 @@
 """What loss scaling costs: a loss-scaled Adam step against a plain optax Adam step.
 
-    python -m benchmarks.loss_scaling [--batch-size 32] [--repeats 20] [--out benchmarks/results]
+    python -m benchmarks.loss_scaling [--model resnet18|mlp] [--repeats 20] [--out DIR]
 
-Two figures, each from variants alternated in one process:
+Two figures per model, each from variants alternated in one process:
 
-* ``update``: the optimizer update alone (``tx.update`` + ``apply_updates``) on
-  ResNet18's 11.7M parameters, where the unscale, the finiteness check and the
-  conditional skip are all the extra work there is;
-* ``train_step``: a whole jitted training step (forward, backward, update) of
-  the same ResNet18, plain Flax + ``optax.adam`` against jaxamp's ``float32``
-  policy + ``jaxamp.loss_scaled(optax.adam)`` + ``jaxamp.value_and_grad``.
+* ``update``: the optimizer update alone (``tx.update`` + ``apply_updates``),
+  where the unscale, the finiteness check and the skip are all the extra work
+  there is;
+* ``train_step``: a whole jitted training step (forward, backward, update),
+  plain ``jax.value_and_grad`` + ``optax.adam`` against
+  ``jaxamp.value_and_grad`` + ``jaxamp.loss_scaled(optax.adam)``.
+
+Models: ``resnet18`` (11.7M parameters, batch 32 of 32x32x3; the loss-scaled
+step also runs under jaxamp's ``float32`` policy) and ``mlp`` (4 dense layers of
+1024x1024 with ReLU, batch 256, float32, the same model in both variants: an
+update-heavy step where the optimizer is a large share of the time). For the
+MLP two analysis variants (``ANALYSIS_CHECKS``) split the extra time into the
+wait for the finiteness check and the check's own read of the gradients.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +38,93 @@ from benchmarks.common import (
     time_alternating,
     write_results,
 )
+from jaxamp._src import loss_scaled as loss_scaled_module
 from jaxamp.models import ResNet18
+
+
+def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
+    """The update-heavy MLP: the same plain function in both variants."""
+    keys = jax.random.split(jax.random.key(0), depth + 2)
+    params = [
+        {
+            "w": jax.random.normal(k, (width, width)) / jnp.sqrt(width),
+            "b": jnp.zeros(width),
+        }
+        for k in keys[:depth]
+    ]
+    inputs = jax.random.normal(keys[-2], (batch_size, width))
+    targets = jax.random.normal(keys[-1], (batch_size, width))
+
+    def loss_fn(params):
+        h = inputs
+        for i, layer in enumerate(params):
+            h = h @ layer["w"] + layer["b"]
+            h = jax.nn.relu(h) if i < depth - 1 else h
+        return jnp.mean((h - targets) ** 2)
+
+    def make_step(tx, scaled: bool):
+        @jax.jit
+        def step(params, opt_state):
+            if scaled:
+                loss, grads = jaxamp.value_and_grad(loss_fn)(params, opt_state=opt_state)
+            else:
+                loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        return step
+
+    plain_tx = optax.adam(1e-3)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+    txs = {"plain": plain_tx}
+    txs.update({name: jaxamp.loss_scaled(optax.adam(1e-3)) for name in ANALYSIS_CHECKS})
+    states = {name: tx.init(params) for name, tx in txs.items()}
+    steps, updates = {}, {}
+    for name, tx in txs.items():
+        step, update = make_step(tx, name != "plain"), _make_update(tx)
+        with _finiteness_check(ANALYSIS_CHECKS.get(name)):  # traced and compiled here
+            jax.block_until_ready((step(params, states[name]), update(params, grads, states[name])))
+        steps[name], updates[name] = step, update
+    return params, grads, states, steps, updates
+
+
+# Where the loss-scaled step's extra time goes (mlp only): the same step traced with
+# loss_scaled's finiteness check replaced. "elementwise check" is the check before it
+# read reductions of the gradients (all(isfinite(g * inv_scale))). "check one leaf"
+# keeps the barrier (every
+# update waits for a reduction over the gradient computed last, the first layer's
+# bias) without reading the other gradients; "no check" has neither, and XLA drops
+# the selects. Analysis variants, not ways to train: they never skip a step.
+ANALYSIS_CHECKS = {
+    "loss_scaled": None,
+    "loss_scaled, elementwise check": lambda grads, inv_scale: jaxamp.all_finite(
+        jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
+    ),
+    "loss_scaled, check one leaf": lambda grads, inv_scale: jaxamp.all_finite(
+        jax.tree.leaves(grads)[0]
+    ),
+    "loss_scaled, no check": lambda grads, inv_scale: jnp.asarray(True),
+}
+
+
+@contextlib.contextmanager
+def _finiteness_check(check):
+    """Replaces loss_scaled's check while a step is traced (``None``: the real one)."""
+    original = loss_scaled_module._unscaled_finite
+    loss_scaled_module._unscaled_finite = check or original
+    try:
+        yield
+    finally:
+        loss_scaled_module._unscaled_finite = original
+
+
+def _make_update(tx):
+    @jax.jit
+    def update(params, grads, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
 
 
 def build(batch_size: int, image_size: int):
@@ -62,14 +157,6 @@ def build(batch_size: int, image_size: int):
 
         return step
 
-    def make_update(tx):
-        @jax.jit
-        def update(params, grads, opt_state):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        return update
-
     plain_tx = optax.adam(1e-3)
     scaled_tx = jaxamp.loss_scaled(optax.adam(1e-3))
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
@@ -79,22 +166,37 @@ def build(batch_size: int, image_size: int):
         "plain": make_step(plain_model, plain_tx, False),
         "loss_scaled": make_step(scaled_model, scaled_tx, True),
     }
-    updates = {"plain": make_update(plain_tx), "loss_scaled": make_update(scaled_tx)}
+    updates = {"plain": _make_update(plain_tx), "loss_scaled": _make_update(scaled_tx)}
     return params, batch_stats, grads, states, steps, updates
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--model", choices=("resnet18", "mlp"), default="resnet18")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="default: 32 (resnet18), 256 (mlp)"
+    )
+    parser.add_argument("--width", type=int, default=1024, help="mlp layer width")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="folder for loss_scaling.json/.md")
     args = parser.parse_args(argv)
 
-    params, batch_stats, grads, states, steps, updates = build(args.batch_size, args.image_size)
+    if args.model == "mlp":
+        batch_size = args.batch_size or 256
+        params, grads, states, steps, updates = build_mlp(batch_size, args.width)
+        step_args = lambda s: (params, s)
+        described = f"MLP 4x{args.width}x{args.width}, batch {batch_size}, float32, Adam"
+        name = "loss_scaling_mlp"
+    else:
+        batch_size = args.batch_size or 32
+        params, batch_stats, grads, states, steps, updates = build(batch_size, args.image_size)
+        step_args = lambda s: (params, batch_stats, s)
+        described = f"ResNet18, batch {batch_size}, {args.image_size}x{args.image_size}x3"
+        name = "loss_scaling"
     records = []
-    with tqdm(total=2 * args.repeats, desc="loss scaling") as bar:
+    with tqdm(total=2 * args.repeats, desc=f"loss scaling ({args.model})") as bar:
         times = time_alternating(
             {
                 name: (lambda f=f, s=states[name]: f(params, grads, s))
@@ -106,10 +208,7 @@ def main(argv=None):
         )
         records += _records("update", times)
         times = time_alternating(
-            {
-                name: (lambda f=f, s=states[name]: f(params, batch_stats, s))
-                for name, f in steps.items()
-            },
+            {name: (lambda f=f, s=states[name]: f(*step_args(s))) for name, f in steps.items()},
             args.warmup,
             args.repeats,
             progress=bar,
@@ -124,18 +223,17 @@ def main(argv=None):
             ("step_time_median_s", "median s"),
             ("min_s", "min s"),
             ("max_s", "max s"),
-            ("ratio_to_plain", "x plain"),
+            ("ratio_to_plain", "x plain (medians)"),
+            ("paired_ratio_median", "x plain (median of paired rounds)"),
         ],
     )
     print(table)
     if args.out:
         env = environment()
-        note = (
-            f"ResNet18, batch {args.batch_size}, {args.image_size}x{args.image_size}x3, "
-            f"{env['backend']} ({env['cpu_model'] if env['backend'] == 'cpu' else env['device']})"
-        )
+        where = env["cpu_model"] if env["backend"] == "cpu" else env["device"]
+        note = f"{described}, {env['backend']} ({where}), {args.repeats} alternating rounds"
         write_results(
-            args.out, "loss_scaling", records, f"# Loss scaling overhead\n\n{note}\n\n" + table, env
+            args.out, name, records, f"# Loss scaling overhead\n\n{note}\n\n" + table, env
         )
 
 
@@ -153,6 +251,11 @@ def _records(scope: str, times: dict[str, list[float]]) -> list[dict]:
                 "max_s": s["max_s"],
                 "n": s["n"],
                 "ratio_to_plain": s["median_s"] / plain,
+                # the median of the round-by-round ratios: each round's two steps ran
+                # back to back, so drift in the machine's speed cancels in the ratio
+                "paired_ratio_median": statistics.median(
+                    v / p for v, p in zip(values, times["plain"], strict=True)
+                ),
             }
         )
     return rows

@@ -149,3 +149,22 @@ def test_optimizer_state_benchmark_at_small_size(tmp_path):
     assert result["stall"]["none"][-1] == 1.0  # the naive recipe stalls
     for name in ("optimizer_state.json", "optimizer_state.md", "stall.png"):
         assert (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("model", ["mlp", "resnet18"])
+def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
+    from benchmarks import loss_scaling
+
+    argv = ["--model", model, "--warmup", "1", "--repeats", "2", "--out", str(tmp_path)]
+    argv += ["--width", "32", "--batch-size", "4"] if model == "mlp" else ["--batch-size", "2"]
+    loss_scaling.main(argv)
+    name = "loss_scaling_mlp" if model == "mlp" else "loss_scaling"
+    records = json.loads((tmp_path / f"{name}.json").read_text())["records"]
+    variants = ["plain", *loss_scaling.ANALYSIS_CHECKS] if model == "mlp" else ["plain"]
+    variants += [] if model == "mlp" else ["loss_scaled"]
+    assert {(r["scope"], r["variant"]) for r in records} == {
+        (scope, variant) for scope in ("update", "train_step") for variant in variants
+    }
+    for r in records:
+        assert r["min_s"] <= r["step_time_median_s"] <= r["max_s"] and r["n"] == 2
+    assert (tmp_path / f"{name}.md").exists()

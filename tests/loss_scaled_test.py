@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
 from jaxamp import DynamicLossScale, LossScaledState, NoOpLossScale, StaticLossScale
+from jaxamp._src import loss_scaled as loss_scaled_module
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -86,6 +87,59 @@ def test_any_non_finite_value_skips(bad):
     grads["b"] = grads["b"].at[2].set(bad)
     _, state = jax.jit(tx.update)(grads, state, params)
     assert int(state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_finiteness_check_reads_each_gradient_once(dtype):
+    """The check reduces each gradient as it is (max, min, sum): ``is_finite`` only
+    sees scalars, so no boolean array of a gradient's size is written and reduced."""
+    params = {"w": jnp.ones((64, 32), dtype), "b": jnp.ones(32, dtype)}
+    tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    state = tx.init(params)
+    text = jax.jit(tx.update).lower(params, state, params).as_text()
+    checks = [line for line in text.splitlines() if "stablehlo.is_finite" in line]
+    assert checks and all("tensor<i1>" in line for line in checks), checks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("position", [0, 1, 4095])
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_a_non_finite_element_anywhere_in_a_large_leaf_skips(dtype, position, bad):
+    params = {"w": jnp.zeros((64, 64), dtype)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), NoOpLossScale())
+    grads = {"w": jnp.full((64, 64), -2.0, dtype).reshape(-1).at[position].set(bad).reshape(64, 64)}
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert int(state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize(
+    "values, scale, skipped",
+    [
+        ([3e38, -3e38, 1.0], 1.0, False),  # large, finite, cancelling: not a skip
+        ([3e38, 3e38, 1.0], 1.0, False),  # finite even though their sum overflows
+        ([3e38, 1.0, 1.0], 0.5, True),  # finite scaled, but unscaling (x2) overflows
+        ([-3e38, 1.0, 1.0], 0.5, True),
+        ([1e38, 1.0, 1.0], 0.5, False),
+        ([jnp.inf, -jnp.inf, 1.0], 1.0, True),
+    ],
+)
+def test_finiteness_is_that_of_the_unscaled_gradients(values, scale, skipped):
+    params = {"w": jnp.zeros(3)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), StaticLossScale(scale))
+    _, state = jax.jit(tx.update)({"w": jnp.array(values, jnp.float32)}, tx.init(params), params)
+    assert int(state.skipped_steps) == int(skipped)
+
+
+def test_fast_min_max_flag_takes_the_elementwise_check(monkeypatch):
+    """XLA's fast min/max may drop NaNs; with the flag set the check is elementwise."""
+    params = {"w": jnp.ones((8, 8))}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    state = tx.init(params)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_min_max=true")
+    text = jax.jit(tx.update).lower(params, state, params).as_text()
+    assert "stablehlo.is_finite %" in text and "tensor<8x8xf32>" in text.split("is_finite")[1]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_min_max=false")
+    assert not loss_scaled_module._fast_min_max()
 
 
 def test_clipping_sees_unscaled_gradients():
