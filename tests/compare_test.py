@@ -90,6 +90,32 @@ def test_resnet_with_batch_norm_recalibration():
     assert all(r["bn_recalibration_change"] is None for r in plain["runs"])
 
 
+def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter():
+    config = CompareConfig(
+        variants=("fp32", "bf16_float32_master", "bf16_kahan", "bf16_stochastic", "bf16_naive"),
+        data="embedded",
+        **TINY_BERT,
+    )
+    report = compare(config)
+    runs = {r["variant"]: r for r in report["runs"]}
+    # params + optimizer state per parameter; the loss scaler's few scalars add a little
+    expected = {
+        "fp32": 12,
+        "bf16_float32_master": 14,
+        "bf16_kahan": 12,
+        "bf16_stochastic": 6,
+        "bf16_naive": 10,
+    }
+    for name, value in expected.items():
+        assert value <= runs[name]["bytes_per_param"] < value + 0.05, (name, runs[name])
+        assert np.isfinite(runs[name]["final_loss"]) and runs[name]["skipped_steps"] == 0
+        assert runs[name]["final_loss_scale"] is None  # no loss scaling in these recipes
+    assert runs["bf16_kahan"]["policy"] == "params=bfloat16,compute=bfloat16,output=float32"
+    from jaxamp._src.report import format_markdown
+
+    assert "bytes/param" in format_markdown(report)
+
+
 def test_default_variants_and_config_errors():
     assert CompareConfig().variants is None
     with pytest.raises(ValueError, match=r"Unknown model 'vgg'\. Valid choices: auto, resnet50"):

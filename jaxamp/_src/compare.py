@@ -190,6 +190,7 @@ class _Run:
         self.params = variant.policy.cast_to_param(variables["params"])
         self.state = variables.get("batch_stats", {})
         self.opt_state = self.tx.init(self.params)
+        self.bytes_per_param = _bytes_per_param(self.params, self.opt_state)
         self.key = jax.random.key(config.seed + 1)
         self.losses: list[Any] = []
         self.scales: list[Any] = []
@@ -286,9 +287,11 @@ class _Run:
         median = statistics.median(self.step_times)
         memory = self.step.memory_analysis()
         skipped, final_scale = 0, None
-        if self.variant.dynamic_loss_scaling:
+        if self.variant.dynamic_loss_scaling or self.variant.optimizer_recipe:
             state = find_loss_scaled_state(self.opt_state)
-            skipped, final_scale = int(state.skipped_steps), float(state.loss_scale.scale)
+            skipped = int(state.skipped_steps)
+        if self.variant.dynamic_loss_scaling:
+            final_scale = float(state.loss_scale.scale)
         return {
             "variant": self.variant.name,
             "description": self.variant.description,
@@ -302,6 +305,7 @@ class _Run:
             "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
             "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
             "activation_bytes": self.activation_bytes,
+            "bytes_per_param": self.bytes_per_param,
             "final_loss": float(self.losses[-1]),
             "test_accuracy": metrics["accuracy"],
             "precision": metrics["precision"],
@@ -314,6 +318,15 @@ class _Run:
             "loss_scales": [float(v) for v in self.scales] if final_scale is not None else None,
             "underflow": [{k: float(v) for k, v in u.items()} for u in self.underflow],
         }
+
+
+def _bytes_per_param(params: Any, opt_state: Any) -> float:
+    """Bytes of the params and the optimizer state (master, compensation, moments) per
+    parameter, read from the arrays: 12 for float32 Adam, 14 with bfloat16 params and a
+    float32 master."""
+    count = sum(x.size for x in jax.tree.leaves(params))
+    size = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    return size / max(count, 1)
 
 
 def compare(

@@ -18,6 +18,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("speedup_vs_fp32", "speed-up", "{:.2f}x"),
     ("temp_bytes", "compiled temp MB", "{:.0f}"),
     ("activation_bytes", "activations MB", "{:.1f}"),
+    ("bytes_per_param", "bytes/param", "{:.2f}"),
     ("final_loss", "final loss", "{:.4f}"),
     ("test_accuracy", "test acc", "{:.4f}"),
     ("test_accuracy_sd", "sd over seeds", "{:.4f}"),
@@ -100,7 +101,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         "",
         "Step time is the median over all steps, compile time excluded. Compiled temp is "
         "XLA's temporary buffer size for the training step; activations are the bytes saved "
-        "for the backward pass, read from the jaxpr (see `jaxamp.activation_bytes`).",
+        "for the backward pass, read from the jaxpr (see `jaxamp.activation_bytes`); bytes/param "
+        "counts the params and the optimizer state (master, compensation, moments) per "
+        "parameter, read from the arrays.",
     ]
     if env["backend"] == "cpu" and env.get("matmul_form") == "cpu-bf16-units":
         lines.append(

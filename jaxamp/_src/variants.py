@@ -9,6 +9,19 @@ name       params     compute               matmul precision        loss scaling
 ``bf16``   float32    bfloat16, f32 accum.  default                 none
 ``fp16``   float32    float16, f32 accum.   default                 dynamic
 =========  =========  ====================  ======================  ============
+
+And the optimizer-state recipes of :data:`jaxamp.OPTIMIZER_RECIPES` with
+bfloat16 params and compute (no loss scaling; non-finite steps still skipped),
+each named as the recipe is:
+
+=======================  ================================================  ==============
+name                     how updates reach the bfloat16 params             bytes / param
+=======================  ================================================  ==============
+``bf16_float32_master``  float32 master, float32 Adam moments              2 + 4 + 8
+``bf16_kahan``           bfloat16 Kahan compensation, float32 moments      2 + 2 + 8
+``bf16_stochastic``      stochastic rounding, bfloat16 moments, no master  2 + 0 + 4
+``bf16_naive``           rounded to nearest, float32 moments, no master    2 + 0 + 8
+=======================  ================================================  ==============
 """
 
 from __future__ import annotations
@@ -21,9 +34,10 @@ import jax
 import optax
 
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.loss_scale import DynamicLossScale
+from jaxamp._src.loss_scale import DynamicLossScale, NoOpLossScale
 from jaxamp._src.loss_scaled import loss_scaled
-from jaxamp._src.policy import PRESETS, Policy
+from jaxamp._src.policy import PRESETS, Policy, get_policy
+from jaxamp._src.state_dtype import OPTIMIZER_RECIPES, optimizer_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +51,8 @@ class Variant:
         float32 matmuls only), or ``None`` for JAX's default.
       dynamic_loss_scaling: wrap the optimizer in ``jaxamp.loss_scaled``.
       description: one line for reports.
+      optimizer_recipe: a key of :data:`jaxamp.OPTIMIZER_RECIPES` whose optimizer
+        wraps the inner one (its policy is ``policy``), or ``None``.
     """
 
     name: str
@@ -44,9 +60,12 @@ class Variant:
     matmul_precision: str | None
     dynamic_loss_scaling: bool
     description: str
+    optimizer_recipe: str | None = None
 
     def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-        """``inner``, wrapped in dynamic loss scaling where the recipe has it."""
+        """``inner``, wrapped in dynamic loss scaling or the optimizer-state recipe."""
+        if self.optimizer_recipe is not None:
+            return optimizer_recipe(self.optimizer_recipe, inner, loss_scale=NoOpLossScale())[1]
         if self.dynamic_loss_scaling:
             return loss_scaled(inner, DynamicLossScale())
         return inner
@@ -87,6 +106,16 @@ VARIANTS: dict[str, Variant] = {
         "fp16", PRESETS["mixed_float16"], None, True, "mixed_float16 with dynamic loss scaling"
     ),
 }
+_RECIPE_DESCRIPTIONS = {
+    "bf16_float32_master": "bfloat16 params and compute, float32 master, float32 Adam moments",
+    "bf16_kahan": "bfloat16 params and compute, bfloat16 Kahan compensation, float32 moments",
+    "bf16_stochastic": "bfloat16 params, compute and Adam moments, stochastic rounding",
+    "bf16_naive": "bfloat16 params and compute rounded to nearest, no master (the baseline)",
+}
+for _name, _description in _RECIPE_DESCRIPTIONS.items():
+    VARIANTS[_name] = Variant(
+        _name, get_policy(OPTIMIZER_RECIPES[_name][0]), None, False, _description, _name
+    )
 
 
 def get_variant(name: str) -> Variant:
