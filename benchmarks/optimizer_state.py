@@ -1,13 +1,15 @@
 """Optimizer-state precision: bytes per parameter, the stall, and accuracy of each recipe.
 
-Three measurements, written to ``optimizer_state.json``/``.md`` and ``stall.png``:
+Four measurements, written to ``optimizer_state.json``/``.md`` and ``stall.png``:
 
 1. bytes per parameter of params, master and Adam state for GPT-2 small, read from
    the state pytree (shapes only, nothing allocated) and from the compiled update
    step's argument memory (less the gradients);
 2. the stall: weights at 1 receiving updates below half a bfloat16 ulp, per recipe;
 3. test accuracy of a digits classifier (the 8x8 digits scikit-learn ships, upsampled
-   to 28x28; offline) trained with bfloat16 params under each recipe, over seeds.
+   to 28x28; offline) trained with bfloat16 params under each recipe, over seeds;
+4. held-out loss of a small byte-level GPT trained on the text of Python's reference
+   manual (``pydoc_data``, shipped with Python; offline) under each recipe, over seeds.
 
     python -m benchmarks.optimizer_state --out benchmarks/results/cpu
 """
@@ -175,6 +177,81 @@ def digits_accuracy(seeds: int, epochs: int, progress: tqdm) -> list[dict[str, A
     return rows
 
 
+def python_docs_bytes() -> np.ndarray:
+    """The text of Python's reference manual topics (``pydoc_data``, shipped with
+    Python; offline) as bytes: a byte-level language-modelling corpus."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+
+
+GPT_CONFIG = GPT2Config(
+    vocab_size=256, max_position=64, hidden_size=128, num_layers=2, num_heads=4, dropout_rate=0.0
+)
+
+
+def gpt_loss(seeds: int, steps: int, progress: tqdm, batch_size: int = 16) -> list[dict[str, Any]]:
+    """Held-out loss of a small byte-level GPT trained under each recipe, over seeds.
+
+    The last tenth of the text is held out; the loss is the mean next-byte
+    cross-entropy over 64 fixed held-out windows after ``steps`` Adam steps.
+    """
+    tokens = python_docs_bytes()
+    split = int(0.9 * len(tokens))
+    train, held_out = tokens[:split], tokens[split:]
+    length = GPT_CONFIG.max_position + 1
+    starts = np.linspace(0, len(held_out) - length, 64).astype(np.int64)
+    eval_windows = jnp.asarray(np.stack([held_out[i : i + length] for i in starts]))
+
+    def next_byte_loss(model, params, windows):
+        logits = model.apply({"params": params}, windows[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), windows[:, 1:]
+        ).mean()
+
+    rows = []
+    for name, (dtype, make, _) in recipes().items():
+        policy = "float32" if dtype == "float32" else "p=bf16,c=bf16,o=f32"
+        model = jaxamp.linen.apply_policy(GPT2LMHeadModel(GPT_CONFIG), policy)
+        losses = []
+        for seed in range(seeds):
+            params = model.init(jax.random.key(seed), eval_windows[:1, :-1])["params"]
+            tx = make()
+            state = tx.init(params)
+
+            @jax.jit
+            def step(params, state, windows, tx=tx, model=model):
+                grads = jax.grad(lambda p: next_byte_loss(model, p, windows))(params)
+                updates, state = tx.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            rng = np.random.default_rng(seed)
+            for _ in range(steps):
+                idx = rng.integers(0, len(train) - length, batch_size)
+                windows = jnp.asarray(np.stack([train[i : i + length] for i in idx]))
+                params, state = step(params, state, windows)
+            losses.append(
+                float(jax.jit(next_byte_loss, static_argnums=0)(model, params, eval_windows))
+            )
+            progress.update()
+        rows.append(
+            {
+                "recipe": name,
+                "seeds": seeds,
+                "steps": steps,
+                "loss_mean": statistics.mean(losses),
+                "loss_sd": statistics.stdev(losses) if seeds > 1 else 0.0,
+                "losses": losses,
+            }
+        )
+    by_name = {r["recipe"]: r["loss_mean"] for r in rows}
+    for r in rows:
+        r["relative_vs_fp32"] = r["loss_mean"] / by_name["fp32"] - 1
+        r["relative_vs_master"] = r["loss_mean"] / by_name["bf16 + fp32 master"] - 1
+    return rows
+
+
 def _plot(curves: dict[str, list[float]], path: pathlib.Path) -> None:
     import matplotlib
 
@@ -196,14 +273,23 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--gpt-steps", type=int, default=1000, help="small GPT training steps")
     parser.add_argument("--out", default=None, help="folder for the results")
     args = parser.parse_args(argv)
     env = environment()
     with tqdm(total=len(recipes()) * args.seeds, desc="digits, per recipe and seed") as bar:
         accuracy = digits_accuracy(args.seeds, args.epochs, bar)
+    with tqdm(total=len(recipes()) * args.seeds, desc="small GPT, per recipe and seed") as bar:
+        gpt = gpt_loss(args.seeds, args.gpt_steps, bar)
     memory = bytes_per_parameter()
     curves = stall()
-    result = {"environment": env, "bytes": memory, "accuracy": accuracy, "stall": curves}
+    result = {
+        "environment": env,
+        "bytes": memory,
+        "accuracy": accuracy,
+        "gpt": gpt,
+        "stall": curves,
+    }
     md = "# Optimizer-state precision\n\n"
     md += f"Hardware: {describe_hardware(env)}; jax {jax.__version__}.\n\n"
     md += "Bytes per parameter, GPT-2 small (params + master/compensation + Adam state):\n\n"
@@ -228,6 +314,24 @@ def main(argv=None):
             ("accuracy_mean", "accuracy mean"),
             ("accuracy_sd", "sd"),
             ("points_vs_fp32", "points vs fp32"),
+        ],
+    )
+    cfg = GPT_CONFIG
+    md += (
+        f"\n\nSmall GPT (byte-level, {cfg.num_layers} layers, width {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads, context {cfg.max_position}) on the text of Python's reference "
+        f"manual topics (pydoc_data, offline; last tenth held out), Adam 1e-3, batch 16, "
+        f"{args.gpt_steps} steps: held-out next-byte loss over {args.seeds} seeds, relative to "
+        "fp32 and to the float32-master recipe:\n\n"
+    )
+    md += markdown_table(
+        gpt,
+        [
+            ("recipe", "recipe"),
+            ("loss_mean", "loss mean"),
+            ("loss_sd", "sd"),
+            ("relative_vs_fp32", "relative vs fp32"),
+            ("relative_vs_master", "relative vs bf16 + fp32 master"),
         ],
     )
     final = {k: v[-1] for k, v in curves.items()}

@@ -140,12 +140,16 @@ def test_matmul_forms_at_tiny_size(tmp_path):
 def test_optimizer_state_benchmark_at_small_size(tmp_path):
     from benchmarks import optimizer_state
 
-    result = optimizer_state.main(["--seeds", "1", "--epochs", "1", "--out", str(tmp_path)])
+    argv = ["--seeds", "1", "--epochs", "1", "--gpt-steps", "2", "--out", str(tmp_path)]
+    result = optimizer_state.main(argv)
     by_recipe = {r["recipe"]: r for r in result["bytes"]}
     assert by_recipe["fp32"]["parameters"] > 100e6  # GPT-2 small
     for r in result["bytes"]:  # the pytree and the compiled update agree
         assert abs(r["bytes_per_param_pytree"] - r["bytes_per_param_compiled"]) < 0.05
     assert {r["recipe"] for r in result["accuracy"]} == set(by_recipe)
+    assert {r["recipe"] for r in result["gpt"]} == set(by_recipe)
+    for r in result["gpt"]:  # a loss near ln(256) after 2 steps, finite for every recipe
+        assert 0 < r["loss_mean"] < 10 and r["steps"] == 2
     assert result["stall"]["none"][-1] == 1.0  # the naive recipe stalls
     for name in ("optimizer_state.json", "optimizer_state.md", "stall.png"):
         assert (tmp_path / name).exists()
