@@ -27,8 +27,21 @@ from jaxamp._src.distributed import (
     shard_batch,
 )
 from jaxamp._src.loss_scale import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
-from jaxamp._src.loss_scaled import LossScaledState, all_finite, loss_scaled
+from jaxamp._src.loss_scaled import (
+    LossScaledState,
+    all_finite,
+    loss_scaled,
+    nonfinite_gradients,
+)
 from jaxamp._src.master_weights import MASTER_WEIGHTS
+from jaxamp._src.numerics.find_nonfinite import NonFinite, ValueRange, find_nonfinite
+from jaxamp._src.numerics.numerics_diff import LayerDiff, NumericsDiff, numerics_diff
+from jaxamp._src.numerics.range_report import (
+    LayerRange,
+    RangeReport,
+    Recommendation,
+    range_report,
+)
 from jaxamp._src.policy import PRESETS, Policy, cast_floating, get_policy
 from jaxamp._src.precision_report import MatmulOp, PrecisionReport, precision_report
 from jaxamp._src.residuals import activation_bytes, checkpoint_residuals, saved_residuals
@@ -55,18 +68,25 @@ __all__ = (
     "PRESETS",
     "AutocastRules",
     "DynamicLossScale",
+    "LayerDiff",
+    "LayerRange",
     "LossScaleState",
     "LossScaleStuckError",
     "LossScaledState",
     "MatmulOp",
     "NoOpLossScale",
+    "NonFinite",
+    "NumericsDiff",
     "Policy",
     "PrecisionError",
     "PrecisionReport",
     "Problem",
+    "RangeReport",
+    "Recommendation",
     "SensitiveOp",
     "StateDtypeState",
     "StaticLossScale",
+    "ValueRange",
     "activation_bytes",
     "all_finite",
     "auto_policy",
@@ -78,6 +98,7 @@ __all__ = (
     "dot_algorithm",
     "dot_product_attention",
     "find_loss_scaled_state",
+    "find_nonfinite",
     "fsdp_shardings",
     "get_loss_scale",
     "get_policy",
@@ -85,9 +106,12 @@ __all__ = (
     "loss_scale_metrics",
     "loss_scaled",
     "nnx",
+    "nonfinite_gradients",
+    "numerics_diff",
     "optimizer_recipe",
     "precision_report",
     "raise_if_stuck",
+    "range_report",
     "reduce_gradients",
     "replicated",
     "saved_residuals",

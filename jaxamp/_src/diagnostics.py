@@ -102,5 +102,21 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 20) -> None:
         f"last steps, oldest first: [{history}]. If the scale keeps falling, the "
         "gradients are non-finite whatever the scale: look for NaN/Inf in the inputs, the "
         "loss or the forward pass (float16 activations overflow above 65504), or a "
-        "learning rate that diverged."
+        "learning rate that diverged. "
+        + _where_to_look(state)
     )
+
+
+def _where_to_look(state: Any) -> str:
+    """The recorded non-finite leaves, and the tool that finds the operation."""
+    from jaxamp._src.loss_scaled import nonfinite_gradients
+
+    hint = (
+        "jaxamp.find_nonfinite(loss_fn, loss_scale=opt_state)(params, batch) names the "
+        "layer and the operation (forward or backward) that first makes an inf or a NaN"
+    )
+    if state.nonfinite_grads is None:
+        return hint + "; loss_scaled(..., record_nonfinite=True) records which gradients were."
+    bad = nonfinite_gradients(state)
+    shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+    return f"Non-finite at the last skipped step: {shown or 'none recorded'}. " + hint + "."

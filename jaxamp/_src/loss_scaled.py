@@ -56,6 +56,10 @@ class LossScaledState(NamedTuple):
         in the params' dtypes, else ``None``.
       rounding_key: raw ``uint32`` PRNG key data (``master_weights="stochastic"``), else
         ``None``; the rounding noise of a step is a function of it and ``step``.
+      nonfinite_grads: with ``record_nonfinite=True``, a tree shaped like the gradients
+        of boolean scalars: which leaves were non-finite at the last skipped step (all
+        ``False`` before any skip); else ``None``. Read it with
+        :func:`jaxamp.nonfinite_gradients`.
     """
 
     loss_scale: LossScaleState
@@ -68,6 +72,7 @@ class LossScaledState(NamedTuple):
     step: jax.Array
     compensation: Any = None
     rounding_key: Any = None
+    nonfinite_grads: Any = None
 
 
 _is_16_bit = recipes.is_16_bit
@@ -79,6 +84,34 @@ def _is_inexact_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(
         x.dtype, jnp.inexact
     )
+
+
+def nonfinite_gradients(opt_state: Any) -> list[str]:
+    """The gradient leaves that were non-finite at the last skipped step, as paths.
+
+    Needs ``jaxamp.loss_scaled(..., record_nonfinite=True)`` somewhere in the optimizer
+    (found as :func:`jaxamp.get_loss_scale` finds it). Reads the state on the host.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> import jaxamp
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1), record_nonfinite=True)
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> _, state = tx.update({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}, state, params)
+      >>> jaxamp.nonfinite_gradients(state)
+      ["['b']"]
+    """
+    from jaxamp._src.scale_loss import find_loss_scaled_state
+
+    state = find_loss_scaled_state(opt_state)
+    if state.nonfinite_grads is None:
+        raise ValueError(
+            "This optimizer state does not record non-finite gradients: build it with "
+            "jaxamp.loss_scaled(..., record_nonfinite=True)."
+        )
+    leaves = jax.tree_util.tree_flatten_with_path(state.nonfinite_grads)[0]
+    return [jax.tree_util.keystr(path) for path, bad in leaves if bool(bad)]
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -125,21 +158,28 @@ def _unscaled_finite(grads: Any, inv_scale: jax.Array) -> jax.Array:
     with XLA's fast min/max (which may drop NaNs and infs), take that elementwise
     check instead.
     """
-    elementwise = _fast_min_max()
-    checks = []
-    for g in jax.tree.leaves(grads):
-        if not _is_inexact_array(g) or g.size == 0:
-            continue
-        if elementwise or jnp.issubdtype(g.dtype, jnp.complexfloating):
-            real = not jnp.issubdtype(g.dtype, jnp.complexfloating)
-            checks.append(jnp.all(jnp.isfinite((g.astype(jnp.float32) if real else g) * inv_scale)))
-            continue
-        high = jnp.max(g).astype(jnp.float32) * inv_scale
-        low = jnp.min(g).astype(jnp.float32) * inv_scale
-        checks.append(jnp.isfinite(high) & jnp.isfinite(low) & ~jnp.isnan(jnp.sum(g)))
+    checks = jax.tree.leaves(_finite_leaves(grads, inv_scale))
     if not checks:
         return jnp.asarray(True)
     return jnp.stack(checks).all()
+
+
+def _finite_leaves(grads: Any, inv_scale: jax.Array) -> Any:
+    """Per gradient leaf, whether it is finite once unscaled (see ``_unscaled_finite``):
+    a tree of boolean scalars, ``True`` for leaves that are not floating or are empty."""
+    elementwise = _fast_min_max()
+
+    def check(g):
+        if not _is_inexact_array(g) or g.size == 0:
+            return jnp.asarray(True)
+        if elementwise or jnp.issubdtype(g.dtype, jnp.complexfloating):
+            real = not jnp.issubdtype(g.dtype, jnp.complexfloating)
+            return jnp.all(jnp.isfinite((g.astype(jnp.float32) if real else g) * inv_scale))
+        high = jnp.max(g).astype(jnp.float32) * inv_scale
+        low = jnp.min(g).astype(jnp.float32) * inv_scale
+        return jnp.isfinite(high) & jnp.isfinite(low) & ~jnp.isnan(jnp.sum(g))
+
+    return jax.tree.map(check, grads)
 
 
 def _adopt_changes(master: Any, params: Any) -> Any:
@@ -164,6 +204,7 @@ def loss_scaled(
     skip_with: str = "select",
     master_weights: str = "float32",
     seed: int = 0,
+    record_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer with loss scaling, on-device skipping and float32 master params.
 
@@ -201,6 +242,10 @@ def loss_scaled(
         naive baseline, which stalls on updates below half a 16-bit ulp). See
         ``jaxamp/_src/master_weights.py`` for the bytes each keeps.
       seed: the seed of the stochastic rounding noise (``master_weights="stochastic"``).
+      record_nonfinite: keep, in the state, which gradient leaves were non-finite at
+        the last skipped step (one boolean per leaf, from the finiteness check's own
+        per-leaf results); :func:`jaxamp.nonfinite_gradients` lists them, and
+        :func:`jaxamp.find_nonfinite` then finds the operation that made them.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -250,6 +295,9 @@ def loss_scaled(
             step=jnp.zeros([], jnp.int32),
             compensation=compensation,
             rounding_key=key,
+            nonfinite_grads=(
+                jax.tree.map(lambda _: jnp.asarray(False), params) if record_nonfinite else None
+            ),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -265,6 +313,17 @@ def loss_scaled(
             lambda g: g.astype(jnp.float32) * inv_scale if is_floating_array(g) else g, updates
         )
         finite = _unscaled_finite(updates, inv_scale)
+        nonfinite_grads = state.nonfinite_grads
+        if record_nonfinite:
+            leaves_ok = _finite_leaves(updates, inv_scale)
+            if axis_name is not None:
+                leaves_ok = jax.tree.map(
+                    lambda ok: lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_),
+                    leaves_ok,
+                )
+            nonfinite_grads = jax.tree.map(
+                lambda ok, old: jnp.where(finite, old, ~ok), leaves_ok, state.nonfinite_grads
+            )
         if axis_name is not None:
             finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
         master_params = _adopt_changes(state.master_params, params) if has_master else None
@@ -325,6 +384,7 @@ def loss_scaled(
             step=optax.safe_increment(state.step),
             compensation=compensation,
             rounding_key=state.rounding_key,
+            nonfinite_grads=nonfinite_grads,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,175 @@
+"""``numerics_diff``: per layer, how far a mixed-precision step departs from float32."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxamp._src.numerics import walk
+from jaxamp._src.policy import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDiff:
+    """One layer's value under the policy against float32.
+
+    Attributes:
+      layer: the module path (``""``: outside any named layer).
+      phase: ``"forward"`` (the layer's output: the last value its forward pass
+        computes) or ``"backward"`` (the last gradient value its backward pass computes,
+        for a Dense layer the kernel's gradient).
+      relative_error: ``||amp - fp32|| / ||fp32||`` (Frobenius norms, in float64); ``inf``
+        when the policy's value is not finite; ``None`` when the two runs' values have
+        different shapes (not comparable).
+      shape: the value's shape.
+    """
+
+    layer: str
+    phase: str
+    relative_error: float | None
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsDiff:
+    """Where a policy departs from float32, layer by layer.
+
+    Attributes:
+      layers: one :class:`LayerDiff` per (layer, phase), in the float32 run's order.
+      gradients: ``(path, relative error)`` of each gradient leaf (``fun``'s gradient
+        with respect to ``argnums``), e.g. ``("[0]['params']['Dense_0']['kernel']", 0.004)``.
+      loss: ``(float32 loss, policy loss)``.
+    """
+
+    layers: tuple[LayerDiff, ...]
+    gradients: tuple[tuple[str, float], ...]
+    loss: tuple[float, float]
+
+    def worst(self, n: int = 5, phase: str | None = None) -> list[LayerDiff]:
+        """The ``n`` layers that depart most (of ``phase`` when given)."""
+        rows = [r for r in self.layers if r.relative_error is not None]
+        rows = [r for r in rows if phase is None or r.phase == phase]
+        return sorted(rows, key=lambda r: -r.relative_error)[:n]
+
+    def table(self) -> str:
+        """A text table: per layer, the relative error of its output and its gradient."""
+        by_layer: dict[str, dict[str, LayerDiff]] = {}
+        for r in self.layers:
+            by_layer.setdefault(r.layer, {})[r.phase] = r
+        rows = [("layer", "activation rel. error", "gradient rel. error")]
+        for layer, phases in by_layer.items():
+            cells = [
+                "-" if r is None or r.relative_error is None else f"{r.relative_error:.2e}"
+                for r in (phases.get("forward"), phases.get("backward"))
+            ]
+            rows.append((layer or "(no layer)", *cells))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        return "\n".join(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in rows
+        )
+
+
+def _relative(amp: Any, ref: Any) -> float | None:
+    a, r = np.asarray(amp).astype(np.float64), np.asarray(ref).astype(np.float64)
+    if a.shape != r.shape:
+        return None
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    scale = float(np.linalg.norm(r))
+    diff = float(np.linalg.norm(a - r))
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _last_values(traced: walk.Traced) -> tuple[dict[tuple[str, str], Any], list[Any]]:
+    last: dict[tuple[str, str], Any] = {}
+
+    def visit(site: walk.Site, inputs, outputs) -> None:
+        if site.primitive == "convert_element_type":
+            return  # a cast of a value, not a new value of the layer
+        floating = [o for o in outputs if walk.is_floating(o)]
+        if floating:
+            last[(site.layer, site.phase)] = floating[-1]
+
+    outs = walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
+    return last, outs
+
+
+def numerics_diff(
+    fun: Callable[..., Any],
+    policy: Policy | str | Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    has_aux: bool = False,
+) -> Callable[..., NumericsDiff]:
+    """Per layer, the relative error of activations and gradients under ``policy``
+    against float32, so that you can see where mixed precision departs from FP32.
+
+    ``jaxamp.numerics_diff(loss_fn, "mixed_bfloat16")(params, batch)`` evaluates the loss
+    and its gradient twice, one primitive at a time: ``loss_fn`` as it is (float32), and
+    under ``jaxamp.autocast(loss_fn, policy)``. For a model whose policy is applied
+    another way (``jaxamp.linen.apply_policy``), pass the mixed-precision loss itself as
+    ``policy``. Layers are matched by the name stack, so both runs must use the same
+    module names. Slow; for debugging.
+
+    Args:
+      fun: the float32 loss (a floating scalar; ``(loss, aux)`` with ``has_aux``).
+      policy: a :class:`jaxamp.Policy` or its string (``fun`` runs under
+        ``jaxamp.autocast``), or the mixed-precision version of ``fun``.
+      argnums: what the gradient is taken with respect to.
+      has_aux: whether the losses return ``(loss, aux)``.
+
+    Returns:
+      A function of the losses' arguments returning a :class:`NumericsDiff`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxamp
+      >>> def loss(w, x):
+      ...     with jax.named_scope("dense"):
+      ...         h = jnp.tanh(x @ w)
+      ...     return jnp.mean(h**2)
+      >>> w = jax.random.normal(jax.random.key(0), (64, 64))
+      >>> x = jax.random.normal(jax.random.key(1), (8, 64))
+      >>> diff = jaxamp.numerics_diff(loss, "mixed_bfloat16")(w, x)
+      >>> top = diff.worst(1)[0]
+      >>> top.layer, top.phase
+      ('dense', 'backward')
+      >>> 0 < top.relative_error < 0.1
+      True
+    """
+    if callable(policy) and not isinstance(policy, (Policy, str)):
+        amp_fun = policy
+    else:
+        from jaxamp._src.autocast import autocast
+
+        amp_fun = autocast(fun, policy)
+
+    def diff(*args: Any, **kwargs: Any) -> NumericsDiff:
+        ref = walk.trace(fun, argnums, args, kwargs, has_aux=has_aux)
+        amp = walk.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux)
+        ref_last, ref_outs = _last_values(ref)
+        amp_last, amp_outs = _last_values(amp)
+        layers = []
+        for key, value in ref_last.items():
+            other = amp_last.get(key)
+            error = None if other is None else _relative(other, value)
+            layers.append(LayerDiff(key[0], key[1], error, tuple(np.shape(value))))
+        ref_tree = jax.tree.unflatten(ref.out_tree, ref_outs)
+        amp_tree = jax.tree.unflatten(amp.out_tree, amp_outs)
+        grads = []
+        paths = jax.tree_util.tree_flatten_with_path(ref_tree[1])[0]
+        for (path, g), a in zip(paths, jax.tree.leaves(amp_tree[1]), strict=True):
+            grads.append((jax.tree_util.keystr(path), _relative(a, g)))
+        loss_ref = ref_tree[0][0] if has_aux else ref_tree[0]
+        loss_amp = amp_tree[0][0] if has_aux else amp_tree[0]
+        return NumericsDiff(tuple(layers), tuple(grads), (float(loss_ref), float(loss_amp)))
+
+    return diff

@@ -1,0 +1,413 @@
+"""Evaluating a loss and its gradient one primitive at a time, on concrete values.
+
+The numerics tools (:func:`jaxamp.find_nonfinite`, :func:`jaxamp.range_report`,
+:func:`jaxamp.numerics_diff`) trace ``jax.value_and_grad(fun)`` once, exactly as
+the training step would (policies, ``autocast`` and nested ``jit`` included,
+since they act while ``fun`` is traced), then evaluate the program's equations
+one by one, handing each primitive's inputs and outputs to a visitor with where
+it runs: forward or backward, the layer (from the name stack that Flax Linen,
+``jax.named_scope`` and, through :func:`layer_scopes`, NNX leave), the
+primitive, and the source line. Calls, ``checkpoint`` and custom derivatives are
+entered; ``cond`` takes the branch the values select; ``scan`` and
+``while`` loops run iteration by iteration, so a fault is found in the
+iteration that makes it.
+
+This is a debugging path: nothing here runs in a training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src.audit import short_name
+from jaxamp._src.autocast_interpreter import _bind, _open
+
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_CHECKPOINTS = ("checkpoint", "remat2")
+_CUSTOM = {
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a primitive runs.
+
+    Attributes:
+      primitive: the JAX primitive (``"log"``, ``"dot_general"``...).
+      phase: ``"forward"`` or ``"backward"`` (the gradient's computation).
+      layer: the module path, e.g. ``"Model/Dense_0"``; ``""`` outside any layer.
+      source: ``file:line (function)`` of the user code that traced it.
+      name_stack: the name stack JAX recorded, in full.
+      iteration: the loop iterations it runs in (outermost first), ``()`` outside loops.
+    """
+
+    primitive: str
+    phase: str
+    layer: str
+    source: str
+    name_stack: str
+    iteration: tuple[int, ...] = ()
+
+
+Visitor = Callable[[Site, Sequence[Any], Sequence[Any]], bool | None]
+
+
+class _Stop(Exception):
+    pass
+
+
+def _source(eqn: Any) -> str:
+    """The first frame of user code (outside JAX, Flax and jaxamp) that traced ``eqn``,
+    else the first frame outside JAX."""
+    from jax._src import source_info_util  # private: the traceback's frames
+
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    if traceback is None:
+        return ""
+    try:
+        frames = list(source_info_util.user_frames(traceback))
+    except Exception:
+        return ""
+    library = (os.sep + "site-packages" + os.sep, os.sep + "jaxamp" + os.sep + "_src" + os.sep)
+    own = [f for f in frames if not any(part in f.file_name for part in library)]
+    frame = (own or frames or [None])[0]
+    if frame is None:
+        return ""
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _join(prefix: str, eqn: Any) -> str:
+    stack = str(getattr(getattr(eqn, "source_info", None), "name_stack", "") or "")
+    return "/".join(p for p in (prefix, stack) if p)
+
+
+def _inner_jaxprs(eqn: Any) -> list[Any]:
+    """The jaxprs an equation calls, whose outputs are its outputs (one per branch for
+    ``cond``); ``[]`` for primitives without one, and for loops (handled whole)."""
+    name, params = eqn.primitive.name, eqn.params
+    if name in _CALLS and _CALLS[name] in params:
+        return [params[_CALLS[name]]]
+    if name in _CHECKPOINTS:
+        return [params["jaxpr"]]
+    if name in _CUSTOM and params.get(_CUSTOM[name]) is not None:
+        return [params[_CUSTOM[name]]]
+    if name == "cond":
+        return list(params["branches"])
+    return []
+
+
+def primal_equations(jaxpr: Any, needed: Sequence[bool]) -> tuple[set[int], list[bool]]:
+    """The equations (by ``id``) that the ``needed`` outputs of ``jaxpr`` depend on, and
+    which of its inputs they read.
+
+    In ``jax.value_and_grad``'s program the forward sweep computes the loss and, beside
+    it, the derivatives the backward pass will use (``0.5 / sqrt(x)`` for ``sqrt``);
+    only the first are the forward pass. Equations inside a loop are all counted when
+    any of the loop's outputs is needed."""
+    live = {v for v, n in zip(jaxpr.outvars, needed, strict=True) if n and not _literal(v)}
+    found: set[int] = set()
+    for eqn in reversed(jaxpr.eqns):
+        flags = [v in live for v in eqn.outvars]
+        if not any(flags):
+            continue
+        found.add(id(eqn))
+        inners = _inner_jaxprs(eqn)
+        if not inners:
+            if eqn.primitive.name in ("scan", "while"):
+                found |= _all_equations(eqn)
+            live |= {a for a in eqn.invars if not _literal(a)}
+            continue
+        reads = [False] * len(eqn.invars)
+        offset = 1 if eqn.primitive.name == "cond" else 0  # the branch index
+        if offset:
+            reads[0] = True
+        for closed in inners:
+            inner, _ = _open(closed)
+            ids, inner_reads = primal_equations(inner, flags)
+            found |= ids
+            for i, r in enumerate(inner_reads):
+                reads[i + offset] = reads[i + offset] or r
+        live |= {a for a, r in zip(eqn.invars, reads, strict=True) if r and not _literal(a)}
+    return found, [v in live for v in jaxpr.invars]
+
+
+def _all_equations(eqn: Any) -> set[int]:
+    found = {id(eqn)}
+    for value in eqn.params.values():
+        for closed in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(closed, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
+                for inner in _open(closed)[0].eqns:
+                    found |= _all_equations(inner)
+    return found
+
+
+def _literal(atom: Any) -> bool:
+    return isinstance(atom, jex.core.Literal)
+
+
+def _layer(stack: str, primitive: str) -> str:
+    """The layer path of a name stack. A module that evaluates its call again inside its
+    own scope (``jaxamp.nnx``'s policy interprets the call it traced) repeats its name;
+    the repeats are one layer."""
+    parts = short_name(f"f/{stack}/{primitive}").split("/")
+    return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
+
+
+def _site(eqn: Any, stack: str, iteration: tuple[int, ...], primal: set[int] | None) -> Site:
+    backward = "transpose(" in stack or (primal is not None and id(eqn) not in primal)
+    phase = "backward" if backward else "forward"
+    return Site(
+        primitive=eqn.primitive.name,
+        phase=phase,
+        layer=_layer(stack, eqn.primitive.name),
+        source=_source(eqn),
+        name_stack=stack,
+        iteration=iteration,
+    )
+
+
+def evaluate(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    visit: Visitor,
+    prefix: str = "",
+    iteration: tuple[int, ...] = (),
+    primal: set[int] | None = None,
+) -> list[Any]:
+    """Evaluates ``jaxpr`` on concrete ``args``, calling ``visit(site, inputs, outputs)``
+    after each primitive; a visitor that returns ``True`` stops the evaluation
+    (:func:`run` then returns early)."""
+    values: dict[Any, Any] = {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, jex.core.Literal) else values[atom]
+
+    values.update(zip(jaxpr.constvars, consts, strict=True))
+    values.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        stack = _join(prefix, eqn)
+        outs = _evaluate_eqn(eqn, invals, visit, stack, iteration, primal)
+        values.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inner(closed: Any, invals, visit, stack, iteration, primal) -> list[Any]:
+    jaxpr, consts = _open(closed)
+    return evaluate(jaxpr, consts, invals, visit, stack, iteration, primal)
+
+
+def _evaluate_eqn(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
+    name, params = eqn.primitive.name, eqn.params
+    if name in _CALLS and _CALLS[name] in params:
+        return _inner(params[_CALLS[name]], invals, visit, stack, iteration, primal)
+    if name in _CHECKPOINTS:
+        return _inner(params["jaxpr"], invals, visit, stack, iteration, primal)
+    if name in _CUSTOM and params.get(_CUSTOM[name]) is not None:
+        return _inner(params[_CUSTOM[name]], invals, visit, stack, iteration, primal)
+    if name == "cond":
+        index, *operands = invals
+        branch = params["branches"][int(np.clip(int(index), 0, len(params["branches"]) - 1))]
+        return _inner(branch, operands, visit, stack, iteration, primal)
+    if name == "scan":
+        return _scan(eqn, invals, visit, stack, iteration, primal)
+    if name == "while":
+        return _while(eqn, invals, visit, stack, iteration, primal)
+    outs = _bind(eqn, invals)
+    if visit(_site(eqn, stack, iteration, primal), invals, outs):
+        raise _Stop
+    return outs
+
+
+def _scan(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
+    p = eqn.params
+    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+    consts, carry = invals[:n_consts], list(invals[n_consts : n_consts + n_carry])
+    xs = invals[n_consts + n_carry :]
+    ys: list[list[Any]] = []
+    order = range(length - 1, -1, -1) if p.get("reverse", False) else range(length)
+    for i in order:
+        operands = [*consts, *carry, *(x[i] for x in xs)]
+        outs = _inner(p["jaxpr"], operands, visit, stack, (*iteration, i), primal)
+        carry, y = outs[:n_carry], outs[n_carry:]
+        ys.append(y)
+    if p.get("reverse", False):
+        ys.reverse()
+    n_ys = len(eqn.outvars) - n_carry
+    stacked = [
+        jnp.stack([y[j] for y in ys]) if ys else jnp.zeros(eqn.outvars[n_carry + j].aval.shape)
+        for j in range(n_ys)
+    ]
+    return [*carry, *stacked]
+
+
+def _while(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
+    p = eqn.params
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+    carry = list(invals[n_cond + n_body :])
+    quiet: Visitor = lambda *_: None  # the loop's condition is not part of the model
+    i = 0
+    while bool(_inner(p["cond_jaxpr"], [*cond_consts, *carry], quiet, stack, iteration, None)[0]):
+        carry = _inner(
+            p["body_jaxpr"], [*body_consts, *carry], visit, stack, (*iteration, i), primal
+        )
+        i += 1
+    return carry
+
+
+def run(jaxpr: Any, args: Sequence[Any], visit: Visitor, primal_outputs: int | None = None):
+    """Evaluates a ``ClosedJaxpr`` on ``args``; ``None`` when the visitor stopped it.
+
+    ``primal_outputs``: how many of the outputs are the function's value (the rest being
+    its gradient); equations the value does not depend on are reported as backward.
+    ``None``: every equation outside a transpose is forward."""
+    inner, consts = _open(jaxpr)
+    primal = None
+    if primal_outputs is not None:
+        needed = [i < primal_outputs for i in range(len(inner.outvars))]
+        primal = primal_equations(inner, needed)[0]
+    try:
+        return evaluate(inner, consts, args, visit, primal=primal)
+    except _Stop:
+        return None
+
+
+def is_floating(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def finite(x: Any) -> bool:
+    """Whether every element of a floating value is finite (non-floating values are)."""
+    return not is_floating(x) or bool(np.all(np.isfinite(np.asarray(x))))
+
+
+# --- Tracing the loss and its gradient -------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Traced:
+    """``jax.value_and_grad(fun)`` (or ``fun`` alone) as a jaxpr, with its flat arguments."""
+
+    jaxpr: Any
+    args: list[Any]
+    out_tree: Any
+    primal_outputs: int | None  # leaves of the value (loss and aux) before the gradient
+
+
+def _nnx_module(x: Any) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is a dependency
+        return False
+    return isinstance(x, nnx.Module)
+
+
+def layer_scopes(model: Any) -> Any:
+    """Gives each submodule of an NNX ``model`` (the model included) a name scope: its
+    path, e.g. ``Model/encoder/layers/0``, so that its operations carry the layer's name
+    as Flax Linen's do. Changes the classes of the modules of ``model`` in place; call it
+    on a model made for the purpose (the numerics tools call it on a copy they merge)."""
+    from flax import nnx
+
+    from jaxamp._src.nnx_policy import _iter_modules
+
+    root = type(model).__name__
+    for path, module in list(_iter_modules(model)):
+        name = "/".join([root, *(str(p) for p in path)])
+        module.__class__ = _scoped_class(type(module), name)
+    del nnx
+    return model
+
+
+def _scoped_class(cls: type, name: str) -> type:
+    def __call__(self, *args, **kwargs):
+        scoped = type(self)
+        # the module's own class runs its call (jaxamp.nnx's policy wrappers look up the
+        # class above their own), inside the scope
+        self.__class__ = cls
+        try:
+            with jax.named_scope(name):
+                return cls.__call__(self, *args, **kwargs)
+        finally:
+            self.__class__ = scoped
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def trace(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    has_aux: bool = False,
+    loss_scale: float | None = None,
+    grad: bool = True,
+) -> Traced:
+    """Traces ``jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)`` (``fun`` alone
+    when ``grad`` is false), the loss multiplied by ``loss_scale`` before differentiating.
+    NNX modules among the arguments are split: those at ``argnums`` are differentiated
+    with respect to their ``nnx.Param`` variables, and their layers get name scopes."""
+    argnums_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for i in argnums_tuple:
+        if not (isinstance(i, int) and -len(args) <= i < len(args)):
+            raise ValueError(
+                f"argnums {argnums!r} does not name a positional argument of the {len(args)} given."
+            )
+    argnums_tuple = tuple(i % len(args) for i in argnums_tuple)
+    split, pieces, rests = {}, list(args), []
+    for i, a in enumerate(args):
+        if _nnx_module(a):
+            from flax import nnx
+
+            graphdef, params, rest = nnx.split(a, nnx.Param, ...)
+            split[i] = (graphdef, len(rests))
+            pieces[i] = params
+            rests.append(rest)  # traced too (not differentiated): BatchNorm updates its stats
+    n_args = len(pieces)
+    pieces += rests
+
+    def merged(*values):
+        values, rest_values = list(values[:n_args]), values[n_args:]
+        for i, (graphdef, r) in split.items():
+            from flax import nnx
+
+            # fresh variables (copy=True): ones shared with the split state belong to an
+            # outer trace, and a BatchNorm could not update its statistics in them
+            values[i] = layer_scopes(nnx.merge(graphdef, values[i], rest_values[r], copy=True))
+        return fun(*values, **kwargs)
+
+    def scaled(*values):
+        out = merged(*values)
+        loss, aux = out if has_aux else (out, None)
+        if not (hasattr(loss, "shape") and jnp.shape(loss) == () and is_floating(loss)):
+            raise TypeError(
+                "find_nonfinite, range_report and numerics_diff differentiate fun: it must "
+                "return a floating scalar (the loss)"
+                + (" and its auxiliary output (has_aux=True)" if has_aux else "")
+                + f", got {type(loss).__name__} {jnp.shape(loss) if hasattr(loss, 'shape') else ''}"
+                + ". Pass grad=False to evaluate the forward pass alone."
+            )
+        if loss_scale is not None:
+            loss = loss * jnp.asarray(loss_scale, loss.dtype)
+        return (loss, aux) if has_aux else loss
+
+    target = jax.value_and_grad(scaled, argnums_tuple, has_aux=has_aux) if grad else merged
+    closed, out_shape = jax.make_jaxpr(target, return_shape=True)(*pieces)
+    flat_args = jax.tree.leaves(pieces)
+    primal = len(jax.tree.leaves(out_shape[0])) if grad else None
+    return Traced(closed, flat_args, jax.tree.structure(out_shape), primal)

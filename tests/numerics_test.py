@@ -1,0 +1,325 @@
+"""Tests for jaxamp/_src/numerics: find_nonfinite, range_report and numerics_diff, each
+with the fault at a known layer, on Linen, NNX and autocast paths, under jit."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+
+X = jnp.linspace(-1.0, 1.0, 24).reshape(4, 6)
+
+
+class Root(nn.Module):
+    """sqrt of a ReLU: finite forward, infinite derivative where the ReLU is 0."""
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.sqrt(nn.relu(x))
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(8, name="embed")(x))
+        x = nn.Dense(8, name="amplify")(x)
+        x = Root(name="root")(x)
+        return nn.Dense(3, name="head")(x)
+
+
+def linen_setup(dtype_policy=None, scale_amplify=1.0):
+    model = LinenNet()
+    params = model.init(jax.random.key(0), X)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: p * scale_amplify if "amplify" in jax.tree_util.keystr(path) else p,
+        params,
+    )
+    if dtype_policy is not None:
+        model = jaxamp.linen.apply_policy(model, dtype_policy)
+
+    @jax.jit
+    def loss(params, x):
+        return jnp.mean(model.apply(params, x).astype(jnp.float32) ** 2)
+
+    return loss, params
+
+
+def test_a_finite_step_reports_none():
+    loss, params = linen_setup()
+    # positive inputs and a positive first layer keep every ReLU above 0 at sqrt
+    params = jax.tree.map(jnp.abs, params)
+    assert jaxamp.find_nonfinite(loss)(params, jnp.abs(X) + 0.1) is None
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "p=f16,c=f16,o=f32"])
+def test_forward_float16_overflow_in_a_named_linen_layer(policy):
+    loss, params = linen_setup(policy, scale_amplify=1e6)
+    fault = jaxamp.find_nonfinite(loss)(params, X)
+    assert fault is not None
+    assert fault.phase == "forward" and fault.layer.endswith("amplify"), fault
+    assert fault.output.infs > 0 and fault.output.dtype == "float16"
+    assert all(r.nans == 0 and r.infs == 0 for r in fault.inputs)
+    assert "numerics_test.py" in fault.source
+    # the same model in float32 does not overflow there
+    loss32, params32 = linen_setup(None, scale_amplify=1e6)
+    fault32 = jaxamp.find_nonfinite(loss32)(params32, X)
+    assert fault32 is None or not fault32.layer.endswith("amplify")
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_bfloat16", "mixed_float16"])
+def test_backward_only_fault_is_reported_at_the_submodule(policy):
+    loss, params = linen_setup(policy)
+    # the forward pass is finite: the loss is a number
+    assert np.isfinite(float(loss(params, X)))
+    fault = jaxamp.find_nonfinite(loss)(params, X)
+    assert fault is not None and fault.phase == "backward", fault
+    assert fault.layer.endswith("root"), fault
+    assert fault.output.infs > 0
+
+
+def test_log_of_zero_in_the_loss():
+    model = LinenNet()
+    params = model.init(jax.random.key(0), X)
+
+    def loss(params, x):
+        probs = jax.nn.softmax(model.apply(params, x))
+        return -jnp.mean(jnp.log(probs * 0.0))  # log(0): -inf
+
+    fault = jaxamp.find_nonfinite(jax.jit(loss))(params, X)
+    assert fault.phase == "forward" and fault.primitive == "log" and fault.layer == ""
+    assert fault.output.infs > 0 and fault.inputs[0].max_abs == 0.0
+
+
+class NnxRoot(nnx.Module):
+    def __call__(self, x):
+        return jnp.sqrt(nnx.relu(x))
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(6, 8, rngs=rngs)
+        self.amplify = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.root = NnxRoot()
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.norm(self.amplify(nnx.relu(self.embed(x))))
+        return self.head(self.root(x))
+
+
+def nnx_loss(model, x):
+    return jnp.mean(model(x).astype(jnp.float32) ** 2)
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_float16"])
+def test_nnx_backward_fault_named_by_module_path_and_model_untouched(policy):
+    model = NnxNet(nnx.Rngs(0))
+    if policy:
+        jaxamp.nnx.apply_policy(model, policy)
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    fault = jaxamp.find_nonfinite(nnx.jit(nnx_loss))(model, X)
+    assert fault.phase == "backward" and fault.layer == "NnxNet/root", fault
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, before, after)  # BatchNorm stats too
+    assert type(model.root) is NnxRoot
+
+
+def test_nnx_forward_float16_overflow():
+    model = NnxNet(nnx.Rngs(0))
+    model.amplify.kernel[...] = model.amplify.kernel[...] * 1e6
+    jaxamp.nnx.apply_policy(model, "mixed_float16")
+    fault = jaxamp.find_nonfinite(nnx_loss)(model, X)
+    assert fault.phase == "forward" and fault.layer == "NnxNet/amplify", fault
+
+
+def test_autocast_path_under_jit():
+    def loss(w, x):
+        with jax.named_scope("proj"):
+            h = x @ w
+        with jax.named_scope("act"):
+            return jnp.mean(jnp.exp(h))
+
+    f = jax.jit(jaxamp.autocast(loss, "mixed_float16"))
+    w = jnp.full((6, 6), 1e5)
+    fault = jaxamp.find_nonfinite(f)(w, jnp.abs(X))
+    assert fault.phase == "forward" and fault.layer == "proj", fault  # 16-bit matmul
+    assert fault.output.dtype == "float16"
+    fault = jaxamp.find_nonfinite(f)(jnp.full((6, 6), 30.0), X)
+    assert fault.layer == "act" and fault.primitive == "exp"  # exp(180) in float32
+
+
+def test_loss_scale_reproduces_a_backward_overflow():
+    def loss(w, x):
+        with jax.named_scope("dense"):
+            return jnp.mean((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
+
+    w, x = jnp.ones((6, 6)), jnp.abs(X) + 0.5
+    assert jaxamp.find_nonfinite(loss)(w, x) is None
+    fault = jaxamp.find_nonfinite(loss, loss_scale=2.0**20)(w, x)
+    assert fault.phase == "backward" and fault.layer == "dense", fault
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), jaxamp.StaticLossScale(2.0**20))
+    fault = jaxamp.find_nonfinite(loss, loss_scale=tx.init(w))(w, x)
+    assert fault.phase == "backward"
+
+
+def test_fault_inside_a_scan_names_the_iteration():
+    def loss(w, x):
+        def body(h, i):
+            h = jax.lax.cond(i == 3, lambda h: jnp.log(h * 0.0), lambda h: h * w, h)
+            return h, None
+
+        h, _ = jax.lax.scan(body, x, jnp.arange(5))
+        return jnp.sum(h)
+
+    fault = jaxamp.find_nonfinite(jax.jit(loss))(jnp.float32(0.5), X)
+    assert fault.primitive == "log" and fault.iteration == (3,), fault
+
+
+def test_non_finite_argument_and_bad_arguments():
+    loss, params = linen_setup()
+    x = X.at[1, 2].set(jnp.nan)
+    fault = jaxamp.find_nonfinite(loss)(params, x)
+    assert fault.phase == "input" and fault.layer == "[1]" and fault.output.nans == 1
+    with pytest.raises(TypeError, match="floating scalar"):
+        jaxamp.find_nonfinite(lambda p, x: model_output(p, x))(params, X)
+    with pytest.raises(ValueError, match="argnums 5"):
+        jaxamp.find_nonfinite(loss, argnums=5)(params, X)
+    with pytest.raises(ValueError, match="loss_scale must be a positive"):
+        jaxamp.find_nonfinite(loss, loss_scale=-1.0)
+
+
+def model_output(params, x):
+    return LinenNet().apply(params, x)
+
+
+def test_forward_only_with_grad_false():
+    fault = jaxamp.find_nonfinite(lambda x: jnp.log(x), grad=False)(jnp.zeros(3))
+    assert fault.primitive == "log" and fault.phase == "forward"
+
+
+# --- range_report ---------------------------------------------------------------------------
+
+
+def test_range_report_flags_a_model_beyond_float16_and_passes_one_that_fits():
+    loss, params = linen_setup(None, scale_amplify=1e5)
+    big = jaxamp.range_report(loss)(jax.tree.map(jnp.abs, params), jnp.abs(X) + 1.0)
+    flagged = {(r.layer.split("/")[-1], r.phase) for r in big.overflows("float16")}
+    assert ("amplify", "forward") in flagged, big.table()
+    assert ("embed", "forward") not in flagged  # before the large layer
+    assert ("embed", "backward") in flagged  # its gradient flows back through amplify
+    advice = big.recommend()
+    assert advice.dtype == "bfloat16" and "amplify" in advice.reason
+    assert big.overflows("bfloat16") == []
+
+    small = jaxamp.range_report(loss)(*_fitting(linen_setup()[1]))
+    assert small.overflows("float16") == []
+    assert small.recommend().dtype == "float16"
+    amplify = next(r for r in small.layers if r.layer.endswith("amplify") and r.phase == "forward")
+    assert 0 < amplify.max_abs < 100 and amplify.headroom() > 600
+    assert "max |act|" in small.table()
+
+
+def _fitting(params):
+    return jax.tree.map(jnp.abs, params), jnp.abs(X) + 0.1
+
+
+def test_range_report_sees_gradients_that_flush_to_zero_in_float16():
+    def loss(w, x):
+        with jax.named_scope("tiny"):
+            return jnp.sum(x @ w) * 1e-9
+
+    report = jaxamp.range_report(loss)(jnp.ones((6, 2)), X)
+    tiny = next(r for r in report.layers if r.layer == "tiny" and r.phase == "backward")
+    assert tiny.below_subnormal > 0.5 and tiny.below_normal >= tiny.below_subnormal
+    advice = report.recommend()
+    assert advice.dtype == "float16" and advice.loss_scaling
+    scaled = jaxamp.range_report(loss, loss_scale=2.0**24)(jnp.ones((6, 2)), X)
+    tiny = next(r for r in scaled.layers if r.layer == "tiny" and r.phase == "backward")
+    assert tiny.below_subnormal == 0.0  # the loss scale lifts them into range
+
+
+def test_range_report_dtype_errors():
+    report = jaxamp.range_report(lambda w: jnp.sum(w))(jnp.ones(2))
+    with pytest.raises(ValueError, match="dtype must be one of float16, bfloat16"):
+        report.overflows("int8")
+
+
+# --- numerics_diff --------------------------------------------------------------------------
+
+
+def test_numerics_diff_per_layer_under_autocast():
+    model = LinenNet()
+    params = jax.tree.map(jnp.abs, model.init(jax.random.key(0), X))
+    x = jnp.abs(X) + 0.1
+
+    def loss(params, x):
+        return jnp.mean(model.apply(params, x) ** 2)
+
+    same = jaxamp.numerics_diff(loss, "float32")(params, x)
+    assert all(r.relative_error == 0.0 for r in same.layers if r.relative_error is not None)
+    assert same.loss[0] == same.loss[1]
+    bf16 = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, x)
+    fc = {(r.layer, r.phase): r for r in bf16.layers}
+    assert 1e-4 < fc[("LinenNet/amplify", "forward")].relative_error < 0.05
+    assert all(0 < e < 0.1 for _, e in bf16.gradients)
+    assert bf16.worst(1)[0].relative_error >= max(r.relative_error for r in bf16.worst(5))
+    assert "activation rel. error" in bf16.table()
+    f16 = jaxamp.numerics_diff(loss, "mixed_float16")(params, x)
+    # float16 keeps 3 more mantissa bits than bfloat16: smaller errors, layer for layer
+    errors = {(r.layer, r.phase): r.relative_error for r in f16.layers}
+    assert (
+        errors[("LinenNet/amplify", "forward")] < fc[("LinenNet/amplify", "forward")].relative_error
+    )
+
+
+def test_numerics_diff_with_a_policy_applied_to_the_model():
+    model = LinenNet()
+    params = jax.tree.map(jnp.abs, model.init(jax.random.key(0), X))
+    amp = jaxamp.linen.apply_policy(model, "mixed_bfloat16")
+    ref = lambda p, x: jnp.mean(model.apply(p, x) ** 2)
+    mixed = lambda p, x: jnp.mean(amp.apply(p, x).astype(jnp.float32) ** 2)
+    diff = jaxamp.numerics_diff(ref, mixed)(params, jnp.abs(X) + 0.1)
+    paths = dict(diff.gradients)
+    assert "[0]['params']['amplify']['kernel']" in paths
+    assert all(0 < e < 0.1 for e in paths.values())
+
+
+# --- loss_scaled's record of non-finite gradients -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_loss_scaled_records_which_leaves_were_non_finite(dtype):
+    params = {"a": jnp.ones(3, dtype), "b": {"c": jnp.ones(2, dtype)}}
+    tx = jaxamp.loss_scaled(optax.adam(1e-3), record_nonfinite=True)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    assert jaxamp.nonfinite_gradients(state) == []
+    bad = {"a": jnp.ones(3, dtype), "b": {"c": jnp.array([1.0, jnp.nan], dtype)}}
+    _, state = update(bad, state, params)
+    assert int(state.skipped_steps) == 1
+    assert jaxamp.nonfinite_gradients(state) == ["['b']['c']"]
+    good = jax.tree.map(jnp.ones_like, params)
+    _, state2 = update(good, state, params)  # a finite step keeps the last skip's record
+    assert jaxamp.nonfinite_gradients(state2) == ["['b']['c']"]
+    assert jax.tree.structure(state2) == jax.tree.structure(state)
+    with pytest.raises(ValueError, match="record_nonfinite=True"):
+        jaxamp.nonfinite_gradients(jaxamp.loss_scaled(optax.sgd(1.0)).init(params))
+
+
+def test_raise_if_stuck_points_to_the_leaves_and_to_find_nonfinite():
+    params = {"w": jnp.ones(2)}
+    for record in (True, False):
+        tx = jaxamp.loss_scaled(optax.sgd(0.1), record_nonfinite=record)
+        state = tx.init(params)
+        for _ in range(3):
+            _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+        with pytest.raises(jaxamp.LossScaleStuckError) as error:
+            jaxamp.raise_if_stuck(state, max_consecutive_skips=3)
+        message = str(error.value)
+        assert "jaxamp.find_nonfinite" in message
+        assert ("['w']" in message) == record
