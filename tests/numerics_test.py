@@ -323,3 +323,24 @@ def test_raise_if_stuck_points_to_the_leaves_and_to_find_nonfinite():
         message = str(error.value)
         assert "jaxamp.find_nonfinite" in message
         assert ("['w']" in message) == record
+
+
+def test_the_float16_walk_through_example(tmp_path):
+    """examples/float16_overflow.py at a small size: the README's walk-through."""
+    import io
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import float16_overflow
+
+    out = io.StringIO()
+    result = float16_overflow.main(["--steps", "4", "--out", str(tmp_path / "t.txt")], out=out)
+    f16, bf16 = result["float16"], result["bfloat16"]
+    assert f16["skipped"] == len(f16["losses"]) == 4 and "find_nonfinite" in f16["stuck"]
+    assert result["fault"].phase == "forward"
+    assert result["fault"].layer == "GPT2LMHeadModel/h_1/c_fc"
+    assert result["fault"].output.dtype == "float16"
+    assert result["advice"].dtype == "bfloat16"
+    assert bf16["skipped"] == 0 and bf16["losses"][-1] < bf16["losses"][0]
+    assert (tmp_path / "t.txt").read_text() == out.getvalue()

@@ -102,8 +102,7 @@ def raise_if_stuck(opt_state: Any, max_consecutive_skips: int = 20) -> None:
         f"last steps, oldest first: [{history}]. If the scale keeps falling, the "
         "gradients are non-finite whatever the scale: look for NaN/Inf in the inputs, the "
         "loss or the forward pass (float16 activations overflow above 65504), or a "
-        "learning rate that diverged. "
-        + _where_to_look(state)
+        "learning rate that diverged. " + _where_to_look(state)
     )
 
 

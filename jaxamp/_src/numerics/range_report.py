@@ -29,7 +29,8 @@ class LayerRange:
     Attributes:
       layer: the module path (``""``: operations outside any named layer).
       phase: ``"forward"`` (activations) or ``"backward"`` (gradients).
-      max_abs: the largest finite magnitude.
+      max_abs: the largest finite magnitude (values at exactly their dtype's largest
+        magnitude, the fill of an attention mask, are left out as sentinels).
       size: how many values were seen.
       below_normal: the fraction of the nonzero values below float16's smallest
         normal (6.1e-5): subnormal in float16, with fewer significant bits.
@@ -188,7 +189,12 @@ class _Accumulator:
         self.below_normal, self.below_subnormal, self.nonfinite = 0, 0, 0
 
     def add(self, x: Any) -> None:
-        a = np.abs(np.asarray(x).astype(np.float64)).ravel()
+        raw = np.asarray(x)
+        a = np.abs(raw.astype(np.float64)).ravel()
+        if raw.dtype.kind == "f":
+            # a value at exactly its dtype's largest magnitude is a sentinel, not data: the
+            # -finfo.max an attention mask fills in, which follows the compute dtype
+            a = a[a != float(np.finfo(raw.dtype).max)]
         ok = np.isfinite(a)
         self.nonfinite += int(a.size - ok.sum())
         a = a[ok]
@@ -230,7 +236,9 @@ def range_report(
     in float32 (or bfloat16) on one calibration batch to learn whether float16 will
     hold it; ``.overflows("float16")`` lists the layers that exceed 65504 and
     ``.recommend()`` says whether float16 with loss scaling is safe or bfloat16 is
-    needed. Slow; for debugging, not for training steps.
+    needed. It counts every value a layer computes, intermediates included (a policy
+    may keep some in float32, such as the cube inside tanh-GELU). Slow; for
+    debugging, not for training steps.
 
     Args:
       fun: the loss (a floating scalar; ``(loss, aux)`` with ``has_aux``).

@@ -17,6 +17,7 @@ This is a debugging path: nothing here runs in a training step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -68,8 +69,10 @@ class _Stop(Exception):
 
 
 def _source(eqn: Any) -> str:
-    """The first frame of user code (outside JAX, Flax and jaxamp) that traced ``eqn``,
-    else the first frame outside JAX."""
+    """The first frame of model code (outside JAX, installed packages and jaxamp's
+    machinery; jaxamp's reference models count as model code) that traced ``eqn``,
+    else the first frame outside JAX. JAX keeps the innermost frames only
+    (``jax_traceback_in_locations_limit``), so a deep stack may show library code."""
     from jax._src import source_info_util  # private: the traceback's frames
 
     traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
@@ -80,11 +83,20 @@ def _source(eqn: Any) -> str:
     except Exception:
         return ""
     library = (os.sep + "site-packages" + os.sep, os.sep + "jaxamp" + os.sep + "_src" + os.sep)
-    own = [f for f in frames if not any(part in f.file_name for part in library)]
+    models = os.sep + "jaxamp" + os.sep + "_src" + os.sep + "models" + os.sep  # model code
+
+    def own_code(name: str) -> bool:
+        return models in name or not any(part in name for part in library)
+
+    own = [f for f in frames if own_code(f.file_name)]
     frame = (own or frames or [None])[0]
     if frame is None:
         return ""
-    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    name = frame.file_name
+    with contextlib.suppress(ValueError):  # another drive on Windows
+        if os.path.abspath(name).startswith(os.getcwd() + os.sep):
+            name = os.path.relpath(name)
+    return f"{name}:{frame.start_line} ({frame.function_name})"
 
 
 def _join(prefix: str, eqn: Any) -> str:
