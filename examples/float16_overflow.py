@@ -10,7 +10,8 @@ features in large pretrained models are. The script then:
 1. trains it under ``mixed_float16`` with dynamic loss scaling: every step is
    skipped and ``jaxamp.raise_if_stuck`` stops the run;
 2. asks ``jaxamp.find_nonfinite`` which operation made the first inf;
-3. runs ``jaxamp.range_report`` on one batch in float32 and asks it to recommend;
+3. runs ``jaxamp.range_report`` on one batch (the values the float16 policy holds in
+   16 bits, computed in float32 so that their size shows) and asks it to recommend;
 4. trains the same model under ``mixed_bfloat16``: no step is skipped.
 """
 
@@ -132,9 +133,13 @@ def main(argv=None, out=sys.stdout) -> dict:
     )
     say("   " + str(fault).replace("\n", "\n   "))
 
-    say("\n3. jaxamp.range_report(float32 loss)(params, batch), the largest layers:")
+    say(
+        "\n3. jaxamp.range_report(loss, policy=float16 loss)(params, batch): the values the "
+        "float16 policy holds in 16 bits, computed in float32; the largest layers:"
+    )
     model, params = large_model_params()
-    report = jaxamp.range_report(loss_of(model))(params, f16["windows"])
+    mixed = loss_of(jaxamp.linen.apply_policy(model, "mixed_float16"))
+    report = jaxamp.range_report(loss_of(model), policy=mixed)(params, f16["windows"])
     rows = sorted(report.layers, key=lambda r: -r.max_abs)[:5]
     for r in rows:
         say(f"   {r.phase:8s} {r.layer or '(no layer)':32s} max |x| {r.max_abs:.3g}")

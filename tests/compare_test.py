@@ -65,6 +65,55 @@ def test_report_has_one_complete_record_per_variant(bert_report):
     assert bert_report["environment"]["backend"]
 
 
+def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp_path):
+    from jaxamp._src.report import format_markdown, write_report
+
+    runs = {r["variant"]: r for r in bert_report["runs"]}
+    fp32 = [d["relative_error"] for d in runs["fp32"]["divergence"]]
+    assert fp32 and max(fp32) < 1e-5  # the fp32 variant is the reference model
+    for name in ("bf16", "fp16"):
+        rows = runs[name]["divergence"]
+        layers = {d["layer"] for d in rows}
+        assert any("attention" in layer or "attn" in layer.lower() for layer in layers), layers
+        assert {d["phase"] for d in rows} == {"forward", "backward"}
+        assert max(d["relative_error"] for d in rows) > 1e-4  # 16-bit compute departs
+    # bfloat16 keeps fewer bits than float16: it departs more at the same layers
+    worst = lambda name: max(d["relative_error"] for d in runs[name]["divergence"])
+    assert worst("bf16") > worst("fp16")
+    check = bert_report["float16_check"]
+    assert check["dtype"] == "float16" and check["overflowing_layers"] == []
+    assert all(r["first_nonfinite"] is None for r in runs.values())
+    md = format_markdown(bert_report)
+    assert "Per-layer divergence from fp32" in md and "Float16 range check" in md
+    paths = write_report(bert_report, tmp_path)
+    assert tmp_path / "divergence.png" in paths and (tmp_path / "divergence.png").exists()
+
+
+def test_a_float16_run_that_diverges_names_the_first_non_finite_layer():
+    """Images scaled by 1e6: float32 trains on them (BatchNorm normalises), float16
+    cannot even hold the inputs: the policy's cast of the images to float16 is the
+    first operation to overflow."""
+    digits = data.load_digits_28x28().subset(32, 16)
+    loud = dataclasses.replace(digits, train_x=digits.train_x * 1e6, test_x=digits.test_x * 1e6)
+    config = CompareConfig(
+        model="resnet18", width=8, variants=("fp32", "fp16"), batch_size=16, epochs=1
+    )
+    logged = []
+    report = compare(config, log=logged.append, dataset=loud)
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert runs["fp32"]["first_nonfinite"] is None
+    fault = runs["fp16"]["first_nonfinite"]
+    assert fault["step"] == 0 and fault["phase"] == "forward", fault
+    assert fault["layer"] == "ResNet" and fault["primitive"] == "convert_element_type", fault
+    assert "float16" in fault["description"] and "inf" in fault["description"]
+    check = report["float16_check"]
+    assert check["dtype"] == "bfloat16" and check["overflowing_layers"]
+    assert any("float16 range check" in line for line in logged)
+    from jaxamp._src.report import format_markdown
+
+    assert "the loss became non-finite at step 0" in format_markdown(report)
+
+
 def test_same_initialisation_and_data_for_every_variant(bert_report):
     first_losses = [r["losses"][0] for r in bert_report["runs"]]
     # the first step's loss is computed from the same initial params on the same batch
@@ -80,6 +129,7 @@ def test_resnet_with_batch_norm_recalibration():
         batch_size=16,
         epochs=1,
         bn_recalibration=3,
+        numerics=False,
     )
     report = compare(config, dataset=dataset)
     assert [r["variant"] for r in report["runs"]] == ["fp32", "fp16"]
@@ -94,6 +144,7 @@ def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter(
     config = CompareConfig(
         variants=("fp32", "bf16_float32_master", "bf16_kahan", "bf16_stochastic", "bf16_naive"),
         data="embedded",
+        numerics=False,
         **TINY_BERT,
     )
     report = compare(config)
@@ -182,6 +233,7 @@ def test_accuracy_parity_on_real_data():
         batch_size=32,
         train_examples=None,
         test_examples=None,
+        numerics=False,  # not what this test is about; the checks are tested above
     )
     accuracy = _parity(config, _digits_half_split(), seeds=(0, 1, 2))
     assert accuracy["fp32"] > 0.95, accuracy

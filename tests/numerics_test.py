@@ -344,3 +344,33 @@ def test_the_float16_walk_through_example(tmp_path):
     assert result["advice"].dtype == "bfloat16"
     assert bf16["skipped"] == 0 and bf16["losses"][-1] < bf16["losses"][0]
     assert (tmp_path / "t.txt").read_text() == out.getvalue()
+
+
+def test_range_report_under_a_policy_counts_only_its_16_bit_values():
+    """A LayerNorm's statistics have huge derivatives for near-constant rows; a policy
+    computes them in float32, so they are no reason to avoid float16."""
+
+    def loss(w, x):
+        with jax.named_scope("proj"):
+            h = x @ w
+        with jax.named_scope("norm"):
+            mu = jnp.mean(h, -1, keepdims=True)
+            var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
+            y = (h - mu) * jax.lax.rsqrt(var + 1e-12)
+        return jnp.mean(y[:, :2] ** 3)
+
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jnp.full((8, 8), 1e-3) + 1e-5 * jax.random.normal(jax.random.key(1), (8, 8))
+    plain = jaxamp.range_report(loss)(w, x)
+    assert ("norm", "backward") in {(r.layer, r.phase) for r in plain.overflows()}
+    assert plain.policy is None
+    mixed = jaxamp.range_report(loss, policy="mixed_float16")(w, x)
+    assert mixed.overflows() == [] and mixed.recommend().dtype == "float16"
+    assert mixed.policy == str(jaxamp.get_policy("mixed_float16"))
+    # a value the policy does hold in 16 bits is measured at its float32 size, not inf
+    big = jaxamp.range_report(loss, policy="mixed_float16")(w * 1e8, x)
+    proj = next(r for r in big.layers if r.layer == "proj" and r.phase == "forward")
+    assert proj.nonfinite == 0 and proj.max_abs > 65504
+    assert ("proj", "forward") in {(r.layer, r.phase) for r in big.overflows()}
+    with pytest.raises(TypeError, match="policy must be"):
+        jaxamp.range_report(loss, policy=3)

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default %(default)s)",
     )
     compare.add_argument(
+        "--no-numerics",
+        dest="numerics",
+        action="store_false",
+        help="skip the per-layer divergence from fp32, the float16 range check and the "
+        "search for the first non-finite layer of a diverging run",
+    )
+    compare.add_argument(
         "--width",
         type=_positive,
         default=defaults.width,

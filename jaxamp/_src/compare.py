@@ -27,6 +27,7 @@ from jaxamp._src.environment import environment
 from jaxamp._src.linen_policy import apply_policy
 from jaxamp._src.models.bert import BertClassifier, BertConfig
 from jaxamp._src.models.resnet import ResNet18, ResNet50
+from jaxamp._src.numerics import in_compare as numerics_checks
 from jaxamp._src.residuals import activation_bytes
 from jaxamp._src.scale_loss import find_loss_scaled_state, value_and_grad
 from jaxamp._src.variants import Variant, default_variants, get_variant
@@ -57,6 +58,12 @@ class CompareConfig:
         model in training mode at the final weights, so that BatchNorm's running
         statistics (a moving average that lags behind fast-changing weights in a short
         run) describe the final model; 0 evaluates with the statistics as trained.
+      numerics: before training, the per-layer divergence of each variant from float32
+        at the initial weights (``jaxamp.numerics_diff``, on 4 examples of the first
+        batch) and, when a variant computes in float16, a float16 range check of the
+        float32 model (``jaxamp.range_report``); during training, the first non-finite
+        layer of a variant whose loss stops being finite (``jaxamp.find_nonfinite``).
+        Each is evaluated one primitive at a time, outside the timed steps.
       width: channels of a ResNet's first stage (64 as published).
       layers: BERT layers.
       hidden: BERT hidden size.
@@ -77,6 +84,7 @@ class CompareConfig:
     data: str = "auto"
     data_dir: str | None = None
     bn_recalibration: int = 20
+    numerics: bool = True
     width: int = 64
     layers: int = 12
     hidden: int = 768
@@ -197,6 +205,9 @@ class _Run:
         self.step_times: list[float] = []
         self.epoch_times: list[float] = []
         self.underflow: list[dict[str, float]] = []
+        self.diagnose = config.numerics
+        self.first_nonfinite: dict[str, Any] | None = None
+        self.divergence: list[dict[str, Any]] | None = None
         with variant.tracing():
             start = time.perf_counter()
             self.step = (
@@ -248,14 +259,38 @@ class _Run:
             return find_loss_scaled_state(opt_state).loss_scale.scale
         return jnp.float32(1.0)
 
+    def loss_fn(self, rng) -> Callable[..., Any]:
+        """The training loss of float32 ``params`` (cast to the policy's param dtype),
+        traced as this variant's step traces it: for the numerics tools."""
+
+        def loss(params, state, x, y):
+            with self.variant.tracing():
+                return self._loss(self.variant.policy.cast_to_param(params), state, x, y, rng)[0]
+
+        return loss
+
     def train_step(self, x, y, step: int) -> None:
+        before = (self.params, self.state, self.opt_state)
         start = time.perf_counter()
         out = jax.block_until_ready(self.step(self.params, self.state, self.opt_state, x, y, step))
         self.step_times.append(time.perf_counter() - start)
         self.params, self.state, self.opt_state, loss, (unscaled, scaled) = out
+        if self.diagnose and self.first_nonfinite is None and not np.isfinite(float(loss)):
+            self._diagnose(before, x, y, step)
         self.losses.append(loss)
         self.scales.append(self.scale_of(self.opt_state))
         self.underflow.append({"step": step, "unscaled": unscaled, "scaled": scaled})
+
+    def _diagnose(self, before, x, y, step: int) -> None:
+        """Finds where the step that made a non-finite loss first went non-finite."""
+        params, state, opt_state = before
+        rng = jax.random.fold_in(self.key, step)
+        scale = float(self.scale_of(opt_state)) if self.variant.dynamic_loss_scaling else None
+        params = jax.tree.map(lambda p: p.astype(jnp.float32) if is_float(p) else p, params)
+        fault = numerics_checks.first_nonfinite(
+            self.loss_fn(rng), params, state, x, y, loss_scale=scale
+        )
+        self.first_nonfinite = {"step": step, **(fault or _NOT_REPRODUCED)}
 
     def recalibrate(self, batches: list[tuple[Any, Any]]) -> None:
         """Recomputes BatchNorm running statistics at the final weights, and records how far
@@ -305,7 +340,6 @@ class _Run:
             "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
             "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
             "activation_bytes": self.activation_bytes,
-            "bytes_per_param": self.bytes_per_param,
             "final_loss": float(self.losses[-1]),
             "test_accuracy": metrics["accuracy"],
             "precision": metrics["precision"],
@@ -314,10 +348,55 @@ class _Run:
             "skipped_steps": skipped,
             "final_loss_scale": final_scale,
             "bn_recalibration_change": getattr(self, "recalibration_change", None),
+            "bytes_per_param": self.bytes_per_param,
+            "divergence": self.divergence,
+            "first_nonfinite": self.first_nonfinite,
             "losses": [float(v) for v in self.losses],
             "loss_scales": [float(v) for v in self.scales] if final_scale is not None else None,
             "underflow": [{k: float(v) for k, v in u.items()} for u in self.underflow],
         }
+
+
+_NOT_REPRODUCED = {
+    "phase": None,
+    "layer": "",
+    "primitive": "",
+    "source": "",
+    "description": "find_nonfinite found every value finite when it reran the step",
+}
+
+
+def is_float(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _numerics_before_training(runs, task, variables, sample, config, log) -> dict | None:
+    """Per-layer divergence of each variant from float32 at the initial weights, and
+    the float16 range check when a variant computes in float16 (``config.numerics``)."""
+    if not config.numerics:
+        return None
+    rng = jax.random.key(config.seed + 2)
+    x, y = (v[: min(4, len(v))] for v in sample)
+    params = variables["params"]
+    state = variables.get("batch_stats", {})
+
+    def reference(params, state, x, y):  # the unmodified model in true float32
+        with jax.default_matmul_precision("highest"):
+            logits, _ = task.apply(task.module, params, state, x, True, rng)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+            return loss.mean()
+
+    for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
+        run.divergence = numerics_checks.divergence(
+            reference, run.loss_fn(rng), params, state, x, y
+        )
+    float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
+    if not float16:
+        return None
+    check = numerics_checks.float16_check(reference, float16[0].loss_fn(rng), params, state, x, y)
+    if check["dtype"] != "float16":
+        log(f"float16 range check (before training): {check['reason']}")
+    return check
 
 
 def _bytes_per_param(params: Any, opt_state: Any) -> float:
@@ -364,7 +443,8 @@ def compare(
     for i in range(config.seeds):
         if config.seeds > 1:
             log(f"seed {config.seed + i} ({i + 1} of {config.seeds})")
-        per_seed.append(_compare_once(dataclasses.replace(config, seed=config.seed + i), dataset))
+        seeded = dataclasses.replace(config, seed=config.seed + i)
+        per_seed.append(_compare_once(seeded, dataset, log))
     report = merge_seeds(per_seed)
     report["config"] = dataclasses.asdict(config)
     report["model_choice"] = reason
@@ -372,7 +452,9 @@ def compare(
     return report
 
 
-def _compare_once(config: CompareConfig, dataset: data_lib.Dataset) -> dict[str, Any]:
+def _compare_once(
+    config: CompareConfig, dataset: data_lib.Dataset, log: Callable[[str], None] = print
+) -> dict[str, Any]:
     """One seed: every variant trained side by side."""
     steps_per_epoch = len(dataset.train_x) // config.batch_size
     if steps_per_epoch < 1:
@@ -388,6 +470,7 @@ def _compare_once(config: CompareConfig, dataset: data_lib.Dataset) -> dict[str,
     runs = []
     for name in tqdm(names, desc="compile", unit="variant"):
         runs.append(_Run(get_variant(name), task, variables, config, sample))
+    float16 = _numerics_before_training(runs, task, variables, sample, config, log)
 
     total = config.epochs * steps_per_epoch
     with tqdm(total=total, desc="train", unit="step") as bar:
@@ -436,5 +519,6 @@ def _compare_once(config: CompareConfig, dataset: data_lib.Dataset) -> dict[str,
         },
         "steps": total,
         "environment": environment(),
+        "float16_check": float16,
         "runs": records,
     }

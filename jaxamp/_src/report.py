@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxamp._src.environment import describe_hardware
+from jaxamp._src.numerics import in_compare as numerics_checks
 
 # (record key, header, format)
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -105,6 +106,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         "counts the params and the optimizer state (master, compensation, moments) per "
         "parameter, read from the arrays.",
     ]
+    lines += numerics_checks.markdown(report)
     if env["backend"] == "cpu" and env.get("matmul_form") == "cpu-bf16-units":
         lines.append(
             "This CPU has bf16 GEMM units: bfloat16 matmuls run on them (jaxamp's matmul rule "
@@ -215,6 +217,7 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
         title="accuracy: each seed (grey), mean and noise vs fp32 (blue)",
     )
     save(fig, "accuracy.png")
+    numerics_checks.plot(report, out, save)
     return paths
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxamp._src.numerics import walk
 from jaxamp._src.numerics.find_nonfinite import _scale_of
+from jaxamp._src.policy import Policy, get_policy
 
 _SIXTEEN_BIT = ("float16", "bfloat16")
 
@@ -78,10 +79,13 @@ class RangeReport:
     Attributes:
       layers: one :class:`LayerRange` per (layer, phase), in the order first seen.
       loss_scale: the scale the loss was multiplied by before differentiating.
+      policy: the policy the values were read under (only the values it holds in 16
+        bits are counted), or ``None``: every value of ``fun`` as written.
     """
 
     layers: tuple[LayerRange, ...]
     loss_scale: float | None = None
+    policy: str | None = None
 
     def overflows(self, dtype: Any = "float16") -> list[LayerRange]:
         """The layers whose values exceed ``dtype``'s largest finite value (65504 for
@@ -226,6 +230,7 @@ def range_report(
     *,
     has_aux: bool = False,
     loss_scale: Any = None,
+    policy: Any = None,
 ) -> Callable[..., RangeReport]:
     """Per layer, the largest |activation| and |gradient| of one step, and how many
     values float16 could not hold.
@@ -246,6 +251,13 @@ def range_report(
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       loss_scale: a number or an optimizer state with ``jaxamp.loss_scaled``: the
         gradients are those of the loss times this scale, as float16 would see them.
+      policy: the mixed-precision policy you mean to train with (a
+        :class:`jaxamp.Policy` or its string: ``fun`` runs under ``jaxamp.autocast``),
+        or the mixed-precision version of ``fun`` itself. Then only the values that
+        policy computes in 16 bits are counted, each computed in float32 so that its
+        size shows: LayerNorm statistics, softmax and the other work a policy keeps
+        in float32 cannot overflow float16 and are left out. ``None`` (default): every
+        value of ``fun`` as it runs.
 
     Returns:
       A function of ``fun``'s arguments returning a :class:`RangeReport`.
@@ -264,18 +276,32 @@ def range_report(
       'bfloat16'
     """
     scale = _scale_of(loss_scale)
+    target, described = fun, None
+    if isinstance(policy, (Policy, str)):
+        from jaxamp._src.autocast import autocast
+
+        target, described = autocast(fun, policy), str(get_policy(policy))
+    elif policy is not None:
+        if not callable(policy):
+            raise TypeError(
+                "policy must be a jaxamp.Policy, a policy string or the mixed-precision "
+                f"version of fun, got {type(policy).__name__}: {policy!r}."
+            )
+        target, described = policy, getattr(policy, "__name__", "the mixed-precision fun")
 
     def report(*args: Any, **kwargs: Any) -> RangeReport:
-        traced = walk.trace(fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
+        traced = walk.trace(target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
         stats: dict[tuple[str, str], _Accumulator] = {}
 
         def visit(site: walk.Site, inputs, outputs) -> None:
-            for out in outputs:
-                if walk.is_floating(out):
+            for out, sixteen in zip(outputs, site.sixteen_bit, strict=True):
+                if walk.is_floating(out) and (sixteen or described is None):
                     stats.setdefault((site.layer, site.phase), _Accumulator()).add(out)
 
-        walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
+        walk.run(
+            traced.jaxpr, traced.args, visit, traced.primal_outputs, widen=described is not None
+        )
         layers = tuple(acc.result(layer, phase) for (layer, phase), acc in stats.items())
-        return RangeReport(layers, scale)
+        return RangeReport(layers, scale, described)
 
     return report

@@ -18,6 +18,7 @@ This is a debugging path: nothing here runs in a training step.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ class Site:
       source: ``file:line (function)`` of the user code that traced it.
       name_stack: the name stack JAX recorded, in full.
       iteration: the loop iterations it runs in (outermost first), ``()`` outside loops.
+      sixteen_bit: per output, whether the program holds it in a 16-bit type (when
+        evaluated widened, the value seen is its float32 counterpart).
     """
 
     primitive: str
@@ -59,6 +62,7 @@ class Site:
     source: str
     name_stack: str
     iteration: tuple[int, ...] = ()
+    sixteen_bit: tuple[bool, ...] = ()
 
 
 Visitor = Callable[[Site, Sequence[Any], Sequence[Any]], bool | None]
@@ -176,6 +180,42 @@ def _layer(stack: str, primitive: str) -> str:
     return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
 
 
+_WIDEN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_widen", default=False)
+_SIXTEEN = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def _is_sixteen(dtype: Any) -> bool:
+    try:
+        return np.dtype(dtype) in _SIXTEEN
+    except TypeError:
+        return False
+
+
+def _widened(value: Any) -> Any:
+    if _is_sixteen(getattr(value, "dtype", None)):
+        return value.astype(jnp.float32) if hasattr(value, "astype") else np.float32(value)
+    return value
+
+
+def _bind_widened(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """``eqn`` computed in float32 where the program computes in 16 bits: its 16-bit
+    inputs and the 16-bit dtypes among its parameters (a convert's target, a dot's
+    preferred result) widened, so that a value past float16's range shows its size
+    rather than an inf. ``reduce_precision`` passes its input through. A primitive that
+    refuses the widened operands runs as traced."""
+    if eqn.primitive.name == "reduce_precision":
+        return [_widened(invals[0])]
+    params = {k: (np.dtype(jnp.float32) if _is_sixteen(v) else v) for k, v in eqn.params.items()}
+    try:
+        return _bind(eqn, [_widened(v) for v in invals], params)
+    except (TypeError, ValueError):
+        traced = [
+            v.astype(a.aval.dtype) if hasattr(v, "astype") and hasattr(a, "aval") else v
+            for v, a in zip(invals, eqn.invars, strict=True)
+        ]
+        return _bind(eqn, traced)
+
+
 def _site(eqn: Any, stack: str, iteration: tuple[int, ...], primal: set[int] | None) -> Site:
     backward = "transpose(" in stack or (primal is not None and id(eqn) not in primal)
     phase = "backward" if backward else "forward"
@@ -186,6 +226,7 @@ def _site(eqn: Any, stack: str, iteration: tuple[int, ...], primal: set[int] | N
         source=_source(eqn),
         name_stack=stack,
         iteration=iteration,
+        sixteen_bit=tuple(_is_sixteen(getattr(v.aval, "dtype", None)) for v in eqn.outvars),
     )
 
 
@@ -237,7 +278,7 @@ def _evaluate_eqn(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
         return _scan(eqn, invals, visit, stack, iteration, primal)
     if name == "while":
         return _while(eqn, invals, visit, stack, iteration, primal)
-    outs = _bind(eqn, invals)
+    outs = _bind_widened(eqn, invals) if _WIDEN.get() else _bind(eqn, invals)
     if visit(_site(eqn, stack, iteration, primal), invals, outs):
         raise _Stop
     return outs
@@ -280,8 +321,17 @@ def _while(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
     return carry
 
 
-def run(jaxpr: Any, args: Sequence[Any], visit: Visitor, primal_outputs: int | None = None):
+def run(
+    jaxpr: Any,
+    args: Sequence[Any],
+    visit: Visitor,
+    primal_outputs: int | None = None,
+    widen: bool = False,
+):
     """Evaluates a ``ClosedJaxpr`` on ``args``; ``None`` when the visitor stopped it.
+
+    ``widen``: compute what the program computes in 16 bits in float32 instead (see
+    ``_bind_widened``), so that a visitor sees how large those values get.
 
     ``primal_outputs``: how many of the outputs are the function's value (the rest being
     its gradient); equations the value does not depend on are reported as backward.
@@ -291,10 +341,13 @@ def run(jaxpr: Any, args: Sequence[Any], visit: Visitor, primal_outputs: int | N
     if primal_outputs is not None:
         needed = [i < primal_outputs for i in range(len(inner.outvars))]
         primal = primal_equations(inner, needed)[0]
+    token = _WIDEN.set(widen)
     try:
         return evaluate(inner, consts, args, visit, primal=primal)
     except _Stop:
         return None
+    finally:
+        _WIDEN.reset(token)
 
 
 def is_floating(x: Any) -> bool:
