@@ -15,8 +15,9 @@ Models: ``resnet18`` (11.7M parameters, batch 32 of 32x32x3; the loss-scaled
 step also runs under jaxamp's ``float32`` policy) and ``mlp`` (4 dense layers of
 1024x1024 with ReLU, batch 256, float32, the same model in both variants: an
 update-heavy step where the optimizer is a large share of the time). For the
-MLP two analysis variants (``ANALYSIS_CHECKS``) split the extra time into the
-wait for the finiteness check and the check's own read of the gradients.
+MLP, analysis variants (``ANALYSIS_CHECKS``) split the extra time into the wait
+for the finiteness check and the check's own read of the gradients, and
+``loss_scaled(record_nonfinite=True)`` is timed beside the default.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
     txs = {"plain": plain_tx}
     txs.update({name: jaxamp.loss_scaled(optax.adam(1e-3)) for name in ANALYSIS_CHECKS})
+    # the opt-in record of which gradient leaves were non-finite (a variant users run)
+    txs[RECORDING] = jaxamp.loss_scaled(optax.adam(1e-3), record_nonfinite=True)
     states = {name: tx.init(params) for name, tx in txs.items()}
     steps, updates = {}, {}
     for name, tx in txs.items():
@@ -87,6 +90,8 @@ def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
         steps[name], updates[name] = step, update
     return params, grads, states, steps, updates
 
+
+RECORDING = "loss_scaled, record_nonfinite"
 
 # Where the loss-scaled step's extra time goes (mlp only): the same step traced with
 # loss_scaled's finiteness check replaced. "elementwise check" is the check before it

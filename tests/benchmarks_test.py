@@ -164,7 +164,8 @@ def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
     loss_scaling.main(argv)
     name = "loss_scaling_mlp" if model == "mlp" else "loss_scaling"
     records = json.loads((tmp_path / f"{name}.json").read_text())["records"]
-    variants = ["plain", *loss_scaling.ANALYSIS_CHECKS] if model == "mlp" else ["plain"]
+    variants = ["plain", *loss_scaling.ANALYSIS_CHECKS, loss_scaling.RECORDING]
+    variants = variants if model == "mlp" else ["plain"]
     variants += [] if model == "mlp" else ["loss_scaled"]
     assert {(r["scope"], r["variant"]) for r in records} == {
         (scope, variant) for scope in ("update", "train_step") for variant in variants
