@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._src.numerics import walk
+from jaxamp._src.numerics import tracing, walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +155,7 @@ def find_nonfinite(
         bad_input = _first_nonfinite_argument(args, kwargs)
         if bad_input is not None:
             return bad_input
-        traced = walk.trace(
+        traced = tracing.trace(
             fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
         )
         found: list[NonFinite] = []

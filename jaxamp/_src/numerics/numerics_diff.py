@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._src.numerics import walk
+from jaxamp._src.numerics import tracing, walk
 from jaxamp._src.policy import Policy
 
 
@@ -88,7 +88,7 @@ def _relative(amp: Any, ref: Any) -> float | None:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _last_values(traced: walk.Traced) -> tuple[dict[tuple[str, str], Any], list[Any]]:
+def _last_values(traced: tracing.Traced) -> tuple[dict[tuple[str, str], Any], list[Any]]:
     last: dict[tuple[str, str], Any] = {}
 
     def visit(site: walk.Site, inputs, outputs) -> None:
@@ -153,8 +153,8 @@ def numerics_diff(
         amp_fun = autocast(fun, policy)
 
     def diff(*args: Any, **kwargs: Any) -> NumericsDiff:
-        ref = walk.trace(fun, argnums, args, kwargs, has_aux=has_aux)
-        amp = walk.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux)
+        ref = tracing.trace(fun, argnums, args, kwargs, has_aux=has_aux)
+        amp = tracing.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux)
         ref_last, ref_outs = _last_values(ref)
         amp_last, amp_outs = _last_values(amp)
         layers = []

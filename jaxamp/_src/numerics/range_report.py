@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src.numerics import walk
+from jaxamp._src.numerics import tracing, walk
 from jaxamp._src.numerics.find_nonfinite import _scale_of
 from jaxamp._src.policy import Policy, get_policy
 
@@ -290,7 +290,7 @@ def range_report(
         target, described = policy, getattr(policy, "__name__", "the mixed-precision fun")
 
     def report(*args: Any, **kwargs: Any) -> RangeReport:
-        traced = walk.trace(target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
+        traced = tracing.trace(target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
         stats: dict[tuple[str, str], _Accumulator] = {}
 
         def visit(site: walk.Site, inputs, outputs) -> None:

@@ -2,11 +2,10 @@
 
 The numerics tools (:func:`jaxamp.find_nonfinite`, :func:`jaxamp.range_report`,
 :func:`jaxamp.numerics_diff`) trace ``jax.value_and_grad(fun)`` once, exactly as
-the training step would (policies, ``autocast`` and nested ``jit`` included,
-since they act while ``fun`` is traced), then evaluate the program's equations
+the training step would (``tracing.py``), then evaluate the program's equations
 one by one, handing each primitive's inputs and outputs to a visitor with where
 it runs: forward or backward, the layer (from the name stack that Flax Linen,
-``jax.named_scope`` and, through :func:`layer_scopes`, NNX leave), the
+``jax.named_scope`` and, through ``tracing.layer_scopes``, NNX leave), the
 primitive, and the source line. Calls, ``checkpoint`` and custom derivatives are
 entered; ``cond`` takes the branch the values select; ``scan`` and
 ``while`` loops run iteration by iteration, so a fault is found in the
@@ -24,7 +23,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
@@ -358,121 +356,3 @@ def is_floating(x: Any) -> bool:
 def finite(x: Any) -> bool:
     """Whether every element of a floating value is finite (non-floating values are)."""
     return not is_floating(x) or bool(np.all(np.isfinite(np.asarray(x))))
-
-
-# --- Tracing the loss and its gradient -------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Traced:
-    """``jax.value_and_grad(fun)`` (or ``fun`` alone) as a jaxpr, with its flat arguments."""
-
-    jaxpr: Any
-    args: list[Any]
-    out_tree: Any
-    primal_outputs: int | None  # leaves of the value (loss and aux) before the gradient
-
-
-def _nnx_module(x: Any) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return False
-    return isinstance(x, nnx.Module)
-
-
-def layer_scopes(model: Any) -> Any:
-    """Gives each submodule of an NNX ``model`` (the model included) a name scope: its
-    path, e.g. ``Model/encoder/layers/0``, so that its operations carry the layer's name
-    as Flax Linen's do. Changes the classes of the modules of ``model`` in place; call it
-    on a model made for the purpose (the numerics tools call it on a copy they merge)."""
-    from flax import nnx
-
-    from jaxamp._src.nnx_policy import _iter_modules
-
-    root = type(model).__name__
-    for path, module in list(_iter_modules(model)):
-        name = "/".join([root, *(str(p) for p in path)])
-        module.__class__ = _scoped_class(type(module), name)
-    del nnx
-    return model
-
-
-def _scoped_class(cls: type, name: str) -> type:
-    def __call__(self, *args, **kwargs):
-        scoped = type(self)
-        # the module's own class runs its call (jaxamp.nnx's policy wrappers look up the
-        # class above their own), inside the scope
-        self.__class__ = cls
-        try:
-            with jax.named_scope(name):
-                return cls.__call__(self, *args, **kwargs)
-        finally:
-            self.__class__ = scoped
-
-    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-
-
-def trace(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int],
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    *,
-    has_aux: bool = False,
-    loss_scale: float | None = None,
-    grad: bool = True,
-) -> Traced:
-    """Traces ``jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)`` (``fun`` alone
-    when ``grad`` is false), the loss multiplied by ``loss_scale`` before differentiating.
-    NNX modules among the arguments are split: those at ``argnums`` are differentiated
-    with respect to their ``nnx.Param`` variables, and their layers get name scopes."""
-    argnums_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    for i in argnums_tuple:
-        if not (isinstance(i, int) and -len(args) <= i < len(args)):
-            raise ValueError(
-                f"argnums {argnums!r} does not name a positional argument of the {len(args)} given."
-            )
-    argnums_tuple = tuple(i % len(args) for i in argnums_tuple)
-    split, pieces, rests = {}, list(args), []
-    for i, a in enumerate(args):
-        if _nnx_module(a):
-            from flax import nnx
-
-            graphdef, params, rest = nnx.split(a, nnx.Param, ...)
-            split[i] = (graphdef, len(rests))
-            pieces[i] = params
-            rests.append(rest)  # traced too (not differentiated): BatchNorm updates its stats
-    n_args = len(pieces)
-    pieces += rests
-
-    def merged(*values):
-        values, rest_values = list(values[:n_args]), values[n_args:]
-        for i, (graphdef, r) in split.items():
-            from flax import nnx
-
-            # fresh variables (copy=True): ones shared with the split state belong to an
-            # outer trace, and a BatchNorm could not update its statistics in them
-            values[i] = layer_scopes(nnx.merge(graphdef, values[i], rest_values[r], copy=True))
-        return fun(*values, **kwargs)
-
-    def scaled(*values):
-        out = merged(*values)
-        loss, aux = out if has_aux else (out, None)
-        if not (hasattr(loss, "shape") and jnp.shape(loss) == () and is_floating(loss)):
-            raise TypeError(
-                "find_nonfinite, range_report and numerics_diff differentiate fun: it must "
-                "return a floating scalar (the loss)"
-                + (" and its auxiliary output (has_aux=True)" if has_aux else "")
-                + f", got {type(loss).__name__} {jnp.shape(loss) if hasattr(loss, 'shape') else ''}"
-                + ". Pass grad=False to evaluate the forward pass alone."
-            )
-        if loss_scale is not None:
-            loss = loss * jnp.asarray(loss_scale, loss.dtype)
-        return (loss, aux) if has_aux else loss
-
-    target = jax.value_and_grad(scaled, argnums_tuple, has_aux=has_aux) if grad else merged
-    closed, out_shape = jax.make_jaxpr(target, return_shape=True)(*pieces)
-    flat_args = jax.tree.leaves(pieces)
-    primal = len(jax.tree.leaves(out_shape[0])) if grad else None
-    return Traced(closed, flat_args, jax.tree.structure(out_shape), primal)
