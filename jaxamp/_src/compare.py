@@ -387,8 +387,9 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             return loss.mean()
 
     for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
+        scale = float(run.scale_of(run.opt_state)) if run.variant.dynamic_loss_scaling else None
         run.divergence = numerics_checks.divergence(
-            reference, run.loss_fn(rng), params, state, x, y
+            reference, run.loss_fn(rng), params, state, x, y, loss_scale=scale
         )
     float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
     if not float16:

@@ -14,10 +14,13 @@ from jaxamp._src.numerics.numerics_diff import numerics_diff
 from jaxamp._src.numerics.range_report import range_report
 
 
-def divergence(reference: Callable, mixed: Callable, *args: Any) -> list[dict[str, Any]]:
+def divergence(
+    reference: Callable, mixed: Callable, *args: Any, loss_scale: float | None = None
+) -> list[dict[str, Any]]:
     """Per layer and pass, the relative error of ``mixed`` against ``reference`` (both
-    losses of the same arguments, differentiated with respect to the first)."""
-    diff = numerics_diff(reference, mixed)(*args)
+    losses of the same arguments, differentiated with respect to the first; ``mixed``'s
+    loss multiplied by ``loss_scale`` as its training step does)."""
+    diff = numerics_diff(reference, mixed, loss_scale=loss_scale)(*args)
     return [
         {"layer": r.layer, "phase": r.phase, "relative_error": r.relative_error}
         for r in diff.layers
@@ -56,7 +59,8 @@ def markdown(report: dict[str, Any], limit: int = 12) -> list[str]:
     if check:
         lines += [
             "",
-            f"Float16 range check before training (float32 model, one batch): {check['reason']}",
+            "Float16 range check before training (the values the float16 variant computes "
+            f"in 16 bits, on one batch): {check['reason']}",
         ]
     for run in report["runs"]:
         fault = run.get("first_nonfinite")
@@ -80,7 +84,8 @@ def markdown(report: dict[str, Any], limit: int = 12) -> list[str]:
     lines += [
         "",
         "Per-layer divergence from fp32 at the initial weights, first batch: relative error "
-        "of each layer's output (forward) and of its last gradient value (backward), "
+        "of each layer's output (forward) and of the gradients of its parameters "
+        "(backward; float16 variants with their initial loss scale), "
         f"the {len(worst)} largest (`jaxamp.numerics_diff`; all in report.json, plot "
         "divergence.png):",
         "",

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jaxamp._src.numerics import tracing, walk
+from jaxamp._src.numerics.find_nonfinite import _scale_of
 from jaxamp._src.policy import Policy
 
 
@@ -20,12 +21,12 @@ class LayerDiff:
     Attributes:
       layer: the module path (``""``: outside any named layer).
       phase: ``"forward"`` (the layer's output: the last value its forward pass
-        computes) or ``"backward"`` (the last gradient value its backward pass computes,
-        for a Dense layer the kernel's gradient).
+        computes) or ``"backward"`` (the gradients of the layer's own parameters,
+        taken together: for a Dense layer its kernel's and bias's).
       relative_error: ``||amp - fp32|| / ||fp32||`` (Frobenius norms, in float64); ``inf``
         when the policy's value is not finite; ``None`` when the two runs' values have
         different shapes (not comparable).
-      shape: the value's shape.
+      shape: the value's shape (for ``"backward"``: ``(number of gradient elements,)``).
     """
 
     layer: str
@@ -88,18 +89,45 @@ def _relative(amp: Any, ref: Any) -> float | None:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _last_values(traced: tracing.Traced) -> tuple[dict[tuple[str, str], Any], list[Any]]:
-    last: dict[tuple[str, str], Any] = {}
+def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
+    """Each layer's last forward value (its output), and the program's outputs. The
+    backward pass is compared through the gradients of the parameters instead: the
+    order of its operations inside a layer may differ between the two programs."""
+    last: dict[str, Any] = {}
 
     def visit(site: walk.Site, inputs, outputs) -> None:
-        if site.primitive == "convert_element_type":
-            return  # a cast of a value, not a new value of the layer
+        if site.primitive == "convert_element_type" or site.phase != "forward":
+            return  # a cast of a value is not a new value of the layer
+        if walk.LOSS_SCALE_SCOPE in site.name_stack:
+            return  # the loss times the scale: not a value of the model
         floating = [o for o in outputs if walk.is_floating(o)]
         if floating:
-            last[(site.layer, site.phase)] = floating[-1]
+            last[site.layer] = floating[-1]
 
     outs = walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
     return last, outs
+
+
+def _owner(path: Sequence[Any], single_argnum: bool) -> str:
+    """The layer a gradient leaf belongs to, from its path in the gradients (a tuple,
+    one entry per differentiated argument): ``(0, 'params', 'fc', 'kernel')`` -> ``'fc'``
+    (the argument's index, a Flax collection name and the leaf's own name dropped); a
+    leaf of a flat dict is its own layer; a bare array argument is ``arg<index>``."""
+    keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+    index, keys = keys[0], keys[1:]
+    if keys and keys[0] == "params":
+        keys = keys[1:]
+    owner = "/".join(keys[:-1]) if len(keys) > 1 else (keys[0] if keys else f"arg{index}")
+    return owner if single_argnum else f"arg{index}/{owner}"
+
+
+def _common_root(forward: dict[str, Any]) -> str:
+    """The top module's name when every named forward layer sits under it (Flax names
+    the model class in the name stack, not in the params' paths)."""
+    tops = {name.split("/")[0] for name in forward if name}
+    if len(tops) == 1 and any("/" in name for name in forward):
+        return tops.pop()
+    return ""
 
 
 def numerics_diff(
@@ -108,6 +136,7 @@ def numerics_diff(
     argnums: int | Sequence[int] = 0,
     *,
     has_aux: bool = False,
+    loss_scale: Any = None,
 ) -> Callable[..., NumericsDiff]:
     """Per layer, the relative error of activations and gradients under ``policy``
     against float32, so that you can see where mixed precision departs from FP32.
@@ -125,6 +154,10 @@ def numerics_diff(
         ``jaxamp.autocast``), or the mixed-precision version of ``fun``.
       argnums: what the gradient is taken with respect to.
       has_aux: whether the losses return ``(loss, aux)``.
+      loss_scale: differentiate the policy's loss times this scale (a number or an
+        optimizer state with ``jaxamp.loss_scaled``), as a float16 step does, and
+        divide its gradients by it before comparing; ``None``: no scaling. Without
+        it, float16 gradients below its range flush to zero and show as divergence.
 
     Returns:
       A function of the losses' arguments returning a :class:`NumericsDiff`.
@@ -132,13 +165,13 @@ def numerics_diff(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> import jaxamp
-      >>> def loss(w, x):
+      >>> def loss(params, x):
       ...     with jax.named_scope("dense"):
-      ...         h = jnp.tanh(x @ w)
+      ...         h = jnp.tanh(x @ params["dense"]["kernel"])
       ...     return jnp.mean(h**2)
-      >>> w = jax.random.normal(jax.random.key(0), (64, 64))
+      >>> params = {"dense": {"kernel": jax.random.normal(jax.random.key(0), (64, 64))}}
       >>> x = jax.random.normal(jax.random.key(1), (8, 64))
-      >>> diff = jaxamp.numerics_diff(loss, "mixed_bfloat16")(w, x)
+      >>> diff = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, x)
       >>> top = diff.worst(1)[0]
       >>> top.layer, top.phase
       ('dense', 'backward')
@@ -152,22 +185,36 @@ def numerics_diff(
 
         amp_fun = autocast(fun, policy)
 
+    scale = _scale_of(loss_scale)
+
     def diff(*args: Any, **kwargs: Any) -> NumericsDiff:
         ref = tracing.trace(fun, argnums, args, kwargs, has_aux=has_aux)
-        amp = tracing.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux)
+        amp = tracing.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
         ref_last, ref_outs = _last_values(ref)
         amp_last, amp_outs = _last_values(amp)
         layers = []
-        for key, value in ref_last.items():
-            other = amp_last.get(key)
+        for layer, value in ref_last.items():
+            other = amp_last.get(layer)
             error = None if other is None else _relative(other, value)
-            layers.append(LayerDiff(key[0], key[1], error, tuple(np.shape(value))))
+            layers.append(LayerDiff(layer, "forward", error, tuple(np.shape(value))))
         ref_tree = jax.tree.unflatten(ref.out_tree, ref_outs)
         amp_tree = jax.tree.unflatten(amp.out_tree, amp_outs)
-        grads = []
+        if scale is not None:  # the policy's loss and gradients, unscaled
+            amp_tree = jax.tree.map(lambda v: np.asarray(v, np.float64) / scale, amp_tree)
+        grads, by_layer = [], {}
         paths = jax.tree_util.tree_flatten_with_path(ref_tree[1])[0]
+        single = isinstance(argnums, int)
         for (path, g), a in zip(paths, jax.tree.leaves(amp_tree[1]), strict=True):
             grads.append((jax.tree_util.keystr(path), _relative(a, g)))
+            by_layer.setdefault(_owner(path, single), []).append((g, a))
+        root = _common_root(ref_last)
+        for owner, pairs in by_layer.items():
+            ref_flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g, _ in pairs])
+            amp_flat = np.concatenate([np.ravel(np.asarray(a, np.float64)) for _, a in pairs])
+            name = "/".join(p for p in (root, owner) if p)
+            layers.append(
+                LayerDiff(name, "backward", _relative(amp_flat, ref_flat), ref_flat.shape)
+            )
         loss_ref = ref_tree[0][0] if has_aux else ref_tree[0]
         loss_amp = amp_tree[0][0] if has_aux else amp_tree[0]
         return NumericsDiff(tuple(layers), tuple(grads), (float(loss_ref), float(loss_amp)))

@@ -103,27 +103,21 @@ class RangeReport:
         * Else float16; with loss scaling when more than ``underflow_threshold`` of
           some layer's nonzero gradients would flush to zero.
         """
-        forward = [r for r in self.overflows() if r.phase == "forward"]
-        backward = [r for r in self.overflows() if r.phase == "backward"]
         scale = self.loss_scale or 1.0
-        if forward:
-            worst = max(forward, key=lambda r: r.max_abs)
-            return Recommendation(
-                "bfloat16",
-                False,
-                f"Use bfloat16: activations of {_names(forward)} exceed float16's range "
-                f"(largest |x| {worst.max_abs:.3g} in {worst.layer or '(no layer)'}, float16 "
-                "stops at 65504). Loss scaling does not change the forward pass.",
-            )
-        if backward:
-            worst = max(backward, key=lambda r: r.max_abs)
-            return Recommendation(
-                "bfloat16",
-                False,
-                f"Use bfloat16: gradients of {_names(backward)} exceed float16's range at "
-                f"loss scale {scale:g} (largest |g| {worst.max_abs:.3g} in "
-                f"{worst.layer or '(no layer)'}).",
-            )
+        for phase, what, after in (
+            ("forward", "activations", "Loss scaling does not change the forward pass."),
+            ("backward", "gradients", f"That is at loss scale {scale:g}."),
+        ):
+            rows = [r for r in self.overflows() if r.phase == phase]
+            if rows:
+                worst = max(rows, key=lambda r: r.max_abs)
+                return Recommendation(
+                    "bfloat16",
+                    False,
+                    f"Use bfloat16: {what} of {_names(rows)} exceed float16's range "
+                    f"(largest {worst.max_abs:.3g} in {worst.layer or '(no layer)'}, float16 "
+                    f"stops at 65504). {after}",
+                )
         grads = [r for r in self.layers if r.phase == "backward"]
         flushed = [r for r in grads if r.below_subnormal > underflow_threshold]
         if flushed:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.numerics.walk import is_floating
+from jaxamp._src.numerics.walk import LOSS_SCALE_SCOPE, is_floating
 
 
 @dataclasses.dataclass
@@ -125,7 +125,8 @@ def trace(
                 + ". Pass grad=False to evaluate the forward pass alone."
             )
         if loss_scale is not None:
-            loss = loss * jnp.asarray(loss_scale, loss.dtype)
+            with jax.named_scope(LOSS_SCALE_SCOPE):
+                loss = loss * jnp.asarray(loss_scale, loss.dtype)
         return (loss, aux) if has_aux else loss
 
     target = jax.value_and_grad(scaled, argnums_tuple, has_aux=has_aux) if grad else merged

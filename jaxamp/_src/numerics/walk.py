@@ -30,6 +30,7 @@ import numpy as np
 from jaxamp._src.audit import short_name
 from jaxamp._src.autocast_interpreter import _bind, _open
 
+LOSS_SCALE_SCOPE = "jaxamp_loss_scale"  # the multiplication of the loss by the loss scale
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 _CHECKPOINTS = ("checkpoint", "remat2")
 _CUSTOM = {
@@ -173,8 +174,11 @@ def _literal(atom: Any) -> bool:
 def _layer(stack: str, primitive: str) -> str:
     """The layer path of a name stack. A module that evaluates its call again inside its
     own scope (``jaxamp.nnx``'s policy interprets the call it traced) repeats its name;
-    the repeats are one layer."""
+    the repeats are one layer. ``jnp.einsum``'s scope (its spec) belongs to the layer
+    that calls it."""
+    # jnp.einsum names a scope after its spec ("...qhd,...khd->...hqk"): not a layer
     parts = short_name(f"f/{stack}/{primitive}").split("/")
+    parts = [p for p in parts if "->" not in p and p != LOSS_SCALE_SCOPE]
     return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
 
 
