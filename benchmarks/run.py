@@ -31,7 +31,7 @@ from benchmarks import jax_bench
 from benchmarks.common import markdown_table, summarize, time_alternating
 from benchmarks.specs import get_spec
 from jaxamp._src.environment import describe_hardware, environment
-from jaxamp._src.variants import VARIANTS
+from jaxamp._src.variants import PRECISION_VARIANTS, VARIANTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Suite:
     """What a suite runs."""
 
     models: tuple[tuple[str, int], ...]  # (model, batch size)
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[str, ...] = PRECISION_VARIANTS  # the optimizer-state recipes on request
     frameworks: tuple[str, ...] = ("jaxamp", "flax", "torch")
     warmup: int = 3
     repeats: int = 5

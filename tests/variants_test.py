@@ -6,16 +6,31 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._src.variants import VARIANTS, default_variants, get_variant
+from jaxamp._src.variants import PRECISION_VARIANTS, VARIANTS, default_variants, get_variant
 
 
 def test_the_four_recipes():
-    assert list(VARIANTS) == ["fp32", "tf32", "bf16", "fp16"]
+    assert PRECISION_VARIANTS == ("fp32", "tf32", "bf16", "fp16")
+    assert list(VARIANTS)[:4] == list(PRECISION_VARIANTS)
     assert get_variant("FP32").matmul_precision == "highest"
     assert get_variant("tf32").matmul_precision is None
     assert get_variant("bf16").policy == jaxamp.get_policy("mixed_bfloat16")
     assert get_variant("fp16").policy == jaxamp.get_policy("mixed_float16")
-    assert [v.dynamic_loss_scaling for v in VARIANTS.values()] == [False, False, False, True]
+    assert [VARIANTS[n].dynamic_loss_scaling for n in PRECISION_VARIANTS] == [0, 0, 0, 1]
+
+
+def test_the_optimizer_state_recipes_are_variants_too():
+    params = {"w": jnp.ones(2, jnp.bfloat16)}
+    for name in jaxamp.OPTIMIZER_RECIPES:
+        if name == "float32_params":
+            continue  # that recipe is the bf16 variant
+        variant = get_variant(name)
+        assert variant.optimizer_recipe == name and not variant.dynamic_loss_scaling
+        assert variant.policy == jaxamp.get_policy(jaxamp.OPTIMIZER_RECIPES[name][0])
+        state = jaxamp.find_loss_scaled_state(variant.optimizer(optax.adam(1e-3)).init(params))
+        assert (state.master_params is not None) == (name == "bf16_float32_master")
+        assert (state.compensation is not None) == (name == "bf16_kahan")
+        assert (state.rounding_key is not None) == (name == "bf16_stochastic")
 
 
 def test_optimizer_wraps_only_fp16():

@@ -106,6 +106,8 @@ VARIANTS: dict[str, Variant] = {
         "fp16", PRESETS["mixed_float16"], None, True, "mixed_float16 with dynamic loss scaling"
     ),
 }
+# The precision recipes of the table above; the benchmark suite's default variants.
+PRECISION_VARIANTS = tuple(VARIANTS)
 _RECIPE_DESCRIPTIONS = {
     "bf16_float32_master": "bfloat16 params and compute, float32 master, float32 Adam moments",
     "bf16_kahan": "bfloat16 params and compute, bfloat16 Kahan compensation, float32 moments",

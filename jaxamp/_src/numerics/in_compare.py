@@ -95,7 +95,7 @@ def markdown(report: dict[str, Any], limit: int = 12) -> list[str]:
     for key in worst:
         cells = [_fmt(errors[key].get(r["variant"])) for r in runs]
         lines.append(f"| {key[0] or '(no layer)'} | {key[1]} | " + " | ".join(cells) + " |")
-    return lines
+    return [*lines, ""]  # a blank line ends the table
 
 
 def _fmt(value: float | None) -> str:
@@ -108,7 +108,9 @@ def plot(report: dict[str, Any], out: Path, save: Callable) -> None:
     """``divergence.png``: per layer, each variant's relative error, forward and backward."""
     import matplotlib.pyplot as plt
 
-    runs = [r for r in report["runs"] if r.get("divergence")]
+    runs = [  # the variant that is float32 itself is the reference: 0 everywhere
+        r for r in report["runs"] if any(d["relative_error"] > 0 for d in r.get("divergence") or [])
+    ]
     if not runs:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
