@@ -28,6 +28,7 @@ from jaxamp._src.linen_policy import apply_policy
 from jaxamp._src.models.bert import BertClassifier, BertConfig
 from jaxamp._src.models.resnet import ResNet18, ResNet50
 from jaxamp._src.numerics import in_compare as numerics_checks
+from jaxamp._src.policy import cast_floating
 from jaxamp._src.residuals import activation_bytes
 from jaxamp._src.scale_loss import find_loss_scaled_state, value_and_grad
 from jaxamp._src.variants import Variant, default_variants, get_variant
@@ -286,7 +287,7 @@ class _Run:
         params, state, opt_state = before
         rng = jax.random.fold_in(self.key, step)
         scale = float(self.scale_of(opt_state)) if self.variant.dynamic_loss_scaling else None
-        params = jax.tree.map(lambda p: p.astype(jnp.float32) if is_float(p) else p, params)
+        params = cast_floating(params, jnp.float32)
         fault = numerics_checks.first_nonfinite(
             self.loss_fn(rng), params, state, x, y, loss_scale=scale
         )
@@ -364,10 +365,6 @@ _NOT_REPRODUCED = {
     "source": "",
     "description": "find_nonfinite found every value finite when it reran the step",
 }
-
-
-def is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _numerics_before_training(runs, task, variables, sample, config, log) -> dict | None:

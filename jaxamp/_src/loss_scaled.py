@@ -312,10 +312,13 @@ def loss_scaled(
         grads = jax.tree.map(
             lambda g: g.astype(jnp.float32) * inv_scale if is_floating_array(g) else g, updates
         )
-        finite = _unscaled_finite(updates, inv_scale)
         nonfinite_grads = state.nonfinite_grads
-        if record_nonfinite:
+        if not record_nonfinite:
+            finite = _unscaled_finite(updates, inv_scale)
+        else:  # the per-leaf checks are the check: computed once, kept and combined
             leaves_ok = _finite_leaves(updates, inv_scale)
+            checks = jax.tree.leaves(leaves_ok)
+            finite = jnp.stack(checks).all() if checks else jnp.asarray(True)
             if axis_name is not None:
                 leaves_ok = jax.tree.map(
                     lambda ok: lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_),
