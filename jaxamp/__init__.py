@@ -34,6 +34,8 @@ from jaxamp._src.loss_scaled import (
     nonfinite_gradients,
 )
 from jaxamp._src.master_weights import MASTER_WEIGHTS
+from jaxamp._src.matmul_forms import FORMS as MATMUL_FORMS
+from jaxamp._src.matmul_forms import MatmulForm, matmul_form, use_matmul_form
 from jaxamp._src.numerics.find_nonfinite import NonFinite, ValueRange, find_nonfinite
 from jaxamp._src.numerics.numerics_diff import LayerDiff, NumericsDiff, numerics_diff
 from jaxamp._src.numerics.range_report import (
@@ -64,6 +66,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AUTOCAST_RULES",
     "MASTER_WEIGHTS",
+    "MATMUL_FORMS",
     "OPTIMIZER_RECIPES",
     "PRESETS",
     "AutocastRules",
@@ -73,6 +76,7 @@ __all__ = (
     "LossScaleState",
     "LossScaleStuckError",
     "LossScaledState",
+    "MatmulForm",
     "MatmulOp",
     "NoOpLossScale",
     "NonFinite",
@@ -105,6 +109,7 @@ __all__ = (
     "linen",
     "loss_scale_metrics",
     "loss_scaled",
+    "matmul_form",
     "nnx",
     "nonfinite_gradients",
     "numerics_diff",
@@ -121,6 +126,7 @@ __all__ = (
     "softmax_float32",
     "stochastic_round",
     "underflow_fraction",
+    "use_matmul_form",
     "value_and_grad",
     "with_state_dtype",
 )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import equinox as eqx
 import flax.linen as nn
@@ -45,10 +44,6 @@ def _eqns(jaxpr):
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
                     yield from _eqns(sub)
-
-
-def _one_equation_jaxpr(eqn):
-    return types.SimpleNamespace(eqns=[eqn])
 
 
 def _traced(fun, *args):
@@ -134,9 +129,9 @@ FLOAT32_CASES = {
 def test_sensitive_primitives_run_in_float32(primitive, policy):
     op = FLOAT32_CASES[primitive]
     jaxpr = _traced(jaxamp.autocast(lambda w, x: op(x @ w), policy), *_inputs())
-    (dot,) = _find(jaxpr, "dot_general")  # the matmul rule: 16-bit operands, float32 result
-    assert _float_dtypes(dot.invars) == {_compute(policy)}
-    assert _float_dtypes(dot.outvars) == {"float32"}
+    (dot,) = _find(jaxpr, "amp_dot_general")  # the matmul rule casts its operands itself
+    assert dot.params["compute_dtype"].name == _compute(policy)
+    assert _float_dtypes(dot.outvars) == {_compute(policy)}
     for eqn in _find(jaxpr, primitive):
         assert _float_dtypes(eqn.invars) | _float_dtypes(eqn.outvars) == {"float32"}, eqn
 
@@ -200,11 +195,11 @@ def _layer_norm(y):
 def test_softmax_logsumexp_and_normalisation_run_in_float32(fun):
     jaxpr = _traced(jaxamp.autocast(lambda w, x: fun(x @ w)), *_inputs())
     eqns = list(_eqns(jaxpr))
-    # The matmul rule is a custom_vjp equation; its body (a float32-result dot, a cast) follows it.
-    rule = next(i for i, e in enumerate(eqns) if e.primitive.name.startswith("custom_vjp"))
-    body = len([e for e in _eqns(_one_equation_jaxpr(eqns[rule]))]) - 1
+    # The matmul rule is one equation, its result 16-bit; everything after it is float32.
+    rule = next(i for i, e in enumerate(eqns) if e.primitive.name == "amp_dot_general")
     assert _float_dtypes(eqns[rule].outvars) == {"bfloat16"}
-    after = [e for e in eqns[rule + 1 + body :] if _float_dtypes(e.outvars)]
+    assert eqns[rule + 1].primitive.name == "name"  # checkpoint_name(rule output)
+    after = [e for e in eqns[rule + 2 :] if _float_dtypes(e.outvars)]  # after its name
     assert after and all(_float_dtypes(e.outvars) == {"float32"} for e in after), after
 
 

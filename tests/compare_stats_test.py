@@ -5,7 +5,7 @@ import copy
 import pytest
 from compare_test import TINY_BERT
 
-from jaxamp._src import matmul
+from jaxamp._src import environment
 from jaxamp._src.compare import CompareConfig, compare
 from jaxamp._src.compare_stats import (
     CPU_TRANSFORMER,
@@ -17,8 +17,8 @@ from jaxamp._src.compare_stats import (
 
 @pytest.mark.parametrize("units", [True, False])
 def test_auto_picks_a_transformer_on_a_cpu_with_bf16_units(units, monkeypatch):
-    form = matmul.FORMS["cpu-bf16-units" if units else "cpu"]
-    monkeypatch.setattr(matmul, "matmul_form", lambda *a, **k: form)
+    flags = {"avx", "avx2", "fma", "f16c", *(["avx512f", "avx512_bf16"] if units else [])}
+    monkeypatch.setattr(environment, "cpu_info", lambda: ("a CPU", flags))
     config, reason = choose_model(CompareConfig())
     if units:
         assert config.model == "bert" and "bf16 GEMM units" in reason

@@ -14,8 +14,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import jaxamp
-from jaxamp._src import matmul
-from jaxamp._src.matmul import FORMS, amp_conv_general_dilated, amp_dot_general
+from jaxamp._src import matmul_forms
+from jaxamp._src.matmul import amp_conv_general_dilated, amp_dot_general
+from jaxamp._src.matmul_forms import FORMS
 
 SIXTEEN = [jnp.bfloat16, jnp.float16]
 DENSE = (((2,), (0,)), ((), ()))  # [batch, length, in] x [in, out]
@@ -120,31 +121,55 @@ def _lhs_contracts_last(text: str) -> list[bool]:
     return out
 
 
-def test_cpu_form_lays_out_every_gemm_with_its_contraction_last():
+def test_canonical_form_lays_out_every_gemm_with_its_contraction_last():
     """The weight-gradient GEMM contracts dim 0 of both operands unless transposed first."""
     x, w = _inputs(jnp.bfloat16)
-    text = jax.jit(jax.grad(_loss(jnp.bfloat16, FORMS["cpu-bf16-units"]), argnums=(0, 1)))
+    text = jax.jit(jax.grad(_loss(jnp.bfloat16, FORMS["canonical"]), argnums=(0, 1)))
     contracts_last = _lhs_contracts_last(text.lower(x, w).as_text())
     assert len(contracts_last) == 3 and all(contracts_last), contracts_last
-    plain = jax.jit(jax.grad(_loss(jnp.bfloat16, FORMS["gpu"]), argnums=(0, 1)))
+    plain = jax.jit(jax.grad(_loss(jnp.bfloat16, FORMS["native"]), argnums=(0, 1)))
     assert not all(_lhs_contracts_last(plain.lower(x, w).as_text()))
 
 
-def test_matmul_form_per_backend(monkeypatch):
-    assert matmul.matmul_form("gpu") is FORMS["gpu"]
-    assert matmul.matmul_form("tpu") is FORMS["tpu"]
-    flags = {"avx2", "avx512_bf16"}
-    monkeypatch.setattr(matmul, "cpu_info", lambda: ("a CPU", flags))
-    matmul._cpu_has_16bit_units.cache_clear()
-    assert matmul.matmul_form("cpu") is FORMS["cpu-bf16-units"]
-    assert matmul.matmul_form("cpu", jnp.float16) is FORMS["cpu"]  # no avx512_fp16
-    flags.discard("avx512_bf16")
-    matmul._cpu_has_16bit_units.cache_clear()
-    assert matmul.matmul_form("cpu") is FORMS["cpu"]
-    matmul._cpu_has_16bit_units.cache_clear()
+def test_matmul_form_per_backend_and_dtype():
+    assert matmul_forms.matmul_form("gpu") is FORMS["native"]
+    assert matmul_forms.matmul_form("tpu") is FORMS["native"]
+    assert matmul_forms.matmul_form("cpu") is FORMS["canonical"]
+    assert matmul_forms.matmul_form("cpu", jnp.float16) is FORMS["upcast"]
 
 
-@pytest.mark.parametrize("form", ["cpu-bf16-units", "cpu"])
+def test_the_form_can_be_overridden(monkeypatch):
+    with jaxamp.use_matmul_form("upcast"):
+        assert matmul_forms.matmul_form("gpu") is FORMS["upcast"]
+        with jaxamp.use_matmul_form(FORMS["native"]):
+            assert matmul_forms.matmul_form("tpu") is FORMS["native"]
+        assert matmul_forms.matmul_form("cpu") is FORMS["upcast"]
+    assert matmul_forms.matmul_form("cpu") is FORMS["canonical"]
+    monkeypatch.setenv("JAXAMP_MATMUL_FORM", "upcast")
+    assert matmul_forms.matmul_form("cpu") is FORMS["upcast"]
+    monkeypatch.setenv("JAXAMP_MATMUL_FORM", "fastest")
+    with pytest.raises(
+        ValueError, match=r"JAXAMP_MATMUL_FORM='fastest'.*native, canonical, upcast"
+    ):
+        matmul_forms.matmul_form("cpu")
+    with pytest.raises(ValueError, match="Unknown matmul form 'cpu-bf16-units'"):
+        jaxamp.use_matmul_form("cpu-bf16-units").__enter__()
+
+
+def test_native_override_on_cpu_warns():
+    with jaxamp.use_matmul_form("native"), pytest.warns(UserWarning, match="canonical"):
+        matmul_forms.matmul_form("cpu", jnp.bfloat16)
+
+
+def test_the_override_reaches_the_program():
+    x, w = _inputs(jnp.bfloat16)
+    for name in FORMS:
+        with jaxamp.use_matmul_form(name):
+            report = jaxamp.precision_report(jax.grad(_loss(jnp.bfloat16), argnums=(0, 1)))(x, w)
+        assert {op.upcast for op in report.ops} == {name == "upcast"}, name
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
 def test_under_vmap_remat_scan(form):
     x, w = _inputs(jnp.bfloat16)
     loss = _loss(jnp.bfloat16, FORMS[form])

@@ -242,6 +242,23 @@ def _attribute(operation: Any, name: str) -> str:
         return ""
 
 
+def _converted_from(value: Any) -> str | None:
+    """The dtype a value was converted from, if a ``stablehlo.convert`` defines it."""
+    owner = getattr(getattr(value, "owner", None), "operation", None)
+    if owner is None or owner.name != "stablehlo.convert" or not owner.operands:
+        return None
+    return dtype_name(tensor_type(owner.operands[0])[1])
+
+
+def _upcast_operands(operation: Any, lhs: str, rhs: str) -> str | None:
+    """The 16-bit dtype of a float32 GEMM's operands that were both converted from it
+    (jaxamp's ``upcast`` matmul form), else ``None``."""
+    if (lhs, rhs) != ("float32", "float32"):
+        return None
+    sources = {_converted_from(v) for v in operation.operands[:2]}
+    return next(iter(sources)) if len(sources) == 1 and sources <= SIXTEEN_BIT else None
+
+
 def read_lowered(module: Any) -> tuple[list[dict[str, Any]], list[SensitiveOp], int]:
     """Matmuls (as field dicts for ``MatmulOp``), sensitive operations and the number
     of floating converts of a lowered StableHLO module (``compiler_ir("stablehlo")``)."""
@@ -258,13 +275,19 @@ def read_lowered(module: Any) -> tuple[list[dict[str, Any]], list[SensitiveOp], 
             lhs, rhs = dtype_name(lhs), dtype_name(rhs)
             result = dtype_name(tensor_type(operation.results[0])[1])
             algorithm = _ALGORITHM.search(_attribute(operation, "algorithm"))
+            accumulation = dtype_name(algorithm.group(1)) if algorithm else None
+            upcast = _upcast_operands(operation, lhs, rhs)
+            if upcast is not None:
+                lhs = rhs = upcast
+                accumulation = "float32"
             matmuls.append(
                 dict(
                     kind="convolution" if name.endswith("convolution") else "dot_general",
                     lhs_dtype=lhs,
                     rhs_dtype=rhs,
                     result_dtype=result,
-                    accumulation_dtype=dtype_name(algorithm.group(1)) if algorithm else None,
+                    accumulation_dtype=accumulation,
+                    upcast=upcast is not None,
                     lhs_shape=lhs_shape,
                     rhs_shape=rhs_shape,
                     name=op.name,

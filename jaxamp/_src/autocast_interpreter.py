@@ -193,6 +193,16 @@ def _float32(eqn: Any, env: _Env) -> list[Any]:
     return _bind(eqn, _planned_inputs(eqn, env, wanted))
 
 
+def _contracts(eqn: Any) -> bool:
+    """Whether a ``dot_general`` sums over a contracting dimension (an outer product such
+    as rotary embeddings' ``positions x frequencies`` does not: nothing to accumulate, and
+    rounding its operands to 16 bits would only lose precision)."""
+    if eqn.primitive is not lax.dot_general_p:
+        return True
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    return bool(lhs_contract)
+
+
 def _compute(eqn: Any, env: _Env) -> list[Any]:
     """A matmul or convolution on compute-dtype operands, with a compute-dtype result.
 
@@ -200,8 +210,8 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
     which casts the operands itself, so a float32 weight's 16-bit copy is not
     saved for the backward pass and its gradient comes out in float32.
     """
-    if not all(_is_float(_traced_dtype(a)) for a in eqn.invars[:2]):
-        return _as_traced(eqn, env)  # integer matmuls are left alone
+    if not all(_is_float(_traced_dtype(a)) for a in eqn.invars[:2]) or not _contracts(eqn):
+        return _promote(eqn, env)  # integer matmuls and outer products are left alone
     compute = env.policy.compute_dtype
     params = dict(eqn.params)
     if np.dtype(compute).itemsize == 2:
@@ -223,6 +233,7 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
                     params.get("precision"),
                     preferred if wider else None,
                     compute_dtype=compute,
+                    out_sharding=params.get("out_sharding"),
                 )
             ]
         return [amp_conv_from_params(lhs, rhs, params, compute)]
@@ -253,40 +264,27 @@ def _is_16bit(dtype: Any) -> bool:
     return _is_float(dtype) and np.dtype(dtype).itemsize == 2
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _broadcast(x: Any, shape: tuple[int, ...], spec: tuple[tuple[int, int], ...], dtype: str):
-    return lax.broadcast_in_dim(x, shape, tuple(d for d, _ in spec))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _broadcast(x: Any, shape: tuple[int, ...], dims: tuple[int, ...]):
+    return lax.broadcast_in_dim(x, shape, dims)
 
 
-def _broadcast_fwd(x, shape, spec, dtype):
-    return _broadcast(x, shape, spec, dtype), None
-
-
-def _broadcast_bwd(shape, spec, dtype, _, g):
-    """The sum a broadcast's transpose makes, accumulated in float32. ``spec`` pairs each
-    operand dimension's place in the output with its size."""
-    del shape
-    dims = tuple(d for d, _ in spec)
-    g = g.astype(_FLOAT32)
-    expanded = tuple(d for d, n in spec if n == 1 and g.shape[d] != 1)
-    if expanded:
-        g = jnp.sum(g, axis=expanded, keepdims=True)
-    new = tuple(d for d in range(g.ndim) if d not in dims)
-    if new:
-        g = jnp.sum(g, axis=new)
-    return (g.reshape(tuple(n for _, n in spec)).astype(dtype),)
-
-
-_broadcast.defvjp(_broadcast_fwd, _broadcast_bwd)
+@_broadcast.defjvp
+def _broadcast_jvp(shape, dims, primals, tangents):
+    """The tangent is broadcast in float32, so the transpose JAX derives from it (the
+    backward pass) sums the cotangent in float32 and rounds the sum once."""
+    (x,), (t,) = primals, tangents
+    t32 = lax.broadcast_in_dim(t.astype(_FLOAT32), shape, dims)
+    return lax.broadcast_in_dim(x, shape, dims), t32.astype(t.dtype)
 
 
 def broadcast_summing_in_float32(x: Any, shape: Sequence[int], dims: Sequence[int]) -> Any:
     """``lax.broadcast_in_dim(x, shape, dims)`` whose gradient is summed in float32.
 
     JAX's transpose of a broadcast sums in the cotangent's dtype: 16 bits for a bias
-    or a positional embedding added to 16-bit activations."""
-    spec = tuple((int(d), int(n)) for d, n in zip(dims, np.shape(x), strict=True))
-    return _broadcast(x, tuple(int(n) for n in shape), spec, np.dtype(x.dtype).name)
+    or a positional embedding added to 16-bit activations. Forward mode (``jax.jvp``)
+    goes through it too."""
+    return _broadcast(x, tuple(int(n) for n in shape), tuple(int(d) for d in dims))
 
 
 def _needs_float32_sum(x: Any, atom: Any, out_shape: Sequence[int]) -> bool:

@@ -26,6 +26,8 @@ from typing import Any
 
 import jax
 
+from jaxamp._src.environment import cpu_16bit_units
+
 # The transformer ``model="auto"`` trains on a CPU with bf16 units: BERT's width (the
 # GEMM shapes the units run fast), few layers and short sequences (a run of minutes).
 CPU_TRANSFORMER = {"layers": 2, "hidden": 768, "heads": 12, "seq_len": 64, "vocab_size": 8192}
@@ -35,9 +37,7 @@ def choose_model(config: Any) -> tuple[Any, str]:
     """Resolves ``model="auto"``; returns the config to run and the reason, for the report."""
     if config.model != "auto":
         return config, f"model {config.model!r} as asked"
-    from jaxamp._src.matmul import matmul_form  # reads /proc/cpuinfo on a CPU
-
-    if jax.default_backend() == "cpu" and matmul_form().canonical_layout:
+    if jax.default_backend() == "cpu" and cpu_16bit_units("bfloat16"):
         reason = (
             "auto: this CPU has bf16 GEMM units (/proc/cpuinfo), which speed up matmuls but "
             "not convolutions, so a BERT-shaped transformer (width 768) shows what AMP buys "

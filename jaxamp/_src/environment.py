@@ -9,6 +9,15 @@ from importlib import metadata
 from typing import Any
 
 import jax
+import numpy as np
+
+from jaxamp._src.matmul_forms import matmul_form
+
+# The /proc/cpuinfo flags of CPUs with 16-bit GEMM units, per dtype.
+CPU_16BIT_UNITS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16"),
+    "float16": ("avx512_fp16", "amx_fp16"),
+}
 
 
 def _version(package: str) -> str | None:
@@ -30,6 +39,21 @@ def cpu_info() -> tuple[str, set[str]]:
     except OSError:
         pass
     return model, flags
+
+
+def cpu_16bit_units(dtype: Any = "bfloat16") -> tuple[str, ...]:
+    """The flags of ``/proc/cpuinfo`` that give this CPU 16-bit GEMM units for ``dtype``.
+
+    Empty on a CPU without them (and off Linux). XLA:CPU runs bfloat16 GEMMs on
+    ``avx512_bf16``/``amx_bf16`` units; it has no float16 GEMM kernels, so the
+    float16 flags change nothing in what it runs.
+
+    Example:
+      >>> isinstance(cpu_16bit_units(), tuple)
+      True
+    """
+    flags = cpu_info()[1]
+    return tuple(f for f in CPU_16BIT_UNITS.get(np.dtype(dtype).name, ()) if f in flags)
 
 
 def environment() -> dict[str, Any]:
@@ -59,9 +83,8 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_bf16_features": sorted(f for f in flags if "bf16" in f or f.startswith("amx")),
         "cpu_fp16_features": sorted(f for f in flags if "fp16" in f),
+        "cpu_bf16_units": list(cpu_16bit_units("bfloat16")),
     }
-    from jaxamp._src.matmul import matmul_form  # the 16-bit GEMM form this machine gets
-
     env["matmul_form"] = matmul_form().name
     capability = getattr(device, "compute_capability", None)
     if capability is not None:

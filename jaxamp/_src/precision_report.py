@@ -90,6 +90,10 @@ class MatmulOp:
         a loop of unknown trip count or where the report was read from text.
       contracts: whether it sums over a contracting dimension (an einsum such as
         ``"...hqk,h->...hqk"`` only multiplies).
+      upcast: whether the program converts both 16-bit operands to float32 for a
+        float32 GEMM (jaxamp's ``upcast`` matmul form, for backends without 16-bit
+        GEMM kernels); ``lhs_dtype`` and ``rhs_dtype`` then name the 16-bit dtype
+        the values come in, and ``accumulation_dtype`` is float32.
     """
 
     kind: str
@@ -103,6 +107,7 @@ class MatmulOp:
     direction: str = "unknown"
     executions: int | None = None
     contracts: bool = True
+    upcast: bool = False
 
     @property
     def layer(self) -> str:

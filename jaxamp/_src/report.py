@@ -107,7 +107,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         "parameter, read from the arrays.",
     ]
     lines += numerics_checks.markdown(report)
-    if env["backend"] == "cpu" and env.get("matmul_form") == "cpu-bf16-units":
+    if env["backend"] == "cpu" and env.get("cpu_bf16_units"):
         lines.append(
             "This CPU has bf16 GEMM units: bfloat16 matmuls run on them (jaxamp's matmul rule "
             "lays the GEMMs out for them); float16 matmuls and all 16-bit convolutions are "

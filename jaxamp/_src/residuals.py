@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.matmul import MATMUL_OUTPUT
+from jaxamp._src.matmul import MATMUL_OUTPUT, amp_conv_general_dilated_p, amp_dot_general_p
 
 RESIDUAL_MODES = ("compute_dtype", "dots", "all")
 
@@ -62,6 +62,8 @@ _ALWAYS_SAVEABLE = frozenset(
     for p in (
         lax.dot_general_p,
         lax.conv_general_dilated_p,
+        amp_dot_general_p,
+        amp_conv_general_dilated_p,
         lax.reduce_sum_p,
         lax.reduce_max_p,
         lax.reduce_min_p,
