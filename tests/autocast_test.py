@@ -561,3 +561,154 @@ def test_a_constant_too_large_for_the_compute_dtype_keeps_its_operation_in_float
     jaxpr = _traced(jaxamp.autocast(shifted_softmax, "mixed_float16"), w, x)
     (add,) = [e for e in _find(jaxpr, "add") if any(getattr(v, "val", 0) == 1e5 for v in e.invars)]
     assert _float_dtypes(add.invars) == {"float32"}
+
+
+# --- NNX graph nodes among the arguments --------------------------------------------------------
+
+
+def _mlp():
+    return nnx.Sequential(
+        nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
+    )
+
+
+def _optimizer_train_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _with_and_without_autocast(fun, policy, under_nnx_jit):
+    """``(autocast(fun), fun)``, both under ``nnx.jit`` when asked."""
+    ours = jaxamp.autocast(fun, policy)
+    return (nnx.jit(ours), nnx.jit(fun)) if under_nnx_jit else (ours, fun)
+
+
+def _assert_states_match(actual, expected, policy):
+    """The states' leaves equal (float32: to 1e-6) or are close (16-bit policies)."""
+    leaves = jax.tree.leaves(nnx.state(actual))
+    expected_leaves = jax.tree.leaves(nnx.state(expected))
+    assert len(leaves) == len(expected_leaves)
+    if policy == "float32":
+        for a, e in zip(leaves, expected_leaves, strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-6)
+    else:
+        _assert_close(leaves, expected_leaves, _compute(policy))
+
+
+@pytest.mark.parametrize("under_nnx_jit", [False, True])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_nnx_optimizer_argument_keeps_its_step_and_moments(policy, under_nnx_jit):
+    """``optimizer.update`` inside ``autocast``: the step count, Adam's moments and the
+    parameters move as in a call without jaxamp."""
+    x = jax.random.normal(jax.random.key(3), (16, 4))
+    models = _mlp(), _mlp()
+    optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    steps = _with_and_without_autocast(_optimizer_train_step, policy, under_nnx_jit)
+    for _ in range(2):
+        losses = [step(m, o, x) for step, m, o in zip(steps, models, optimizers, strict=True)]
+    assert int(optimizers[0].step[...]) == int(optimizers[1].step[...]) == 2
+    mu = optimizers[0].opt_state[0].mu
+    assert all(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(nnx.state(mu)))
+    _assert_states_match(optimizers[0], optimizers[1], policy)
+    _assert_states_match(models[0], models[1], policy)
+    _assert_close(losses[0], losses[1], "float32" if policy == "float32" else "bfloat16")
+
+
+def test_bound_method_of_an_optimizer():
+    """``autocast(optimizer.update)``: the optimizer (``fun.__self__``) keeps its update
+    and no tracer is left in it."""
+    x = jax.random.normal(jax.random.key(3), (16, 4))
+    models = _mlp(), _mlp()
+    optimizers = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    for _ in range(2):
+        for model, optimizer, amp in zip(models, optimizers, (True, False), strict=True):
+            grads = nnx.grad(lambda m: jnp.mean((m(x) - 1.0) ** 2))(model)
+            update = jaxamp.autocast(optimizer.update, "float32") if amp else optimizer.update
+            update(model, grads)
+    assert int(optimizers[0].step[...]) == 2
+    assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(nnx.state(optimizers[0])))
+    _assert_states_match(optimizers[0], optimizers[1], "float32")
+    _assert_states_match(models[0], models[1], "float32")
+
+
+def _dropout_with_rngs(w, rngs, x):
+    return nnx.Dropout(0.5)(x @ w, rngs=rngs)
+
+
+@pytest.mark.parametrize("under_nnx_jit", [False, True])
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_nnx_rngs_argument_advances(policy, under_nnx_jit):
+    """An ``nnx.Rngs`` argument: each call draws a new dropout mask, the masks a call
+    without jaxamp draws."""
+    w, x = _inputs(8, 16)
+    ours, plain = _with_and_without_autocast(_dropout_with_rngs, policy, under_nnx_jit)
+    rngs, rngs_plain = nnx.Rngs(dropout=7), nnx.Rngs(dropout=7)
+    outs = [(ours(w, rngs, x), plain(w, rngs_plain, x)) for _ in range(3)]
+    masks = [(np.asarray(y == 0), np.asarray(y_plain == 0)) for y, y_plain in outs]
+    for (mask, mask_plain), (y, y_plain) in zip(masks, outs, strict=True):
+        np.testing.assert_array_equal(mask, mask_plain)
+        if policy == "float32":
+            np.testing.assert_allclose(y, y_plain, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(masks[0][0], masks[1][0])
+    assert not np.array_equal(masks[1][0], masks[2][0])
+    assert int(rngs.dropout.count[...]) == int(rngs_plain.dropout.count[...]) == 3
+
+
+def _update_containers(w, x, counters, stats, norms):
+    """Mutates variables held in a list and a dict, and modules held in a list."""
+    h = x @ w
+    for counter in counters:
+        counter[...] = counter[...] + 1
+    stats["sum"][...] = stats["sum"][...] + jnp.sum(h, axis=0)
+    return sum(norm(h) for norm in norms)
+
+
+def _containers():
+    shared = nnx.Variable(jnp.zeros((), jnp.int32))
+    counters = [shared, nnx.Variable(jnp.zeros((), jnp.int32)), shared]
+    stats = {"sum": nnx.BatchStat(jnp.zeros(4)), "untouched": nnx.Variable(jnp.ones(3))}
+    norms = [nnx.BatchNorm(4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(1))]
+    stats["mean"] = norms[0].mean  # a module's variable, held by the dict too
+    return counters, stats, norms
+
+
+@pytest.mark.parametrize("under_nnx_jit", [False, True])
+def test_variables_in_plain_containers_keep_their_updates(under_nnx_jit):
+    """Variables in a list and a dict, a list of modules and a variable held twice
+    (updated twice per call) change as in a call without jaxamp."""
+    w, x = _inputs(4, 16)
+    ours, plain = _with_and_without_autocast(_update_containers, "float32", under_nnx_jit)
+    containers, containers_plain = _containers(), _containers()
+    untouched = containers[1]["untouched"].get_raw_value()
+    for _ in range(2):
+        y, y_plain = ours(w, x, *containers), plain(w, x, *containers_plain)
+    np.testing.assert_allclose(y, y_plain, rtol=1e-6, atol=1e-6)
+    counters, stats, norms = containers
+    assert [int(c[...]) for c in counters] == [4, 2, 4]
+    assert counters[0] is counters[2] and stats["mean"] is norms[0].mean
+    assert not np.allclose(stats["mean"][...], 0.0)
+    _assert_states_match(containers, containers_plain, "float32")
+    if not under_nnx_jit:  # a variable the call does not change is not written
+        assert stats["untouched"].get_raw_value() is untouched
+
+
+def test_nnx_pytree_argument_keeps_its_updates():
+    """An ``nnx.Pytree`` (not a module) holding a variable and a module."""
+
+    class Holder(nnx.Pytree):
+        def __init__(self):
+            self.calls = nnx.Variable(jnp.zeros((), jnp.int32))
+            self.norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+    def call(holder, x):
+        holder.calls[...] += 1
+        return holder.norm(x)
+
+    holder, holder_plain = Holder(), Holder()
+    x = jax.random.normal(jax.random.key(3), (16, 4))
+    for _ in range(2):
+        jaxamp.autocast(call, "float32")(holder, x)
+        call(holder_plain, x)
+    assert int(holder.calls[...]) == 2
+    _assert_states_match(holder, holder_plain, "float32")

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
 from nnx_models import ConvBlock, ResNet, Transformer
 
 import jaxamp
@@ -76,7 +77,19 @@ def test_layer_settings():
     query = jnp.ones((2, 16), jnp.float32)
     report = jaxamp.precision_report(lambda q: model.embed.attend(q))(query)
     assert report.all_operands_in("bfloat16") and report.ops[0].accumulation_dtype == "float32"
-    assert model.embed.dtype == jnp.float32  # restored after the call
+    # It computes query @ table.T from bfloat16 operands, and leaves the layer as it was.
+    settings, table = dict(vars(model.embed)), model.embed.embedding.get_raw_value()
+    query = jax.random.normal(jax.random.key(4), (2, 16))
+    out = model.embed.attend(query)
+    dims = (((1,), (1,)), ((), ()))
+    bf16 = jnp.bfloat16
+    reference = lax.dot_general(
+        query.astype(bf16), table.astype(bf16), dims, preferred_element_type=jnp.float32
+    )
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), reference, rtol=2**-7, atol=1e-6)
+    assert all(vars(model.embed)[name] is value for name, value in settings.items())
+    assert model.embed.embedding.get_raw_value() is table and table.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])
@@ -183,3 +196,46 @@ def test_directly_called_softmax_runs_in_float32(name):
     assert report.by_dtype() == {np.dtype(DTYPES[name]).name: len(report.ops)}
     grads = jax.jit(jax.grad(loss))(state)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
+
+
+class DropoutHead(nnx.Module):
+    """A linear layer and a dropout that draws from the RNG streams passed to the call."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5)
+
+    def __call__(self, x, *, rngs, calls):
+        calls[0][...] += 1
+        return self.dropout(self.linear(x), rngs=rngs)
+
+
+def _dropout_head_calls(policy, under_nnx_jit, times=3):
+    """The outputs of ``times`` calls, the call counter and the Rngs after them."""
+    model = DropoutHead(nnx.Rngs(0))
+    if policy is not None:
+        jaxamp.nnx.apply_policy(model, policy)
+    rngs, calls = nnx.Rngs(dropout=5), [nnx.Variable(jnp.zeros((), jnp.int32))]
+
+    def call(model, x, rngs, calls):
+        return model(x, rngs=rngs, calls=calls)
+
+    call = nnx.jit(call) if under_nnx_jit else call
+    x = jax.random.normal(jax.random.key(4), (4, 8))
+    return [call(model, x, rngs, calls) for _ in range(times)], calls, rngs
+
+
+@pytest.mark.parametrize("under_nnx_jit", [False, True])
+@pytest.mark.parametrize("name", ["float32", "mixed_bfloat16"])
+def test_rngs_and_variables_passed_to_the_call_keep_their_updates(name, under_nnx_jit):
+    """An ``nnx.Rngs`` argument advances (a new dropout mask each call, the masks of the
+    model without a policy) and a variable in a list argument keeps its update."""
+    outs, calls, rngs = _dropout_head_calls(name, under_nnx_jit)
+    plain, _, _ = _dropout_head_calls(None, under_nnx_jit)
+    masks = [np.asarray(y == 0) for y in outs]
+    for mask, y, y_plain in zip(masks, outs, plain, strict=True):
+        np.testing.assert_array_equal(mask, np.asarray(y_plain == 0))
+        if name == "float32":
+            np.testing.assert_allclose(y, y_plain, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])
+    assert int(rngs.dropout.count[...]) == 3 and int(calls[0][...]) == 3

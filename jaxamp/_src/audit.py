@@ -8,8 +8,12 @@ way a reviewer of a mixed-precision program would:
 
 * a sensitive operation computed in a 16-bit type (an exponential, logarithm,
   square root, ``erf``, sum or product: the parts of a softmax, a
-  normalisation or a loss). Max and min reductions are listed but are not
-  problems: they are exact in any dtype;
+  normalisation or a loss). Sums are read wherever the program accumulates:
+  ``reduce`` (``jnp.sum``), ``reduce_window`` (average pooling, and ``cumsum``,
+  which JAX lowers to a reduce-window over a whole axis), ``scatter``
+  (``segment_sum``, ``.at[].add``), ``all_reduce`` and ``reduce_scatter``
+  (``psum``, ``psum_scatter``) and ``chlo.scan``. Max and min reductions are
+  listed but are not problems: they are exact in any dtype;
 * where a 16-bit compute dtype is given, a float32 matmul (the silent upcast a
   custom layer's ``x @ self.param(...)`` causes under a policy);
 * a matmul that accumulates in 16 bits: 16-bit operands and a 16-bit result,
@@ -71,14 +75,56 @@ _ELEMENTWISE = {
     "chlo.cosh": "cosh",
     "chlo.sinh": "sinh",
 }
-_REDUCTIONS = {
-    "stablehlo.add": "reduce_sum",
-    "stablehlo.multiply": "reduce_prod",
-    "stablehlo.maximum": "reduce_max",
-    "stablehlo.minimum": "reduce_min",
+# Operations that combine values with the operation of their body (``add``, ``multiply``,
+# ``maximum``, ``minimum``), by family -> {combiner: the JAX primitive they compute}.
+_COMBINED = {
+    "reduce": {
+        "add": "reduce_sum",
+        "multiply": "reduce_prod",
+        "maximum": "reduce_max",
+        "minimum": "reduce_min",
+    },
+    "reduce_window": {
+        "add": "reduce_window_sum",
+        "multiply": "reduce_window_prod",
+        "maximum": "reduce_window_max",
+        "minimum": "reduce_window_min",
+    },
+    "cumulative": {
+        "add": "cumsum",
+        "multiply": "cumprod",
+        "maximum": "cummax",
+        "minimum": "cummin",
+    },
+    "scatter": {
+        "add": "scatter_add",
+        "multiply": "scatter_mul",
+        "maximum": "scatter_max",
+        "minimum": "scatter_min",
+    },
+    "all_reduce": {"add": "psum", "multiply": "pprod", "maximum": "pmax", "minimum": "pmin"},
+    "reduce_scatter": {
+        "add": "psum_scatter",
+        "multiply": "reduce_scatter_prod",
+        "maximum": "reduce_scatter_max",
+        "minimum": "reduce_scatter_min",
+    },
 }
-_CUMULATIVE = ("cumsum", "cumprod", "cumlogsumexp", "cummax", "cummin")
-EXACT = frozenset({"reduce_max", "reduce_min", "cummax", "cummin"})
+_FAMILIES = {
+    "stablehlo.reduce": "reduce",
+    "stablehlo.reduce_window": "reduce_window",
+    "stablehlo.scatter": "scatter",
+    "stablehlo.all_reduce": "all_reduce",
+    "stablehlo.reduce_scatter": "reduce_scatter",
+    "chlo.scan": "cumulative",  # a GPU lowering of cumsum (JAX 0.10 leaves it off)
+}
+# Maxima and minima select one of their inputs: exact in any dtype.
+EXACT = frozenset(
+    primitive
+    for table in _COMBINED.values()
+    for combiner, primitive in table.items()
+    if combiner in ("maximum", "minimum")
+)
 _ALGORITHM = re.compile(r"accumulation_type\s*=\s*(\w+)")
 
 
@@ -140,13 +186,17 @@ class SensitiveOp:
     """One numerically sensitive operation of a program.
 
     Attributes:
-      primitive: the JAX primitive it lowers (``"exp"``, ``"reduce_sum"``, ``"cumsum"``...).
-      dtype: the dtype it computes in (its first operand's), e.g. ``"bfloat16"``.
+      primitive: the JAX primitive it lowers (``"exp"``, ``"reduce_sum"``, ``"cumsum"``,
+        ``"reduce_window_sum"``, ``"scatter_add"``, ``"psum"``...).
+      dtype: the dtype it computes in (its first operand's; in compiled HLO, the
+        narrower type a reduction's body rounds its partial results to, if any),
+        e.g. ``"bfloat16"``.
       shape: that operand's shape.
       name: the source name JAX recorded.
       direction: ``"forward"``, ``"backward"`` or ``"unknown"``.
       executions: how many times it runs per call (scan lengths and repeated
-        calls multiply), or ``None`` inside a loop of unknown trip count.
+        calls multiply), or ``None`` inside a loop of unknown trip count and in
+        a report read from compiled HLO text.
     """
 
     primitive: str
@@ -213,25 +263,126 @@ def _operand_dtype(operation: Any) -> tuple[tuple[int, ...], str]:
     return shape, dtype_name(element)
 
 
+def combined_primitive(family: str, combiner: str | None) -> str | None:
+    """The primitive an operation of ``family`` computes with ``combiner``.
+
+    Args:
+      family: ``"reduce"``, ``"reduce_window"``, ``"cumulative"``, ``"scatter"``,
+        ``"all_reduce"`` or ``"reduce_scatter"``.
+      combiner: the operation of its body: ``"add"``, ``"multiply"``, ``"maximum"``
+        or ``"minimum"`` (anything else, or ``None``, is not a known combination).
+
+    Returns:
+      e.g. ``"reduce_sum"``, ``"cumsum"``, ``"scatter_add"``, ``"psum"``; ``None``
+      for a body that is not one of those combiners (a scatter that sets values).
+    """
+    return _COMBINED.get(family, {}).get(combiner or "")
+
+
+def is_cumulative(
+    shape: tuple[int, ...],
+    window: tuple[int, ...],
+    strides: tuple[int, ...],
+    padding: tuple[tuple[int, int], ...],
+) -> bool:
+    """Whether a reduce-window is a cumulative reduction (JAX's ``cumsum`` lowering).
+
+    Along one axis of length ``n`` the window spans the whole axis and the operand
+    is padded by ``n - 1`` before it (or after it, reversed), so that the result
+    keeps the operand's shape; the window is 1 wide on every other axis, with unit
+    strides and no padding.
+
+    Args:
+      shape: the operand's shape.
+      window: the window's size along each axis.
+      strides: the window's strides.
+      padding: ``(low, high)`` padding along each axis.
+
+    Returns:
+      ``True`` for a cumulative reduction.
+
+    Example:
+      >>> is_cumulative((6, 3), (6, 1), (1, 1), ((5, 0), (0, 0)))  # cumsum over axis 0
+      True
+      >>> is_cumulative((2, 8, 8, 3), (1, 2, 2, 1), (1, 1, 1, 1), ((0, 0),) * 4)  # pooling
+      False
+    """
+    axes = [axis for axis, size in enumerate(window) if size != 1]
+    if len(axes) != 1 or len(shape) != len(window) or any(s != 1 for s in strides):
+        return False
+    (axis,) = axes
+    n = shape[axis]
+    if window[axis] != n or tuple(padding[axis]) not in ((n - 1, 0), (0, n - 1)):
+        return False
+    return all(tuple(p) == (0, 0) for i, p in enumerate(padding) if i != axis)
+
+
+def _body_combiner(operation: Any) -> str | None:
+    """The one operation of a body that combines two values (``stablehlo.add`` ->
+    ``"add"``); ``None`` for a body that does more (an ``argmax``, a ``logaddexp``)."""
+    if not operation.regions:
+        return None
+    *combining, _ = (o.operation.name for o in operation.regions[0].blocks[0].operations)
+    if len(combining) != 1:
+        return None
+    return combining[0].removeprefix("stablehlo.")
+
+
+def _dense_ints(text: str, count: int) -> tuple[int, ...]:
+    """The integers of ``dense<[[5, 0], [0, 0]]> : ...`` (a splat repeated ``count`` times)."""
+    values = [int(v) for v in re.findall(r"-?\d+", text.partition(">")[0])]
+    return tuple(values * count) if len(values) == 1 else tuple(values)
+
+
+def _i64_array(operation: Any, name: str, rank: int) -> tuple[int, ...]:
+    """An ``array<i64: 1, 2>`` attribute of ``operation``; ones when it is absent."""
+    text = _attribute(operation, name)
+    if not text:
+        return (1,) * rank
+    return tuple(int(v) for v in re.findall(r"-?\d+", text.partition(":")[2]))
+
+
+def _window_family(operation: Any) -> str | None:
+    """``"cumulative"`` or ``"reduce_window"`` for a ``stablehlo.reduce_window``; ``None``
+    for a window of one element (a copy, which accumulates nothing)."""
+    shape = tensor_type(operation.operands[0])[0]
+    window = _i64_array(operation, "window_dimensions", len(shape))
+    if math.prod(window) == 1:
+        return None
+    strides = _i64_array(operation, "window_strides", len(shape))
+    flat = _dense_ints(_attribute(operation, "padding") or "dense<0>", 2 * len(shape))
+    padding = tuple(zip(flat[::2], flat[1::2], strict=True))
+    return "cumulative" if is_cumulative(shape, window, strides, padding) else "reduce_window"
+
+
+def _primitive(operation: Any) -> str | None:
+    """The sensitive JAX primitive a StableHLO/CHLO operation computes, else ``None``."""
+    name = operation.name
+    if name in _ELEMENTWISE:
+        return _ELEMENTWISE[name]
+    family = _FAMILIES.get(name)
+    if family == "reduce_window":
+        family = _window_family(operation)
+    return None if family is None else combined_primitive(family, _body_combiner(operation))
+
+
+def _is_copy(operation: Any, shape: tuple[int, ...]) -> bool:
+    """A reduction over size-1 dimensions only (a broadcast's transpose): a copy."""
+    if operation.name != "stablehlo.reduce":
+        return False
+    return math.prod(shape) == math.prod(tensor_type(operation.results[0])[0])
+
+
 def _sensitive(op: WalkedOp) -> SensitiveOp | None:
     operation = op.operation
-    name = operation.name
-    primitive = _ELEMENTWISE.get(name)
-    if primitive is None and name == "stablehlo.reduce":
-        body = operation.regions[0].blocks[0]
-        combiners = [o.operation.name for o in body.operations]
-        primitive = _REDUCTIONS.get(combiners[0]) if combiners else None
-    if primitive is None and name == "stablehlo.reduce_window":  # cumsum's CPU/GPU lowering
-        primitive = next((c for c in _CUMULATIVE if c in op.name), None)
-    if primitive is None or not operation.operands:
+    if not operation.operands:
+        return None
+    primitive = _primitive(operation)
+    if primitive is None:
         return None
     shape, dtype = _operand_dtype(operation)
-    if dtype not in FLOATS:
+    if dtype not in FLOATS or _is_copy(operation, shape):
         return None
-    if name == "stablehlo.reduce" and math.prod(shape) == math.prod(
-        tensor_type(operation.results[0])[0]
-    ):
-        return None  # a reduction over size-1 dimensions only (a broadcast's transpose): a copy
     return SensitiveOp(primitive, dtype, shape, op.name, direction(op.name), op.executions)
 
 

@@ -52,6 +52,7 @@ wrapped function under ``jax.jit``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -124,8 +125,63 @@ def autocast(
     return interpreted(fun, (policy, rules), residuals)
 
 
-def _is_module(x: Any) -> bool:
-    return isinstance(x, nnx.Module)
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX graph node that holds state: a module, any other
+    ``nnx.Pytree`` (``nnx.Optimizer``, ``nnx.Rngs``), a registered graph-node type or
+    an ``nnx.Variable``. A bare ``jax.Ref`` (a graph leaf to NNX) is left to JAX."""
+    if isinstance(x, nnx.Variable):
+        return True
+    return nnx.graph.is_graph_node(x) and not nnx.graph.is_node_leaf(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GraphNodes:
+    """The NNX graph nodes among the leaves of a pytree, split off so that a trace is pure.
+
+    Attributes:
+      treedef: the pytree's structure, with every graph node as one leaf.
+      where: the positions of the graph nodes among its leaves.
+      nodes: the graph nodes, in that order (the caller's objects).
+      graphdef: their joint ``nnx.split`` graph definition; nodes that share
+        variables or submodules share them again when merged.
+    """
+
+    treedef: Any
+    where: frozenset[int]
+    nodes: list[Any]
+    graphdef: Any
+
+    def merge(self, state: Any, others: list[Any]) -> tuple[Any, list[Any]]:
+        """The pytree rebuilt from ``state`` (fresh graph nodes) and the ``others`` leaves.
+
+        Returns:
+          ``(tree, merged)``: the pytree and its fresh graph nodes.
+        """
+        merged = nnx.merge(self.graphdef, state)
+        merged_iter, others_iter = iter(merged), iter(others)
+        size = len(self.where) + len(others)
+        leaves = [next(merged_iter) if i in self.where else next(others_iter) for i in range(size)]
+        return jax.tree.unflatten(self.treedef, leaves), merged
+
+    def update(self, new_state: Any) -> None:
+        """Writes the variables a call changed (``None``: none did) back into the nodes."""
+        if new_state is not None:
+            nnx.update(self.nodes, new_state)
+
+
+def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, Any, list[Any]]:
+    """Splits the NNX graph nodes of ``tree`` (see :func:`is_graph_node`) into their state.
+
+    Returns:
+      ``(nodes, state, others)``: the :class:`_GraphNodes`, the state of all the nodes
+      (one ``nnx.State``, each variable once) and the other leaves of ``tree``.
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_graph_node)
+    where = frozenset(i for i, leaf in enumerate(leaves) if is_graph_node(leaf))
+    nodes = [leaves[i] for i in sorted(where)]
+    graphdef, state = nnx.split(nodes)
+    others = [leaf for i, leaf in enumerate(leaves) if i not in where]
+    return _GraphNodes(treedef, where, nodes, graphdef), state, others
 
 
 def _state_values(state: Any) -> dict[Any, tuple[Any, ...]]:
@@ -149,50 +205,49 @@ def _changed_state(before: dict[Any, tuple[Any, ...]], merged: Any) -> Any:
     return nnx.from_flat_state(changed) if changed else None
 
 
+def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any] | None]:
+    """``(callee, method)``: a method bound to an NNX graph node as the node (split like
+    an argument) and its function; anything else as ``(fun, None)``."""
+    if inspect.ismethod(fun) and is_graph_node(fun.__self__):
+        return fun.__self__, fun.__func__
+    return fun, None
+
+
 def interpreted(
     fun: Callable[..., Any], config: tuple[Policy, AutocastRules], residuals: str
 ) -> Callable[..., Any]:
     """``fun`` evaluated by the autocast interpreter with ``config``'s policy and rules.
 
     Shared by :func:`autocast` and the policies' ``apply``. Non-array arguments are
-    held static. NNX modules (``fun`` itself, the object of a bound method, or
-    modules among the arguments) are split into their state, so the traced
-    program is pure; the state they leave (BatchNorm statistics, RNG counts) is
-    put back into them afterwards, as a call outside the interpreter would.
+    held static. NNX graph nodes (``fun`` itself, the object of a bound method, and
+    the modules, ``nnx.Optimizer``, ``nnx.Rngs``, other ``nnx.Pytree`` objects and
+    ``nnx.Variable`` leaves anywhere in the arguments' pytrees) are split together
+    into their state, so the traced program is pure and references they share stay
+    shared; the variables the call changes (BatchNorm statistics, RNG counts, an
+    optimizer's step and moments) are put back into them afterwards, as a call
+    outside the interpreter would.
     """
     policy, _ = config
     validate_residuals(residuals)
     if policy.compute_dtype.itemsize >= 4:
         residuals = "all"
-    callee, method = fun, None
-    if inspect.ismethod(fun) and _is_module(fun.__self__):
-        callee, method = fun.__self__, fun.__func__
+    callee, method = _callee_and_method(fun)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree.flatten((callee, args, kwargs), is_leaf=_is_module)
-        where = [i for i, leaf in enumerate(leaves) if _is_module(leaf)]
-        modules = [leaves[i] for i in where]
-        graphdef, state = nnx.split(modules) if modules else (None, None)
-        others = [leaf for i, leaf in enumerate(leaves) if i not in where]
+        nodes, state, others = _split_graph_nodes((callee, args, kwargs))
         arrays, rebuild_inputs = partition_arrays((state, others))
         rebuild_outputs = []
 
         def traced(*arrays):
             state, others = rebuild_inputs(arrays)
-            before = _state_values(state) if modules else {}
-            merged = nnx.merge(graphdef, state) if modules else []
-            merged_iter, others_iter = iter(merged), iter(others)
-            call_leaves = [
-                next(merged_iter) if i in where else next(others_iter) for i in range(len(leaves))
-            ]
-            call_callee, call_args, call_kwargs = jax.tree.unflatten(treedef, call_leaves)
+            before = _state_values(state)
+            (call_callee, call_args, call_kwargs), merged = nodes.merge(state, others)
             if method is None:
                 out = call_callee(*call_args, **call_kwargs)
             else:
                 out = method(call_callee, *call_args, **call_kwargs)
-            new_state = _changed_state(before, merged) if modules else None
-            out_arrays, rebuild = partition_arrays((out, new_state))
+            out_arrays, rebuild = partition_arrays((out, _changed_state(before, merged)))
             rebuild_outputs.append(rebuild)
             return out_arrays
 
@@ -204,8 +259,7 @@ def interpreted(
             residuals,
         )
         out, new_state = rebuild_outputs[0](evaluate(closed.consts, arrays))
-        if modules and new_state is not None:
-            nnx.update(modules, new_state)
+        nodes.update(new_state)
         return out
 
     return wrapped

@@ -91,11 +91,33 @@ def _open(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
 class _Env:
     """Values of one jaxpr's variables, and the casts made of them (each made once)."""
 
-    def __init__(self, config: tuple[Policy, AutocastRules], parent: _Env | None = None):
+    def __init__(
+        self,
+        config: tuple[Policy, AutocastRules],
+        parent: _Env | None = None,
+        wide: dict[int, tuple[Any, Any]] | None = None,
+    ):
         self.policy, self.rules = config
         self.config = config
         self.values: dict[Any, Any] = {} if parent is None else parent.values
         self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
+        # ``id(narrow value): (narrow value, wider value)`` for each narrowing convert the
+        # program made: shared with the calls evaluated inside (their values are the same
+        # objects), so a table cast in one function and gathered in another is found.
+        self.wide: dict[int, tuple[Any, Any]] = (
+            parent.wide if parent is not None else {} if wide is None else wide
+        )
+
+    def remember_wide(self, narrow: Any, wide: Any) -> None:
+        self.wide[id(narrow)] = (narrow, wide)
+
+    def wide_of(self, atom: Any) -> Any:
+        """The wider value ``atom``'s value was narrowed from, or ``None``."""
+        if isinstance(atom, jex.core.Literal):
+            return None
+        value = self.values.get(atom)
+        entry = self.wide.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, jex.core.Literal) else self.values[atom]
@@ -185,12 +207,37 @@ def _promote(eqn: Any, env: _Env) -> list[Any]:
     return _bind(eqn, _planned_inputs(eqn, env))
 
 
+def _wide(env: _Env, atom: Any, value: Any) -> Any:
+    """``value``, or the wider value of the same dtype a narrowing convert made ``atom`` from."""
+    wide = env.wide_of(atom)
+    if wide is None:
+        return value
+    return wide if np.dtype(wide.dtype) == np.dtype(getattr(value, "dtype", wide.dtype)) else value
+
+
 def _float32(eqn: Any, env: _Env) -> list[Any]:
+    """A sensitive primitive: floating inputs narrower than float32 are cast up. An input
+    the program narrowed from float32 just before (``jnp.linalg.norm`` returns its
+    float32 sum in float16 before the square root) is read as the float32 value."""
     wanted = [
         _FLOAT32 if _is_float(env.dtype(a)) and np.dtype(env.dtype(a)).itemsize < 4 else None
         for a in eqn.invars
     ]
-    return _bind(eqn, _planned_inputs(eqn, env, wanted))
+    values = [
+        _wide(env, a, v) for a, v in zip(eqn.invars, _planned_inputs(eqn, env, wanted), strict=True)
+    ]
+    if eqn.primitive is lax.scatter_add_p:  # its combiner is typed: build it again
+        p = eqn.params
+        return [
+            lax.scatter_add(
+                *values,
+                p["dimension_numbers"],
+                indices_are_sorted=p["indices_are_sorted"],
+                unique_indices=p["unique_indices"],
+                mode=p["mode"],
+            )
+        ]
+    return _bind(eqn, values)
 
 
 def _contracts(eqn: Any) -> bool:
@@ -203,19 +250,43 @@ def _contracts(eqn: Any) -> bool:
     return bool(lhs_contract)
 
 
+def _wide_operand(env: _Env, atom: Any, compute: Any) -> Any:
+    """A matmul operand: the float32 value the program narrowed to ``compute``, if it did."""
+    wide = env.wide_of(atom)
+    if wide is not None and np.dtype(env.dtype(atom)) == np.dtype(compute):
+        return wide
+    return env.read(atom)
+
+
+def _is_vector_dot(eqn: Any) -> bool:
+    """A ``dot_general`` with no free dimension on either side (``jnp.dot`` of two vectors,
+    ``jnp.vdot``): PyTorch's autocast promotes these to the widest operand dtype."""
+    if eqn.primitive is not lax.dot_general_p:
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (a.aval.ndim for a in eqn.invars[:2])
+    return len(lc) + len(lb) == lhs and len(rc) + len(rb) == rhs
+
+
 def _compute(eqn: Any, env: _Env) -> list[Any]:
     """A matmul or convolution on compute-dtype operands, with a compute-dtype result.
 
     A 16-bit compute dtype runs it under the matmul rule (:mod:`jaxamp._src.matmul`),
     which casts the operands itself, so a float32 weight's 16-bit copy is not
-    saved for the backward pass and its gradient comes out in float32.
+    saved for the backward pass and its gradient comes out in float32. A vector dot
+    takes the widest dtype its operands arrive in instead.
     """
     if not all(_is_float(_traced_dtype(a)) for a in eqn.invars[:2]) or not _contracts(eqn):
         return _promote(eqn, env)  # integer matmuls and outer products are left alone
     compute = env.policy.compute_dtype
+    if _is_vector_dot(eqn):
+        compute = np.dtype(functools.reduce(jnp.promote_types, [env.dtype(a) for a in eqn.invars]))
     params = dict(eqn.params)
     if np.dtype(compute).itemsize == 2:
-        lhs, rhs = (env.read(a) for a in eqn.invars)
+        # An operand the program narrowed just before (a kernel cast to the compute dtype,
+        # as Flax's ConvTranspose does) is read as the wider value: the rule casts it
+        # itself, so its gradient comes out of the GEMM in float32, never rounded.
+        lhs, rhs = (_wide_operand(env, a, compute) for a in eqn.invars)
         if eqn.primitive is lax.dot_general_p:
             dims = params["dimension_numbers"]
             # A result the traced program asked to be wider than its operands (16-bit
@@ -343,16 +414,32 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
         and eqn.params.get("sharding") is None
     ):
         return [env.read(atom)]
-    return _bind(eqn, [env.read(atom)])
+    (out,) = _bind(eqn, [env.read(atom)])
+    if (
+        _is_float(current)
+        and _is_float(new_dtype)
+        and np.dtype(new_dtype).itemsize < np.dtype(current).itemsize
+    ):
+        env.remember_wide(out, env.read(atom))
+    return [out]
 
 
 _MATMULS = frozenset({lax.dot_general_p.name, lax.conv_general_dilated_p.name})
 _RULES = {"compute": _compute, "float32": _float32, "promote": _promote, "traced": _as_traced}
 
 
-def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], config: tuple) -> list[Any]:
-    """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs."""
-    env = _Env(config)
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    config: tuple,
+    wide: dict[int, tuple[Any, Any]] | None = None,
+) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs.
+
+    ``wide`` (internal) is the caller's record of narrowing converts, for calls
+    evaluated inline."""
+    env = _Env(config, wide=wide)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
@@ -360,6 +447,32 @@ def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], config: t
             outs = _eval_eqn(eqn, env)
         env.values.update(zip(eqn.outvars, outs, strict=True))
     return [env.read(v) for v in jaxpr.outvars]
+
+
+def _gather(eqn: Any, env: _Env) -> list[Any]:
+    """``gather`` from a table the program narrowed just before (an embedding layer that
+    casts its float32 table to the compute dtype, then looks rows up): the rows are
+    gathered from the float32 table and cast, so the gradient is scatter-added into the
+    table in float32 rather than in 16 bits."""
+    table = eqn.invars[0]
+    wide = env.wide_of(table)
+    if wide is None:
+        return _promote(eqn, env)
+    narrow = env.dtype(table)
+    values = [wide, *(env.read(a) for a in eqn.invars[1:])]
+    return [out.astype(narrow) for out in _bind(eqn, values)]
+
+
+def _is_float32_form(eqn: Any) -> bool:
+    """Elementwise forms that PyTorch's autocast runs in float32 (its ``pow`` and ``rdiv``):
+    a square ``x * x`` (norms, distances and variances written out overflow float16 at
+    256) and a constant divided by a tensor (``1 / x``)."""
+    name, atoms = eqn.primitive.name, eqn.invars
+    if name == "mul" and len(atoms) == 2:
+        return not isinstance(atoms[0], jex.core.Literal) and atoms[0] is atoms[1]
+    if name == "div" and len(atoms) == 2:
+        return _is_weak(atoms[0]) and not _is_weak(atoms[1])
+    return False
 
 
 def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
@@ -371,6 +484,10 @@ def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
     if name == "convert_element_type":
         return _convert(eqn, env)
     rule = env.rules.rule_for(name)
+    if rule == "promote" and _is_float32_form(eqn):
+        return _float32(eqn, env)
+    if rule == "promote" and name == "gather":
+        return _gather(eqn, env)
     if rule == "traced" and name in _MATMULS:
         return _traced_matmul(eqn, env)
     if rule == "promote" and name == "broadcast_in_dim":
@@ -390,7 +507,8 @@ def _inline(key: str) -> Callable[[Any, _Env], list[Any]]:
         if key not in eqn.params:
             return _as_traced(eqn, env)
         jaxpr, consts = _open(eqn.params[key])
-        return eval_jaxpr(jaxpr, consts, [env.read(a) for a in eqn.invars], env.config)
+        args = [env.read(a) for a in eqn.invars]
+        return eval_jaxpr(jaxpr, consts, args, env.config, env.wide)
 
     return evaluate
 
@@ -488,6 +606,47 @@ def _shard_map(eqn: Any, env: _Env) -> list[Any]:
     return list(mapped(*[env.read(a) for a in eqn.invars]))
 
 
+def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
+    """A ``jax.custom_jvp`` function (``relu``, ``logaddexp`` and so ``softplus``, ``mish``):
+    rebuilt with ``jax.custom_jvp`` around its body and its JVP rule, both evaluated with
+    the rules, so that the exponentials and logarithms inside run in float32 and a
+    16-bit value passes through ``relu`` without a cast. Its outputs take the dtypes the
+    evaluated body gives them, and the JVP's primal and tangent outputs are cast to
+    those. The JVP rule's jaxpr comes from the equation's ``jvp_jaxpr_fun`` (a
+    JAX-internal parameter); with other parameters (another JAX version) the function
+    runs as traced."""
+    p = eqn.params
+    if not {"call_jaxpr", "jvp_jaxpr_fun", "num_consts"} <= set(p):
+        return _as_traced(eqn, env)
+    n_consts, jvp_jaxpr_fun = p["num_consts"], p["jvp_jaxpr_fun"]
+    body, body_consts = _open(p["call_jaxpr"])
+    values = [env.read(a) for a in eqn.invars]
+
+    def primal(consts, args):
+        return eval_jaxpr(body, body_consts, [*consts, *args], env.config)
+
+    @jax.custom_jvp
+    def call(consts, args):
+        return primal(consts, args)
+
+    @call.defjvp
+    def call_jvp(primals, tangents):
+        consts, args = primals
+        dtypes = [y.dtype for y in jax.eval_shape(primal, consts, args)]
+        jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
+        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], env.config)
+        n = len(out_zeros)
+        primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
+        nonzero = iter(outs[n:])
+        tangents_out = [
+            jnp.zeros_like(y) if zero else next(nonzero).astype(y.dtype)
+            for y, zero in zip(primals_out, out_zeros, strict=True)
+        ]
+        return primals_out, tangents_out
+
+    return list(call(tuple(values[:n_consts]), tuple(values[n_consts:])))
+
+
 # Keyed by name: primitive objects and their module paths move between JAX versions.
 _HIGHER_ORDER: dict[str, Callable[[Any, _Env], list[Any]]] = {
     "jit": _inline("jaxpr"),
@@ -500,4 +659,5 @@ _HIGHER_ORDER: dict[str, Callable[[Any, _Env], list[Any]]] = {
     "while": _while,
     "scan": _scan,
     "shard_map": _shard_map,
+    "custom_jvp_call": _custom_jvp,
 }

@@ -66,10 +66,13 @@ FLOAT32_PRIMITIVES = _names(
     "reduce_max_p",
     "reduce_min_p",
     "reduce_prod_p",
+    "reduce_window_sum_p",
+    "scatter_add_p",
     "cumsum_p",
     "cumprod_p",
     "cumlogsumexp_p",
-)
+    "psum_p",
+) | {"psum_invariant"}  # ``lax.psum`` inside ``shard_map`` (jax >= 0.7)
 
 PROMOTE_PRIMITIVES = _names(
     # elementwise binary and ternary arithmetic, comparisons
@@ -127,7 +130,6 @@ PROMOTE_PRIMITIVES = _names(
     "sort_p",
     "reduce_window_max_p",
     "reduce_window_min_p",
-    "reduce_window_sum_p",
     "optimization_barrier_p",
 ) | {"add_any"}  # the sum of two cotangents, when ``fun`` takes gradients itself
 
@@ -195,13 +197,18 @@ AUTOCAST_RULES = AutocastRules()
 
 
 def policy_rules(rules: AutocastRules | None = None) -> AutocastRules:
-    """The rules ``apply_policy`` evaluates a model with: ``rules`` without its ``compute``
-    set, since under a policy each layer's own settings decide its matmuls (overrides
-    included). Sensitive primitives still run in float32, wherever the model calls them."""
+    """The rules ``apply_policy`` evaluates a model with: :data:`AUTOCAST_RULES` for
+    ``None``, else ``rules`` (validated). They are autocast's: a matmul the model writes
+    itself runs in the compute dtype as under :func:`jaxamp.autocast`, sensitive
+    primitives run in float32; layers a policy override keeps in float32 run as traced.
+
+    Raises:
+      TypeError: if ``rules`` is not an ``AutocastRules``.
+    """
     rules = AUTOCAST_RULES if rules is None else rules
     if not isinstance(rules, AutocastRules):
         raise TypeError(
             f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}: {rules!r}; start "
             "from dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
-    return dataclasses.replace(rules, compute=frozenset())
+    return rules

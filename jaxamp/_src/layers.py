@@ -23,12 +23,14 @@ makes them emit compute-dtype activations.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -66,6 +68,14 @@ class LayerPlan:
         return bool(self.attributes) or self.cast_output_to is not None or self.matmul is not None
 
 
+def _is_complex_setting(value: Any) -> bool:
+    """Whether a ``dtype``-like attribute holds a complex dtype."""
+    try:
+        return value is not None and jnp.issubdtype(np.dtype(value), jnp.complexfloating)
+    except TypeError:
+        return False
+
+
 def _is_float_setting(value: Any) -> bool:
     """Whether a ``dtype``-like attribute holds a floating dtype (or nothing yet)."""
     if value is None:
@@ -86,8 +96,12 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         settings are made once, for ``__call__``).
 
     Returns:
-      A :class:`LayerPlan`; empty when the module has nothing to set.
+      A :class:`LayerPlan`; empty when the module has nothing to set, and for a
+      complex layer (a complex ``param_dtype`` or ``dtype``), which a real
+      compute dtype would cast to real.
     """
+    if any(_is_complex_setting(getattr(module, a, None)) for a in ("param_dtype", "dtype")):
+        return LayerPlan()
     attrs: dict[str, Any] = {}
     cast_output_to = matmul = None
     if hasattr(module, "param_dtype") and _is_float_setting(module.param_dtype):
@@ -139,12 +153,24 @@ def _matmul_hooks(module: Any, compute_dtype: Any) -> dict[str, Any]:
     return {}
 
 
+def has_complex(tree: Any) -> bool:
+    """Whether any array leaf of ``tree`` is complex (a real compute dtype would drop its
+    imaginary part)."""
+    return any(
+        jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.complexfloating)
+        for x in jax.tree.leaves(tree)
+    )
+
+
 def promote_keeping_kernel(*args: Any, dtype: Any = None, inexact: bool = True) -> list[Any]:
     """Flax Linen's ``promote_dtype``, but the kernel (second argument) keeps its dtype.
 
     The matmul rule casts the kernel itself, so that the backward pass keeps no
-    16-bit copy of it and its gradient leaves the GEMM in float32.
+    16-bit copy of it and its gradient leaves the GEMM in float32. Complex
+    inputs promote as Flax would without a compute dtype (they stay complex).
     """
+    if has_complex(args):
+        return list(linen_dtypes.promote_dtype(*args, dtype=None, inexact=inexact))
     out = list(linen_dtypes.promote_dtype(*args, dtype=dtype, inexact=inexact))
     if len(args) > 1 and args[1] is not None:
         out[1] = args[1]
@@ -153,6 +179,8 @@ def promote_keeping_kernel(*args: Any, dtype: Any = None, inexact: bool = True) 
 
 def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
     """:func:`promote_keeping_kernel` with Flax NNX's signature."""
+    if has_complex(args):
+        return nnx_dtypes.promote_dtype(args, dtype=None, inexact=inexact)
     out = nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
     if len(args) > 1 and args[1] is not None:
         out = type(out)((out[0], args[1], *out[2:]))
@@ -193,6 +221,15 @@ def _linen_einsum(module: nn.Einsum, rule: DotGeneral, inputs, einsum_str=None):
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
         y += jnp.reshape(bias.astype(rule.compute_dtype), broadcast_shape)
     return y
+
+
+def as_traced_scope(root: Policy, policy: Policy, scope: str) -> Any:
+    """A context for a layer whose policy computes wider than the root's (an override to
+    float32): its calls run in ``jax.named_scope(scope)``, which the autocast interpreter
+    evaluates exactly as traced, so matmuls the layer writes itself stay in float32."""
+    if policy.compute_dtype.itemsize > root.compute_dtype.itemsize:
+        return jax.named_scope(scope)
+    return contextlib.nullcontext()
 
 
 def normalize_overrides(

@@ -12,6 +12,7 @@ from flax.core import lift
 
 from jaxamp._src import layers
 from jaxamp._src.autocast import interpreted
+from jaxamp._src.autocast_interpreter import FLOAT32_SCOPE
 from jaxamp._src.autocast_rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.policy import Policy, cast_floating, get_policy
@@ -86,9 +87,11 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...]):
             return next_fun(*args, **kwargs)
         policy = layers.resolve_policy(root, overrides, _module_chain(module))
         plan = layers.plan_layer(module, policy, context.method_name)
-        if not plan:
-            return next_fun(*args, **kwargs)
-        with _temporarily_set(module, plan.attributes):
+        scope = layers.as_traced_scope(root, policy, FLOAT32_SCOPE)
+        if not plan or layers.has_complex((args, kwargs)):
+            with scope:
+                return next_fun(*args, **kwargs)
+        with scope, _temporarily_set(module, plan.attributes):
             if plan.matmul is not None:
                 out = layers.run_unhooked(module, plan, *args, **kwargs)
             else:

@@ -6,10 +6,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jaxamp._src import layers
-from jaxamp._src.autocast import interpreted
+from jaxamp._src.autocast import interpreted, is_graph_node
+from jaxamp._src.autocast_interpreter import FLOAT32_SCOPE
 from jaxamp._src.autocast_rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.policy import Policy, cast_floating, get_policy
@@ -47,7 +49,13 @@ def _policy_call(self, *args, **kwargs):
     policy's rules (see :func:`jaxamp.linen.apply_policy`), outputs cast."""
     policy: Policy = getattr(self, _POLICY_ATTR)
     base_call = type(self).__mro__[1].__call__
-    args, kwargs = policy.cast_to_compute((args, kwargs))
+    # Graph nodes among the arguments (an nnx.Rngs, Variables) are passed as they are:
+    # a tree map would copy them, and their updates would go to the copies.
+    args, kwargs = jax.tree.map(
+        lambda x: x if is_graph_node(x) else policy.cast_to_compute(x),
+        (args, kwargs),
+        is_leaf=is_graph_node,
+    )
     config = (policy, getattr(self, _RULES_ATTR))
     out = interpreted(base_call, config, getattr(self, _RESIDUALS_ATTR))(self, *args, **kwargs)
     return policy.cast_to_output(out)
@@ -57,6 +65,13 @@ def _embed_call(self, *args, **kwargs):
     """``Embed.__call__`` that gathers in the table's dtype and casts the rows."""
     out = type(self).__mro__[1].__call__(self, *args, **kwargs)
     return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
+
+
+def _as_traced_call(self, *args, **kwargs):
+    """``__call__`` of a layer an override keeps wider than the root policy (float32):
+    evaluated exactly as traced (see ``layers.as_traced_scope``)."""
+    with jax.named_scope(FLOAT32_SCOPE):
+        return type(self).__mro__[1].__call__(self, *args, **kwargs)
 
 
 def _embed_attend(self, *args, **kwargs):
@@ -73,6 +88,7 @@ def _subclass(cls: type, call_name: str) -> type:
     methods = {
         "policy": {"__call__": _policy_call},
         "embed": {"__call__": _embed_call, "attend": _embed_attend},
+        "as_traced": {"__call__": _as_traced_call},
     }[call_name]
 
     def __reduce__(self):  # pickled as the original class plus the name of the wrapper
@@ -89,11 +105,20 @@ def _rebuild(cls: type, call_name: str, state: Any) -> nnx.Module:
     return module
 
 
-def _swap_class(module: nnx.Module, call_name: str) -> None:
+_WRAPPERS = (_policy_call, _embed_call, _as_traced_call)
+
+
+def _original_class(module: nnx.Module) -> type:
     cls = type(module)
-    if cls.__dict__.get("__call__") in (_policy_call, _embed_call):
-        cls = cls.__mro__[1]  # the policy was applied before: wrap the original class again
-    module.__class__ = _subclass(cls, call_name)
+    if cls.__dict__.get("__call__") in _WRAPPERS:
+        return cls.__mro__[1]  # the policy was applied before
+    return cls
+
+
+def _swap_class(module: nnx.Module, call_name: str | None) -> None:
+    """Wraps ``module``'s original class with ``call_name``'s wrapper (``None``: none)."""
+    cls = _original_class(module)
+    module.__class__ = cls if call_name is None else _subclass(cls, call_name)
 
 
 def apply_policy(
@@ -157,11 +182,15 @@ def apply_policy(
         plan = layers.plan_layer(module, layer_policy)
         for name, value in plan.attributes:
             setattr(module, name, value)
+        wrapper = None
         if plan.cast_output_to is not None:
             setattr(module, _EMBED_DTYPE_ATTR, plan.cast_output_to)
             setattr(module, _ATTEND_PLAN_ATTR, layers.plan_layer(module, layer_policy, "attend"))
-            if module is not model:
-                _swap_class(module, "embed")
+            wrapper = "embed"
+        elif layer_policy.compute_dtype.itemsize > policy.compute_dtype.itemsize:
+            wrapper = "as_traced"
+        if module is not model:
+            _swap_class(module, wrapper)
         for value in vars(module).values():
             if isinstance(value, nnx.Param):
                 _set_value(value, layer_policy.cast_to_param(_get_value(value)))

@@ -9,9 +9,13 @@ text, so that it can follow the program's structure:
   each call site, and their layer names are the call site's name followed by
   their own;
 * the body of a ``stablehlo.while`` runs as many times as its condition allows:
-  the loops JAX writes for ``scan`` and ``fori_loop`` compare a counter that
-  starts at a constant with a constant bound, and that trip count multiplies
-  the body's operations. Any other loop's trip count is unknown (``None``);
+  the loops JAX writes for ``scan``, ``fori_loop`` and a counted ``while_loop``
+  return ``counter < bound`` from their condition, with a constant bound and a
+  counter that starts at a constant and that the body steps by a constant
+  (``ceil((bound - start) / step)`` trips), and that trip count multiplies the
+  body's operations. Any other loop's trip count is unknown (``None``): a
+  condition that combines the comparison with anything else (a data-dependent
+  exit), a bound or step the program computes, a counter that is not added to;
 * each branch of a ``stablehlo.case`` (``lax.cond``/``switch``) is counted as
   running once, which is at most what it does.
 
@@ -76,37 +80,96 @@ def _multiply(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a * b
 
 
+def _defining(value: Any) -> Any:
+    """The operation that defines ``value`` (``None`` for a block argument)."""
+    return getattr(getattr(value, "owner", None), "operation", None)
+
+
 def _constant(value: Any) -> int | None:
     """The integer a value holds if a ``stablehlo.constant`` defines it."""
-    owner = getattr(value, "owner", None)
-    operation = getattr(owner, "operation", None)
+    operation = _defining(value)
     if operation is None or operation.name != "stablehlo.constant":
         return None
     match = _DENSE_INT.search(str(operation.attributes["value"]))
     return int(match.group(1)) if match else None
 
 
-def trip_count(while_op: Any) -> int | None:
-    """The number of iterations of a ``stablehlo.while`` written as JAX writes counted loops.
+def _returned(block: Any) -> list[Any]:
+    """The values a region's block returns (its terminator's operands)."""
+    *_, terminator = block.operations
+    return list(terminator.operation.operands)
 
-    The condition is ``compare LT, %counter, %bound`` with a constant bound, and the
-    counter is a loop operand initialised by a constant; else ``None``.
+
+def _loop_constant(while_op: Any, value: Any) -> int | None:
+    """The integer ``value`` holds in the loop's condition: a constant, or a loop operand
+    initialised by a constant that the body passes on unchanged."""
+    known = _constant(value)
+    if known is not None:
+        return known
+    cond, body = (region.blocks[0] for region in while_op.regions)
+    arguments = list(cond.arguments)
+    if value not in arguments:
+        return None
+    index = arguments.index(value)
+    if _returned(body)[index] != list(body.arguments)[index]:
+        return None
+    return _constant(while_op.operands[index])
+
+
+def _step(while_op: Any, index: int) -> int | None:
+    """The constant the loop body adds to loop operand ``index``, else ``None``."""
+    body = while_op.regions[1].blocks[0]
+    update = _defining(_returned(body)[index])
+    if update is None or update.name != "stablehlo.add":
+        return None
+    counter = list(body.arguments)[index]
+    lhs, rhs = update.operands
+    if lhs == counter:
+        return _constant(rhs)
+    return _constant(lhs) if rhs == counter else None
+
+
+def _counter_and_bound(cond: Any) -> tuple[Any, Any] | None:
+    """``(counter, bound)`` when the condition returns ``counter < bound`` itself (not
+    combined with another predicate), else ``None``."""
+    compare = _defining(_returned(cond)[0])
+    if compare is None or compare.name != "stablehlo.compare":
+        return None
+    lhs, rhs = compare.operands
+    direction = str(compare.attributes["comparison_direction"]).rstrip(">").split()[-1]
+    return {"LT": (lhs, rhs), "GT": (rhs, lhs)}.get(direction)
+
+
+def trip_count(while_op: Any) -> int | None:
+    """The number of iterations of a ``stablehlo.while`` written as a counted loop.
+
+    The condition returns ``compare LT, %counter, %bound`` (or ``GT, %bound,
+    %counter``) and nothing else, the bound is a constant (or a loop operand
+    initialised by one that the body passes on unchanged, as ``fori_loop`` with
+    array bounds carries it), the counter is a loop operand initialised by a
+    constant, and the body's update of it adds a positive constant ``step``: the
+    loop runs ``ceil((bound - start) / step)`` times (``0`` if the bound is not
+    above the start). Else ``None``.
+
+    Args:
+      while_op: a ``stablehlo.while`` operation.
+
+    Returns:
+      The trip count, or ``None`` when the program does not state it.
     """
     cond = while_op.regions[0].blocks[0]
-    for inner in cond.operations:
-        operation = inner.operation
-        if operation.name != "stablehlo.compare":
-            continue
-        if "LT" not in str(operation.attributes["comparison_direction"]):
-            return None
-        counter, bound = operation.operands
-        hi = _constant(bound)
-        arguments = list(cond.arguments)
-        if hi is None or counter not in arguments:
-            return None
-        lo = _constant(while_op.operands[arguments.index(counter)])
-        return None if lo is None else max(hi - lo, 0)
-    return None
+    found = _counter_and_bound(cond)
+    arguments = list(cond.arguments)
+    if found is None or found[0] not in arguments:
+        return None
+    counter, bound = found
+    index = arguments.index(counter)
+    lo = _constant(while_op.operands[index])
+    hi = _loop_constant(while_op, bound)
+    step = _step(while_op, index)
+    if lo is None or hi is None or step is None or step <= 0:
+        return None
+    return max(-((lo - hi) // step), 0)
 
 
 def walk(module: Any) -> list[WalkedOp]:

@@ -1,0 +1,95 @@
+"""The interpreter behind autocast and apply_policy: what it reads through, what it rebuilds."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+SIXTEEN = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _scatters(report):
+    return [op for op in report.sensitive if op.primitive == "scatter_add"]
+
+
+@pytest.mark.parametrize("dtype", list(SIXTEEN))
+def test_an_embedding_cast_before_its_lookup_gets_a_float32_gradient_sum(dtype):
+    """Flax's Embed with ``dtype=`` casts its table, then gathers: the rows are gathered
+    from the float32 table instead, and the table's gradient is summed in float32."""
+
+    class Embeds(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            return nn.Embed(64, 8, dtype=SIXTEEN[dtype])(ids)
+
+    model = jaxamp.linen.apply_policy(Embeds(), f"p=f32,c={dtype},o=f32")
+    ids = jnp.zeros((4, 512), jnp.int32)  # one row looked up 2048 times
+    params = model.init(jax.random.key(0), ids)["params"]
+    grad = jax.grad(lambda p: model.apply({"params": p}, ids).astype(jnp.float32).sum())
+    report = jaxamp.precision_report(grad)(params)
+    assert {op.dtype for op in _scatters(report)} == {"float32"}
+    report.check()
+    table_grad = jax.jit(grad)(params)["Embed_0"]["embedding"]
+    assert float(table_grad[0, 0]) == 2048.0  # a 16-bit sum stops at 256 (bfloat16)
+
+
+def test_a_hand_written_lookup_of_a_cast_table_under_autocast():
+    def embed(table, ids):
+        return table.astype(jnp.bfloat16)[ids].astype(jnp.float32).sum()
+
+    table, ids = jnp.ones((16, 4)), jnp.zeros((4096,), jnp.int32)
+    plain = jax.jit(jax.grad(embed))(table, ids)
+    ours = jax.jit(jax.grad(jaxamp.autocast(embed)))(table, ids)
+    assert float(plain[0, 0]) != 4096.0  # JAX sums the 16-bit cotangents in 16 bits
+    assert float(ours[0, 0]) == 4096.0
+
+
+class Rotary(nn.Module):
+    """Attention whose queries and keys the model itself promotes to float32 (rotary
+    embeddings applied in float32, as several transformers models do)."""
+
+    @nn.compact
+    def __call__(self, x):
+        q, k = nn.Dense(8, name="q")(x), nn.Dense(8, name="k")(x)
+        angle = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] / 10.0
+        q32, k32 = (t.astype(jnp.float32) * jnp.cos(angle) for t in (q, k))
+        weights = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q32, k32), axis=-1)
+        return nn.Dense(4, name="out")(jnp.einsum("bts,bsd->btd", weights, x))
+
+
+@pytest.mark.parametrize("dtype", list(SIXTEEN))
+def test_apply_policy_agrees_with_autocast_on_matmuls_the_model_writes(dtype):
+    policy = f"p=f32,c={dtype},o=f32"
+    x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+    params = Rotary().init(jax.random.key(0), x)["params"]
+    model = jaxamp.linen.apply_policy(Rotary(), policy)
+    ours = jaxamp.precision_report(jax.grad(lambda p: model.apply({"params": p}, x).sum()))
+    theirs = jaxamp.precision_report(
+        jax.grad(jaxamp.autocast(lambda p: Rotary().apply({"params": p}, x).sum(), policy))
+    )
+    a, b = ours(params), theirs(params)
+    assert [op.operand_dtype for op in a.ops] == [op.operand_dtype for op in b.ops]
+    assert {op.operand_dtype for op in a.ops} == {dtype}
+    a.check(dtype)
+
+
+def test_a_float32_override_keeps_the_matmuls_a_layer_writes_in_float32():
+    x = jax.random.normal(jax.random.key(1), (2, 6, 8))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Rotary(name="head")(nn.Dense(8)(x))
+
+    model = jaxamp.linen.apply_policy(Model(), "mixed_bfloat16", overrides={"head": "float32"})
+    params = model.init(jax.random.key(0), x)["params"]
+    report = jaxamp.precision_report(lambda p: model.apply({"params": p}, x))(params)
+    by_layer = {op.layer: op.operand_dtype for op in report.ops}
+    assert by_layer["Model/Dense_0"] == "bfloat16"
+    assert {d for layer, d in by_layer.items() if layer.startswith("Model/head")} == {"float32"}
+    assert np.isfinite(np.asarray(model.apply({"params": params}, x))).all()

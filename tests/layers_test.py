@@ -1,0 +1,68 @@
+"""Layer settings a policy makes: what it leaves alone (complex layers, complex inputs)."""
+
+from __future__ import annotations
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+
+X = (jnp.arange(6.0).reshape(2, 3) + 1j * jnp.ones((2, 3))).astype(jnp.complex64)
+
+
+class LinenComplex(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4, param_dtype=jnp.complex64, name="complex")(x)
+        return nn.Dense(2, name="real")(h)  # float32 params, complex input
+
+
+class NNXComplex(nnx.Module):
+    def __init__(self, rngs):
+        self.complex = nnx.Linear(3, 4, param_dtype=jnp.complex64, rngs=rngs)
+        self.real = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.real(self.complex(x))
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_complex_layers_and_inputs_are_not_cast_to_real(policy):
+    reference = LinenComplex()
+    variables = reference.init(jax.random.key(0), X)
+    expected = reference.apply(variables, X)
+    model = jaxamp.linen.apply_policy(LinenComplex(), policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Casting complex values to real discards ..."
+        ours = jax.jit(model.apply)(variables, X)
+        created = model.init(jax.random.key(0), X)
+    assert ours.dtype == jnp.complex64
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+    assert created["params"]["complex"]["kernel"].dtype == jnp.complex64
+    assert created["params"]["real"]["kernel"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_nnx_complex_layers_are_not_cast_to_real(policy):
+    expected = NNXComplex(nnx.Rngs(0))(X)
+    model = jaxamp.nnx.apply_policy(NNXComplex(nnx.Rngs(0)), policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = nnx.jit(lambda m, x: m(x))(model, X)
+    assert ours.dtype == jnp.complex64
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+    assert model.complex.kernel[...].dtype == jnp.complex64
+    assert model.complex.dtype is None  # left alone
+
+
+def test_real_layers_beside_them_still_take_the_policy():
+    model = jaxamp.nnx.apply_policy(NNXComplex(nnx.Rngs(0)), "mixed_bfloat16")
+    assert model.real.dtype == jnp.bfloat16
+    x = jnp.ones((2, 4))
+    assert model.real(x).dtype == jnp.bfloat16
