@@ -21,6 +21,7 @@ class FakeDevice:
     platform: str
     compute_capability: str | None = None
     client: FakeClient = dataclasses.field(default_factory=FakeClient)
+    device_kind: str = "a fake device"
 
 
 @pytest.mark.parametrize(
@@ -95,3 +96,35 @@ def test_dot_algorithm_keeps_backward_dots_16_bit():
 
     report = jaxamp.precision_report(jax.grad(loss_preferred, argnums=(0, 1)))(a, b)
     assert report.count("float32") == len(report.ops) > 0
+
+
+# The three kinds of CPU seen here, by the 16-bit flags of their /proc/cpuinfo.
+CPU_KINDS = {
+    "AMD EPYC, AVX2 only": {"avx", "avx2", "fma", "f16c"},
+    "AMD EPYC, avx512_bf16": {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16"},
+    "Intel Xeon, AMX": {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"},
+}
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
+def test_auto_policy_says_why_naming_the_cpu(kind, monkeypatch):
+    from jaxamp._src import environment
+
+    monkeypatch.setattr(environment, "cpu_info", lambda: ("Test CPU 9000", CPU_KINDS[kind]))
+    from jaxamp._src import backend
+
+    monkeypatch.setattr(backend, "cpu_info", environment.cpu_info)
+    policy, reason = auto_policy(FakeDevice("cpu"), explain=True)
+    assert policy == jaxamp.PRESETS["float32"]
+    assert "Test CPU 9000" in reason
+    if "avx512_bf16" in CPU_KINDS[kind]:
+        assert "speeds up matmul-heavy models" in reason and "mixed_bfloat16" in reason
+    else:
+        assert "no avx512_bf16 or amx_bf16" in reason and "no faster than float32" in reason
+    assert auto_policy(FakeDevice("cpu")) == policy  # without explain, the policy alone
+
+
+def test_auto_policy_reason_on_gpus_and_tpus():
+    _, reason = auto_policy(FakeDevice("gpu", "7.5"), explain=True)
+    assert "float16 tensor cores" in reason and "loss scaling" in reason
+    assert auto_policy(FakeDevice("gpu", "6.1"), explain=True)[0] == jaxamp.PRESETS["float32"]

@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+import jaxamp
 from jaxamp._src import data
 from jaxamp._src.compare import CompareConfig, classification_metrics, compare
 
@@ -63,6 +64,8 @@ def test_report_has_one_complete_record_per_variant(bert_report):
     assert bf16["activation_bytes"] < fp32["activation_bytes"]
     assert bert_report["dataset"]["name"] == "python_docs"
     assert bert_report["environment"]["backend"]
+    picked = bert_report["auto_policy"]  # what auto_policy picks here, and why
+    assert picked["policy"] == str(jaxamp.auto_policy()) and picked["reason"]
 
 
 def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp_path):
@@ -85,6 +88,7 @@ def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp
     assert all(r["first_nonfinite"] is None for r in runs.values())
     md = format_markdown(bert_report)
     assert "Per-layer divergence from fp32" in md and "Float16 range check" in md
+    assert f"`jaxamp.auto_policy()` picks `{jaxamp.auto_policy()}`" in md
     paths = write_report(bert_report, tmp_path)
     assert tmp_path / "divergence.png" in paths and (tmp_path / "divergence.png").exists()
 

@@ -6,6 +6,7 @@ Nothing here runs at import time: devices are queried when a function is called.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._src.environment import cpu_16bit_units, cpu_info
 from jaxamp._src.policy import PRESETS, Policy
 
 # NVIDIA compute capability from which bfloat16 tensor cores exist (Ampere).
@@ -36,7 +38,27 @@ def _is_rocm(device: Any) -> bool:
     return "rocm" in version.lower()
 
 
-def auto_policy(device: Any = None) -> Policy:
+def _cpu_reason() -> str:
+    """Why ``float32`` on this CPU, naming it (from /proc/cpuinfo)."""
+    model, flags = cpu_info()
+    units = cpu_16bit_units("bfloat16")
+    named = f"cpu: {model or 'unknown'} ({os.cpu_count()} cores)"
+    if units:
+        return (
+            f"{named} lists {', '.join(units)}: XLA:CPU runs bfloat16 GEMMs on these units, "
+            "so mixed_bfloat16 speeds up matmul-heavy models (transformers) here, but not "
+            "convolutions, and float16 gains nothing (XLA:CPU has no float16 GEMM kernels); "
+            "float32 is the default, ask for mixed_bfloat16 for a matmul-heavy model"
+        )
+    listed = [f for f in ("avx2", "fma", "avx512f") if f in flags]
+    return (
+        f"{named} lists no avx512_bf16 or amx_bf16 (it has {', '.join(listed) or 'neither'}): "
+        "XLA:CPU computes 16-bit matmuls there with float32 arithmetic, so mixed precision "
+        "runs no faster than float32 and pays for its casts; it saves activation memory only"
+    )
+
+
+def auto_policy(device: Any = None, *, explain: bool = False) -> Policy | tuple[Policy, str]:
     """Picks the mixed-precision preset that suits a device.
 
     * NVIDIA GPU with compute capability 8.0 or newer (Ampere, Hopper,
@@ -47,39 +69,54 @@ def auto_policy(device: Any = None) -> Policy:
     * AMD GPUs (ROCm) and TPUs: ``mixed_bfloat16``;
     * CPUs and anything else: ``float32``.
 
-    On a CPU, ``float32`` is chosen: without bf16 units XLA computes 16-bit
-    matmuls and convolutions in float32 (a mixed policy saves activation memory
-    but no time); with them (``avx512_bf16``, ``amx_bf16``) bfloat16 matmuls run
-    faster under jaxamp's matmul rule, but convolutions and float16 gain
-    nothing, so ask for ``mixed_bfloat16`` for a matmul-heavy model there.
+    On a CPU without bf16 units (no ``avx512_bf16``/``amx_bf16`` in
+    ``/proc/cpuinfo``) XLA computes 16-bit matmuls with float32 arithmetic, so a
+    mixed policy saves activation memory but no time. With those units, bfloat16
+    matmuls run faster under jaxamp's matmul rule, but convolutions and float16
+    gain nothing, so ask for ``mixed_bfloat16`` for a matmul-heavy model there.
+    ``explain=True`` returns the reason too, naming the device.
 
     Args:
       device: the device to decide for; the first device of the default backend
         when ``None``.
+      explain: also return why, as ``(policy, reason)``.
 
     Returns:
-      One of the presets in ``jaxamp.PRESETS``.
+      One of the presets in ``jaxamp.PRESETS`` (and the reason, with ``explain``).
 
     Example:
       >>> import jax
-      >>> policy = auto_policy()
-      >>> jax.default_backend() != "cpu" or str(policy) == str(PRESETS["float32"])
-      True
+      >>> policy, reason = auto_policy(explain=True)
+      >>> jax.default_backend() != "cpu" or (str(policy), reason[:4])
+      ('params=float32,compute=float32,output=float32', 'cpu:')
     """
     if device is None:
         device = jax.devices()[0]
+    name, reason = _choose(device)
+    return (PRESETS[name], reason) if explain else PRESETS[name]
+
+
+def _choose(device: Any) -> tuple[str, str]:
+    """The preset's name for ``device`` and why."""
     platform = device.platform
     if platform == "tpu":
-        return PRESETS["mixed_bfloat16"]
+        return "mixed_bfloat16", f"tpu: {device.device_kind} has bfloat16 matrix units"
     if platform in ("gpu", "cuda", "rocm"):
+        kind = getattr(device, "device_kind", platform)
         if platform == "rocm" or _is_rocm(device):
-            return PRESETS["mixed_bfloat16"]
+            return "mixed_bfloat16", f"gpu: {kind} (ROCm) runs bfloat16 GEMMs"
         capability = _compute_capability(device)
         if capability is None or capability >= _BF16_MIN_CAPABILITY:
-            return PRESETS["mixed_bfloat16"]
+            return "mixed_bfloat16", f"gpu: {kind} has bfloat16 tensor cores"
         if capability >= _F16_MIN_CAPABILITY:
-            return PRESETS["mixed_float16"]
-    return PRESETS["float32"]
+            return "mixed_float16", (
+                f"gpu: {kind} (compute capability {capability}) has float16 tensor cores "
+                "but no bfloat16 ones; use dynamic loss scaling"
+            )
+        return "float32", f"gpu: {kind} (compute capability {capability}) has no tensor cores"
+    if platform == "cpu":
+        return "float32", _cpu_reason()
+    return "float32", f"{platform}: no known 16-bit units"
 
 
 @functools.cache

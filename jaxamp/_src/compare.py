@@ -21,6 +21,7 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxamp._src import data as data_lib
+from jaxamp._src.backend import auto_policy
 from jaxamp._src.compare_stats import choose_model, merge_seeds
 from jaxamp._src.diagnostics import underflow_fraction
 from jaxamp._src.environment import environment
@@ -429,6 +430,8 @@ def compare(
     config, reason = choose_model(config)
     if reason.startswith("auto"):
         log(reason)
+    policy, why = auto_policy(explain=True)
+    log(f"auto_policy picks {policy}: {why}")
     note = None
     if dataset is None:
         kind = "text" if config.model == "bert" else "images"
@@ -446,6 +449,7 @@ def compare(
     report = merge_seeds(per_seed)
     report["config"] = dataclasses.asdict(config)
     report["model_choice"] = reason
+    report["auto_policy"] = {"policy": str(policy), "reason": why}
     report["dataset"]["note"] = note
     return report
 

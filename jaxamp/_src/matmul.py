@@ -512,6 +512,11 @@ def amp_conv_from_params(lhs, rhs, params: dict[str, Any], compute_dtype: Any) -
 class DotGeneral:
     """:func:`amp_dot_general` as a ``dot_general`` for Flax layers (and an ``einsum``).
 
+    Attributes:
+      compute_dtype: the 16-bit dtype of the GEMM operands.
+      form: a :class:`jaxamp.MatmulForm`, or ``None`` for :func:`jaxamp.matmul_form`'s
+        choice where the GEMM is traced.
+
     Example:
       >>> import jax.numpy as jnp
       >>> rule = DotGeneral(jnp.bfloat16)
@@ -520,6 +525,7 @@ class DotGeneral:
     """
 
     compute_dtype: Any
+    form: MatmulForm | None = None
 
     def __call__(
         self,
@@ -543,14 +549,23 @@ class DotGeneral:
             precision,
             preferred_element_type,
             compute_dtype=self.compute_dtype,
+            form=self.form,
             out_sharding=out_sharding,
         )
 
     def einsum(self, subscripts, *operands, **kwargs):
-        """``jnp.einsum`` whose contractions run under the rule, in the compute dtype."""
+        """``jnp.einsum`` whose contractions run under the rule, in the compute dtype.
+
+        ``jnp.einsum`` caches its traces by its ``_dot_general`` argument, so the rule is
+        passed with its form resolved: an einsum traced under another form is traced
+        again, not taken from the cache.
+        """
         if kwargs.get("preferred_element_type") is None:
             kwargs["preferred_element_type"] = self.compute_dtype
-        return jnp.einsum(subscripts, *operands, _dot_general=self, **kwargs)
+        rule = self
+        if self.form is None:
+            rule = dataclasses.replace(self, form=matmul_form(dtype=self.compute_dtype))
+        return jnp.einsum(subscripts, *operands, _dot_general=rule, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)

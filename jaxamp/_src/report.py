@@ -75,6 +75,9 @@ def format_markdown(report: dict[str, Any]) -> str:
     ]
     if report.get("model_choice"):
         lines.append(f"- Model: {report['model_choice']}")
+    if report.get("auto_policy"):
+        picked = report["auto_policy"]
+        lines.append(f"- `jaxamp.auto_policy()` picks `{picked['policy']}`: {picked['reason']}")
     seeds = report.get("seeds") or [config.get("seed", 0)]
     lines.append(
         f"- Seeds: {', '.join(str(x) for x in seeds)}. Test accuracy is the mean over seeds; a "
