@@ -8,8 +8,10 @@ Times, side by side in one process (alternated, medians after warm-up):
   (contracting dims (1),(0)) and the weight-gradient layout ((0),(0));
 * a ``Dense`` layer's forward and backward (``jax.grad`` of both operands, a
   ``[batch, in] x [in, out]`` GEMM and its two transposes) in float32, in the
-  dot-algorithm form and under jaxamp's matmul rule, each form of the rule the
-  table in ``jaxamp/_src/matmul.py`` lists.
+  dot-algorithm form and under jaxamp's matmul rule, in each form of
+  ``jaxamp/_src/matmul_forms.py``;
+* a BERT-shaped encoder's gradient (2 layers, attention included) in float32 and
+  under each form this backend runs.
 
 Sample command::
 
@@ -89,13 +91,43 @@ def _dense_steps(batch: int, features: int, dtype) -> dict[str, tuple]:
             lambda x, w: lax.dot_general(x, w.astype(dtype), _FWD, precision=algorithm), x
         )
     for form in FORMS.values():
-        if form.name in ("gpu", "tpu"):
-            continue  # on a CPU the same program as "cpu"
         rule = functools.partial(amp_dot_general, compute_dtype=dtype, form=form)
         steps[f"{name}, matmul rule ({form.name})"] = grad_of(
             lambda x, w, rule=rule: rule(x, w, _FWD), x
         )
     return steps
+
+
+def _model_steps(batch: int, length: int, width: int, dtype) -> tuple[dict[str, tuple], float]:
+    """A BERT-shaped encoder's gradient step in float32 and under each form that runs here
+    (the native form's bfloat16 attention gradients fail on XLA:CPU); and its FLOPs."""
+    from jaxamp._src.linen_policy import apply_policy
+    from jaxamp._src.matmul_forms import use_matmul_form
+    from jaxamp.models import BertClassifier, BertConfig
+
+    config = BertConfig(
+        vocab_size=1024, hidden_size=width, num_layers=2, num_heads=width // 64,
+        intermediate_size=4 * width, max_position=length, num_classes=2,
+    )  # fmt: skip
+    ids = jax.random.randint(jax.random.key(0), (batch, length), 0, 1024)
+    module = BertClassifier(config)
+    params = module.init(jax.random.key(1), ids)["params"]
+    name = jnp.dtype(dtype).name
+
+    def grad_of(model):
+        loss = lambda p, ids: jnp.sum(model.apply({"params": p}, ids).astype(jnp.float32))
+        return jax.grad(loss)
+
+    steps = {"float32": (grad_of(apply_policy(module, "float32")), (params, ids))}
+    amp = apply_policy(module, f"p=f32,c={name},o=f32")
+    for form in FORMS.values():
+        if form.name == "native" and jax.default_backend() == "cpu":
+            continue
+        with use_matmul_form(form):  # the form is fixed when the step is traced, below
+            traced = jax.jit(grad_of(amp)).trace(params, ids)
+        steps[f"{name}, matmul rule ({form.name})"] = (traced.lower().compile(), (params, ids))
+    gemm_flops = 2 * 3 * batch * length * (12 * width * width + 2 * length * width)
+    return steps, config.num_layers * gemm_flops
 
 
 def _measure(
@@ -106,12 +138,17 @@ def _measure(
     kind: str,
     hlo_dir: str | None = None,
 ):
-    compiled = {k: (jax.jit(f), args) for k, (f, args) in cases.items()}
+    compiled = {
+        k: (f if isinstance(f, jax.stages.Compiled) else jax.jit(f), args)
+        for k, (f, args) in cases.items()
+    }
     if hlo_dir:  # what the backend made of each form (on a GPU: the cuBLAS calls)
         Path(hlo_dir).mkdir(parents=True, exist_ok=True)
         for k, (f, args) in compiled.items():
             slug = re.sub(r"[^a-z0-9]+", "_", f"{kind} {k}".lower()).strip("_")
-            (Path(hlo_dir) / f"{slug}.hlo.txt").write_text(f.lower(*args).compile().as_text())
+            text = f.as_text() if isinstance(f, jax.stages.Compiled) else None
+            text = text or f.lower(*args).compile().as_text()
+            (Path(hlo_dir) / f"{slug}.hlo.txt").write_text(text)
     steps = {k: functools.partial(f, *args) for k, (f, args) in compiled.items()}
     times = time_alternating(steps, warmup=warmup, repeats=repeats)
     base = summarize(times["float32"])["median_s"]
@@ -135,6 +172,9 @@ def main(argv=None):
     parser.add_argument("--size", type=int, default=2048, help="n of the n x n x n GEMMs")
     parser.add_argument("--batch", type=int, default=1024, help="Dense layer batch (tokens)")
     parser.add_argument("--features", type=int, default=768, help="Dense layer width")
+    parser.add_argument("--model-batch", type=int, default=8, help="encoder step: batch")
+    parser.add_argument("--model-length", type=int, default=128, help="encoder step: length")
+    parser.add_argument("--model-width", type=int, default=768, help="encoder step: width")
     parser.add_argument("--dtypes", default="bfloat16,float16")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9)
@@ -157,6 +197,10 @@ def main(argv=None):
             f"Dense {b}x{f}x{f}, fwd+bwd",
             args.hlo_out,
         )
+        shape = (args.model_batch, args.model_length, args.model_width)
+        steps, flops = _model_steps(*shape, dt)
+        kind = f"encoder 2x{shape[2]}, batch {shape[0]}x{shape[1]}, grad"
+        rows += _measure(steps, flops, args.warmup, args.repeats, kind, args.hlo_out)
     env = environment()
     columns = [
         ("kind", "case"),
