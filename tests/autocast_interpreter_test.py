@@ -93,3 +93,103 @@ def test_a_float32_override_keeps_the_matmuls_a_layer_writes_in_float32():
     assert by_layer["Model/Dense_0"] == "bfloat16"
     assert {d for layer, d in by_layer.items() if layer.startswith("Model/head")} == {"float32"}
     assert np.isfinite(np.asarray(model.apply({"params": params}, x))).all()
+
+
+# ------------------------------------------------------- found by review, with their repros
+
+
+def test_a_gradient_taken_inside_of_a_maximum_of_a_cast_value():
+    """max must equal one of the 16-bit elements that flow on (its JVP compares them), so it
+    reads the 16-bit value, not the float32 one the cast came from."""
+    x = jnp.array([1.001, 0.3, -2.0], jnp.float32)  # 1.001 is not a bfloat16 value
+
+    def f(x):
+        return jnp.max(x.astype(jnp.bfloat16)).astype(jnp.float32)
+
+    np.testing.assert_array_equal(jax.jit(jaxamp.autocast(jax.grad(f)))(x), jax.grad(f)(x))
+
+    def is_max(x):
+        x16 = x.astype(jnp.bfloat16)
+        return (x16 == jnp.max(x16)).astype(jnp.float32)
+
+    np.testing.assert_array_equal(jaxamp.autocast(is_max)(x), [1.0, 0.0, 0.0])
+
+
+def test_a_custom_jvp_function_with_an_integer_output():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x), jnp.argmax(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return f(x), (jnp.cos(x) * t, np.zeros((), jax.dtypes.float0))
+
+    x = jnp.array([0.1, 0.5, 0.2])
+    loss = lambda x: f(x)[0].sum() * f(x)[1]
+    expected = jax.grad(loss)(x)
+    np.testing.assert_allclose(jax.grad(jaxamp.autocast(loss))(x), expected, rtol=1e-6)
+    np.testing.assert_allclose(jaxamp.autocast(jax.grad(loss))(x), expected, rtol=1e-6)
+
+
+def test_a_gradient_taken_inside_keeps_float32_weight_gradients():
+    """``jaxamp.autocast(train_step)`` where the step calls ``jax.grad``: the backward GEMMs
+    in the traced program keep their float32 result."""
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    w = 0.2 * jax.random.normal(jax.random.key(1), (32, 16))
+    loss = lambda w: (jnp.tanh(x @ w) ** 2).mean()
+    inside = jax.jit(jaxamp.autocast(jax.grad(loss)))(w)
+    as_bf16 = inside.astype(jnp.bfloat16).astype(jnp.float32)
+    assert not bool(jnp.all(as_bf16 == inside))  # not a bfloat16 value in disguise
+    reference = jax.grad(loss)(w)
+    assert float(jnp.abs(inside - reference).max() / jnp.abs(reference).max()) < 2e-2
+    report = jaxamp.precision_report(jaxamp.autocast(jax.grad(loss)))(w)
+    backward = [op for op in report.ops if op.direction == "backward"]
+    assert backward and all(op.result_dtype == "float32" for op in backward)
+    report.check("bfloat16")
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_export_with_a_symbolic_batch(policy):
+    (batch,) = jax.export.symbolic_shape("b")
+    x = jax.ShapeDtypeStruct((batch, 8), jnp.float32)
+    dense = nn.Dense(3)
+    variables = dense.init(jax.random.key(0), jnp.ones((2, 8)))
+    for apply in (
+        jaxamp.linen.apply_policy(nn.Dense(3), policy).apply,
+        jaxamp.autocast(dense.apply, policy),
+    ):
+        exported = jax.export.export(jax.jit(apply))(variables, x)
+        out = exported.call(variables, jnp.ones((5, 8)))
+        assert out.shape == (5, 3) and out.dtype == jnp.float32
+
+
+def test_a_float32_override_does_not_name_a_layer():
+    x = jnp.ones((2, 8))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(nn.Dense(8, name="body")(x))
+
+    model = jaxamp.linen.apply_policy(Net(), "mixed_bfloat16", overrides={"head": "float32"})
+    params = model.init(jax.random.key(0), x)["params"]
+    report = jaxamp.precision_report(lambda p: model.apply({"params": p}, x))(params)
+    assert {op.layer for op in report.ops} == {"Net/body", "Net/head"}
+    assert report.problems("bfloat16", ignore=["head"]) == []
+
+
+def test_a_lookup_in_a_16_bit_activation_runs_in_the_traced_dtype():
+    """A loss's ``take_along_axis`` of logits a 16-bit matmul made (under autocast): its
+    gradient, a scatter-add, sums in the dtype the program had, float32."""
+    import optax
+
+    def loss(w, x, labels):
+        logits = x @ w
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    w, x = jnp.ones((8, 5)), jnp.ones((4, 8))
+    labels = jnp.array([0, 1, 2, 3])
+    report = jaxamp.precision_report(jax.grad(jaxamp.autocast(loss)))(w, x, labels)
+    assert _scatters(report) and {op.dtype for op in _scatters(report)} == {"float32"}
+    report.check("bfloat16")

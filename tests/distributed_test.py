@@ -104,15 +104,17 @@ def test_gradients_are_all_reduced_in_the_policys_dtype(policy, expected):
         return jaxamp.reduce_gradients(g, "data", policy)
 
     w, x = jnp.ones((4, 3)), jnp.ones((16, 4))
-    lines = jax.jit(grads).lower(w, x).as_text().splitlines()
-    # an all_reduce spans several lines; its type closes its reduction region: "}) : (...)"
-    types = [
-        next(t for t in lines[i:] if t.strip().startswith("}) :"))
-        for i, line in enumerate(lines)
-        if "all_reduce" in line
-    ]
-    assert types and all(f"x{expected}>" in t for t in types), types
-    np.testing.assert_allclose(jax.jit(grads)(w, x), jnp.full((4, 3), 2.0))
+    # under autocast too: the reduction runs in the dtype the policy asks for
+    for fun in (grads, jaxamp.autocast(grads, "mixed_bfloat16")):
+        lines = jax.jit(fun).lower(w, x).as_text().splitlines()
+        # an all_reduce spans several lines; its type closes its reduction region: "}) : (...)"
+        types = [
+            next(t for t in lines[i:] if t.strip().startswith("}) :"))
+            for i, line in enumerate(lines)
+            if "all_reduce" in line
+        ]
+        assert types and all(f"x{expected}>" in t for t in types), types
+        np.testing.assert_allclose(jax.jit(fun)(w, x), jnp.full((4, 3), 2.0))
 
 
 @needs_8

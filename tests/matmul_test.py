@@ -163,7 +163,7 @@ def test_native_override_on_cpu_warns():
         matmul_forms.matmul_form("cpu", jnp.bfloat16)
 
 
-@pytest.mark.filterwarnings("ignore:The 'native' matmul form on XLA:CPU")
+@pytest.mark.filterwarnings("ignore:The 'native' matmul form on XLA")
 def test_the_override_reaches_the_program():
     x, w = _inputs(jnp.bfloat16)
     for name in FORMS:
@@ -389,11 +389,52 @@ def test_a_float32_input_gradient_is_not_rounded(dtype):
 
 
 def test_a_precision_given_by_name_is_kept():
+    """Names are read as lax.dot_general reads them; a dot algorithm's gives way to the rule."""
     x, w = _inputs(jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(
-        lambda x, w: amp_dot_general(x, w, DENSE, "highest", compute_dtype=jnp.bfloat16)
-    )
-    (eqn,) = [e for e in jaxpr(x, w).jaxpr.eqns if e.primitive.name == "amp_dot_general"]
-    assert eqn.params["precision"] == lax.Precision.HIGHEST
-    with pytest.raises(ValueError, match=r"Unknown precision 'hihgest'\. Valid choices: default"):
+
+    def precision_of(precision):
+        f = lambda x, w: amp_dot_general(x, w, DENSE, precision, compute_dtype=jnp.bfloat16)
+        (eqn,) = [
+            e for e in jax.make_jaxpr(f)(x, w).jaxpr.eqns if e.primitive.name == "amp_dot_general"
+        ]
+        return eqn.params["precision"]
+
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    assert precision_of("highest") == precision_of("float32") == highest
+    assert precision_of(lax.Precision.HIGHEST) == lax.Precision.HIGHEST
+    assert precision_of("BF16_BF16_F32") is None  # an algorithm: the rule's own
+    with pytest.raises(ValueError, match=r"Unknown precision 'hihgest'\. Valid choices: .*highest"):
         amp_dot_general(x, w, DENSE, "hihgest", compute_dtype=jnp.bfloat16)
+
+
+def test_the_form_is_the_lowering_platforms():
+    """Exported for a GPU from this host, the rule takes the GPU's form (no layouts
+    materialised behind barriers); for a CPU, the canonical one."""
+    x, w = _inputs(jnp.bfloat16)
+    f = jax.jit(jax.grad(_loss(jnp.bfloat16), argnums=(0, 1)))
+    barriers = {
+        platform: jax.export.export(f, platforms=(platform,))(x, w)
+        .mlir_module()
+        .count("optimization_barrier")
+        for platform in ("cpu", "cuda")
+    }
+    assert barriers["cuda"] == 0 and barriers["cpu"] > 0, barriers
+    with jaxamp.use_matmul_form("upcast"):  # an override holds for every platform
+        exported = jax.export.export(jax.jit(jax.grad(_loss(jnp.bfloat16))), platforms=("cuda",))
+        assert "optimization_barrier" not in exported(x, w).mlir_module()
+
+
+def test_linear_transpose_through_the_rule():
+    x, w = _inputs(jnp.bfloat16)
+    f = lambda w: amp_dot_general(x, w, DENSE, compute_dtype=jnp.bfloat16)
+    g = jnp.ones((2, 8, 32), jnp.bfloat16)
+    (ours,) = jax.linear_transpose(f, w)(g)
+    exact = jnp.einsum("bli,blo->io", x.astype(jnp.float32), g.astype(jnp.float32))
+    assert ours.dtype == jnp.float32 and _rel(ours, exact) < 1e-5
+
+
+def test_an_integer_preferred_type_is_left_to_jax():
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    dn = (((1,), (0,)), ((), ()))
+    out = amp_dot_general(x, w, dn, preferred_element_type=jnp.int32, compute_dtype=jnp.bfloat16)
+    assert out.dtype == lax.dot_general(x, w, dn, preferred_element_type=jnp.int32).dtype

@@ -145,19 +145,21 @@ _NOT_LAYERS = frozenset(
         "rematted_computation",
         "remat",
         "while",
-        "body",
         "cond",
-        "branch",
         "closed_call",
         "core_call",
         "scan",
         "pjit",
         "custom_vjp_call",
         "custom_jvp_call",
+        "jaxamp_float32",  # the scope of code kept as traced (autocast_interpreter.FLOAT32_SCOPE)
     }
 )
 
 
+# Entries JAX adds inside a transformation's own entry: ``while/body``, ``cond/branch_1_fun``.
+# Elsewhere they are a user's layer names.
+_AFTER = {"while": re.compile(r"body|cond"), "cond": re.compile(r"branch(_\d+)?(_fun)?")}
 _POLICY_MODULE = re.compile(r"PolicyModule(_\d+)?")
 _POLICY_CALL = ".jaxamp_policy"  # the wrapper's lifted call (``linen_policy._TARGET``)
 
@@ -169,7 +171,10 @@ def short_name(name: str) -> str:
     for raw in [p for p in name.split("/") if p][1:-1]:
         part = re.sub(r"^(?:\w+\()+|\)+$", "", raw)  # transpose(jvp(M)) -> M
         wrapper = previous.endswith(_POLICY_CALL)
+        inside = _AFTER.get(previous)
         previous = part
+        if inside is not None and inside.fullmatch(part):
+            continue
         if part.endswith(_POLICY_CALL) or _POLICY_MODULE.fullmatch(part):
             continue  # jaxamp.linen's wrapper (named after the model it wraps, or PolicyModule_0)
         if wrapper and part == "module":

@@ -73,6 +73,13 @@ def _eqn_context(eqn: Any) -> contextlib.ExitStack:
     return stack
 
 
+def _in_backward_pass(eqn: Any) -> bool:
+    """Whether ``eqn`` belongs to a backward pass traced in the program (``jax.grad`` called
+    inside the function names its transposed equations ``transpose(...)``)."""
+    source_info = getattr(eqn, "source_info", None)
+    return source_info is not None and "transpose(" in str(source_info.name_stack)
+
+
 def _in_float32_scope(eqn: Any) -> bool:
     source_info = getattr(eqn, "source_info", None)
     return source_info is not None and FLOAT32_SCOPE in str(source_info.name_stack)
@@ -207,8 +214,15 @@ def _promote(eqn: Any, env: _Env) -> list[Any]:
     return _bind(eqn, _planned_inputs(eqn, env))
 
 
-def _wide(env: _Env, atom: Any, value: Any) -> Any:
+# Reductions whose result must equal one of the elements that flow on (their JVP finds
+# the maximum by comparing): they read the 16-bit value, which they reduce exactly.
+_CHOOSERS = _names("reduce_max_p", "reduce_min_p", "argmax_p", "argmin_p")
+
+
+def _wide(env: _Env, atom: Any, value: Any, primitive: str = "") -> Any:
     """``value``, or the wider value of the same dtype a narrowing convert made ``atom`` from."""
+    if primitive in _CHOOSERS:
+        return value
     wide = env.wide_of(atom)
     if wide is None:
         return value
@@ -223,9 +237,9 @@ def _float32(eqn: Any, env: _Env) -> list[Any]:
         _FLOAT32 if _is_float(env.dtype(a)) and np.dtype(env.dtype(a)).itemsize < 4 else None
         for a in eqn.invars
     ]
-    values = [
-        _wide(env, a, v) for a, v in zip(eqn.invars, _planned_inputs(eqn, env, wanted), strict=True)
-    ]
+    name = eqn.primitive.name
+    planned = _planned_inputs(eqn, env, wanted)
+    values = [_wide(env, a, v, name) for a, v in zip(eqn.invars, planned, strict=True)]
     if eqn.primitive is lax.scatter_add_p:  # its combiner is typed: build it again
         p = eqn.params
         return [
@@ -296,6 +310,11 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
             wider = _is_float(preferred) and np.dtype(preferred).itemsize > max(
                 compute.itemsize, np.dtype(traced).itemsize
             )
+            if not wider and _in_backward_pass(eqn):
+                # A gradient the function takes itself: its GEMMs keep their traced (float32)
+                # result, so a float32 weight's gradient is not rounded to 16 bits.
+                preferred = _traced_dtype(eqn.outvars[0])
+                wider = _is_float(preferred) and np.dtype(preferred).itemsize > compute.itemsize
             return [
                 amp_dot_general(
                     lhs,
@@ -355,16 +374,26 @@ def broadcast_summing_in_float32(x: Any, shape: Sequence[int], dims: Sequence[in
     JAX's transpose of a broadcast sums in the cotangent's dtype: 16 bits for a bias
     or a positional embedding added to 16-bit activations. Forward mode (``jax.jvp``)
     goes through it too."""
-    return _broadcast(x, tuple(int(n) for n in shape), tuple(int(d) for d in dims))
+    return _broadcast(x, tuple(shape), tuple(int(d) for d in dims))
 
 
-def _needs_float32_sum(x: Any, atom: Any, out_shape: Sequence[int]) -> bool:
-    """A 16-bit value (not a constant) that an operation broadcasts to ``out_shape``."""
-    return (
-        not isinstance(atom, jex.core.Literal)
-        and _is_16bit(getattr(x, "dtype", None))
-        and np.ndim(x) <= len(out_shape)
-        and int(np.prod(np.shape(x), dtype=int)) < int(np.prod(out_shape, dtype=int))
+def _needs_float32_sum(
+    x: Any, atom: Any, out_shape: Sequence[Any], dims: Sequence[int] | None = None
+) -> bool:
+    """A 16-bit value (not a constant) whose values an operation repeats to fill
+    ``out_shape`` (``x``'s dimension ``k`` going to ``dims[k]``; the same dimension for an
+    elementwise operation). Dimensions may be symbolic (``jax.export``): a symbolic one is
+    taken to be more than 1."""
+    if isinstance(atom, jex.core.Literal) or not _is_16bit(getattr(x, "dtype", None)):
+        return False
+    shape = np.shape(x)
+    if len(shape) > len(out_shape):
+        return False
+    dims = range(len(shape)) if dims is None else dims
+    one = lambda d: isinstance(d, int) and d == 1
+    new = set(range(len(out_shape))) - set(dims)
+    return any(not one(out_shape[i]) for i in new) or any(
+        one(n) and not one(out_shape[d]) for n, d in zip(shape, dims, strict=True)
     )
 
 
@@ -374,7 +403,8 @@ def _broadcast_in_dim(eqn: Any, env: _Env) -> list[Any]:
     out_shape = eqn.outvars[0].aval.shape
     if x is None or eqn.params.get("sharding") is not None:
         return _promote(eqn, env)
-    if not _needs_float32_sum(x, eqn.invars[0], out_shape):
+    dims = eqn.params["broadcast_dimensions"]
+    if not _needs_float32_sum(x, eqn.invars[0], out_shape, dims):
         return _promote(eqn, env)
     return [broadcast_summing_in_float32(x, out_shape, eqn.params["broadcast_dimensions"])]
 
@@ -450,17 +480,27 @@ def eval_jaxpr(
 
 
 def _gather(eqn: Any, env: _Env) -> list[Any]:
-    """``gather`` from a table the program narrowed just before (an embedding layer that
-    casts its float32 table to the compute dtype, then looks rows up): the rows are
-    gathered from the float32 table and cast, so the gradient is scatter-added into the
-    table in float32 rather than in 16 bits."""
+    """``gather``, whose gradient is a scatter-add (a sum, where indices repeat).
+
+    From a table the program cast to 16 bits just before (an embedding layer that casts
+    its float32 table, then looks rows up), the rows are gathered from the float32 table
+    and cast, so the table's gradient is summed in float32. From a 16-bit value where
+    the program had a wider one (a loss's ``take_along_axis`` of logits a 16-bit matmul
+    made, under autocast), the gather runs in the traced dtype, for the same reason."""
     table = eqn.invars[0]
     wide = env.wide_of(table)
-    if wide is None:
-        return _promote(eqn, env)
-    narrow = env.dtype(table)
-    values = [wide, *(env.read(a) for a in eqn.invars[1:])]
-    return [out.astype(narrow) for out in _bind(eqn, values)]
+    if wide is not None:
+        narrow = env.dtype(table)
+        values = [wide, *(env.read(a) for a in eqn.invars[1:])]
+        return [out.astype(narrow) for out in _bind(eqn, values)]
+    traced, arrived = _traced_dtype(table), env.dtype(table)
+    if (
+        _is_float(traced)
+        and _is_float(arrived)
+        and (np.dtype(arrived).itemsize < np.dtype(traced).itemsize)
+    ):
+        return _bind(eqn, [env.read_as(table, traced), *(env.read(a) for a in eqn.invars[1:])])
+    return _promote(eqn, env)
 
 
 def _is_float32_form(eqn: Any) -> bool:
@@ -606,6 +646,20 @@ def _shard_map(eqn: Any, env: _Env) -> list[Any]:
     return list(mapped(*[env.read(a) for a in eqn.invars]))
 
 
+def _zero_tangent(y: Any) -> Any:
+    """A zero tangent for ``y``: ``float0`` zeros for an integer or boolean output."""
+    if _is_float(getattr(y, "dtype", None)) or jnp.issubdtype(y.dtype, jnp.complexfloating):
+        return jnp.zeros_like(y)
+    return np.zeros(np.shape(y), jax.dtypes.float0)
+
+
+def _tangent_like(t: Any, y: Any) -> Any:
+    """The rule's tangent in ``y``'s dtype; a ``float0`` tangent (of an integer output) as is."""
+    if _is_float(getattr(y, "dtype", None)) and _is_float(getattr(t, "dtype", None)):
+        return t.astype(y.dtype)
+    return t
+
+
 def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
     """A ``jax.custom_jvp`` function (``relu``, ``logaddexp`` and so ``softplus``, ``mish``):
     rebuilt with ``jax.custom_jvp`` around its body and its JVP rule, both evaluated with
@@ -639,7 +693,7 @@ def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
         primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
         nonzero = iter(outs[n:])
         tangents_out = [
-            jnp.zeros_like(y) if zero else next(nonzero).astype(y.dtype)
+            _zero_tangent(y) if zero else _tangent_like(next(nonzero), y)
             for y, zero in zip(primals_out, out_zeros, strict=True)
         ]
         return primals_out, tangents_out

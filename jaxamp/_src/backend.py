@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.environment import cpu_16bit_units, cpu_info
+from jaxamp._src import environment
 from jaxamp._src.policy import PRESETS, Policy
 
 # NVIDIA compute capability from which bfloat16 tensor cores exist (Ampere).
@@ -40,8 +40,8 @@ def _is_rocm(device: Any) -> bool:
 
 def _cpu_reason() -> str:
     """Why ``float32`` on this CPU, naming it (from /proc/cpuinfo)."""
-    model, flags = cpu_info()
-    units = cpu_16bit_units("bfloat16")
+    model, flags = environment.cpu_info()
+    units = environment.cpu_16bit_units("bfloat16")
     named = f"cpu: {model or 'unknown'} ({os.cpu_count()} cores)"
     if units:
         return (

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxamp._src.autocast_interpreter import FLOAT32_SCOPE
 from jaxamp._src.policy import Policy, get_policy, is_floating_array
 
 
@@ -126,7 +127,8 @@ def reduce_gradients(
     gradients of its own examples. Floating leaves are cast to
     ``policy.grad_reduce_dtype`` (float32 under mixed policies unless the policy's
     ``reduce_dtype`` says otherwise), summed (or averaged) across ``axis_name``, and
-    returned in that dtype.
+    returned in that dtype; under :func:`jaxamp.autocast` too (the reduction runs as
+    traced there, so ``reduce=bf16`` is kept rather than widened to float32).
 
     Args:
       grads: the per-device gradients.
@@ -144,7 +146,8 @@ def reduce_gradients(
     def one(g):
         if not is_floating_array(g):
             return g
-        return reduce(g.astype(dtype), axis_name)
+        with jax.named_scope(FLOAT32_SCOPE):  # as traced under autocast: the dtype asked for
+            return reduce(g.astype(dtype), axis_name)
 
     return jax.tree.map(one, grads)
 

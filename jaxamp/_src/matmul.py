@@ -48,10 +48,12 @@ from jax import lax
 # A primitive needs JAX's registries of differentiation, batching and lowering rules; they
 # live in jax._src (jax.extend exposes the Primitive class only). The convolution's
 # transposes are JAX's own rules, called with 16-bit operands.
+from jax._src.dispatch import apply_primitive as _apply_primitive
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.lax import convolution as _lax_conv
+from jax._src.lax.lax import _precision_strings as _PRECISION_STRINGS
+from jax._src.lax.lax import canonicalize_precision as _canonicalize_precision
 from jax._src.sharding_impls import canonicalize_sharding
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp._src.matmul_forms import (
     FORMS,
@@ -59,8 +61,9 @@ from jaxamp._src.matmul_forms import (
     free_dims,
     gemm,
     get_form,
-    matmul_form,
+    override,
     permute,
+    platform_form,
     sharded_in_type,
 )
 
@@ -73,33 +76,67 @@ def _is_16bit_float(dtype: Any) -> bool:
 
 
 def _rule_precision(precision: Any) -> Any:
-    """The rule chooses the algorithm; a ``lax.Precision`` (or its name) passes through."""
-    if isinstance(precision, str):
+    """The rule chooses the algorithm: a ``lax.Precision`` (or its name) passes through, a
+    dot algorithm (or its name, such as ``"BF16_BF16_F32"``) gives way to the rule's own.
+    Names are read as ``lax.dot_general`` reads them."""
+    if precision is None:
+        return None
+    if isinstance(precision, (str, list, tuple)):
         try:
-            return lax.Precision(precision)
+            precision = _canonicalize_precision(precision)
         except ValueError as e:
-            names = ", ".join(p.name.lower() for p in lax.Precision)
-            raise ValueError(f"Unknown precision {precision!r}. Valid choices: {names}.") from e
+            strings = sorted(k for k in _PRECISION_STRINGS if isinstance(k, str))
+            raise ValueError(
+                f"Unknown precision {precision!r}. Valid choices: {', '.join(strings)}, the "
+                "lax.Precision values, or a lax.DotAlgorithmPreset name."
+            ) from e
     if isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
         return None
-    if isinstance(precision, tuple):
-        parts = tuple(_rule_precision(p) for p in precision)
-        return None if any(p is None for p in parts) else parts
+    if isinstance(precision, tuple) and any(
+        isinstance(p, (lax.DotAlgorithm, lax.DotAlgorithmPreset)) for p in precision
+    ):
+        return None
     return precision
 
 
 # ------------------------------------------------------------------ the dot primitive
+#
+# Parameters: ``dimension_numbers``, ``compute_dtype``, ``out_dtype``, ``precision``,
+# ``form`` (a MatmulForm, or None: the lowering platform's), ``sharding`` (the GEMM
+# result's, or None) and ``permutation`` (axes the result is transposed by inside the
+# primitive, or None: the backward GEMMs give their gradients in their operands' layout,
+# and on XLA:CPU that transpose must be materialised, so it belongs to the form).
 
 amp_dot_general_p = jex.core.Primitive("amp_dot_general")
 
 
-def _dot_impl(lhs, rhs, *, dimension_numbers, compute_dtype, out_dtype, precision, form, sharding):
+def _dot_impl(
+    lhs,
+    rhs,
+    *,
+    dimension_numbers,
+    compute_dtype,
+    out_dtype,
+    precision,
+    form,
+    sharding,
+    permutation,
+    platform=None,
+):
+    """The primitive's program, for ``platform`` (``None``: a GPU or TPU)."""
+    form = platform_form(platform, compute_dtype) if form is None else form
+    if form.canonical_layout and (sharding is not None or sharded_in_type(lhs, rhs)):
+        form = FORMS["upcast"]  # the canonical layout's reshapes would need shardings
     lhs16, rhs16 = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
-    y = gemm(lhs16, rhs16, dimension_numbers, precision, form, sharding)
-    return y.astype(out_dtype)
+    y = gemm(lhs16, rhs16, dimension_numbers, precision, form, sharding).astype(out_dtype)
+    if permutation is None:
+        return y
+    return permute(y, permutation, FORMS["native"] if sharding is not None else form)
 
 
-def _dot_abstract_eval(lhs, rhs, *, dimension_numbers, compute_dtype, out_dtype, sharding, **_):
+def _dot_abstract_eval(
+    lhs, rhs, *, dimension_numbers, compute_dtype, out_dtype, sharding, permutation, **_
+):
     out, _ = lax.dot_general_p.abstract_eval(
         lhs.update(dtype=compute_dtype, weak_type=False),
         rhs.update(dtype=compute_dtype, weak_type=False),
@@ -108,7 +145,10 @@ def _dot_abstract_eval(lhs, rhs, *, dimension_numbers, compute_dtype, out_dtype,
         preferred_element_type=_F32,
         out_sharding=sharding,
     )
-    return out.update(dtype=out_dtype, weak_type=False)
+    out = out.update(dtype=out_dtype, weak_type=False)
+    if permutation is not None:
+        out, _ = lax.transpose_p.abstract_eval(out, permutation=permutation)
+    return out
 
 
 def _ranges_like(*xs):
@@ -137,20 +177,17 @@ def _has_explicit_axes(mesh: Any) -> bool:
     return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _bind_dot(lhs, rhs, *, dimension_numbers, sharding, form, **params) -> jax.Array:
-    """Binds the dot primitive; the canonical layout's reshapes would need shardings of
-    their own, so explicitly sharded GEMMs take the ``upcast`` form instead (both are
-    XLA:CPU forms)."""
-    if form.canonical_layout and (sharding is not None or sharded_in_type(lhs, rhs)):
-        form = FORMS["upcast"]
-    return amp_dot_general_p.bind(
-        lhs, rhs, dimension_numbers=dimension_numbers, sharding=sharding, form=form, **params
-    )
+def _permutation(order) -> tuple[int, ...] | None:
+    """The permutation that puts a GEMM result in ``order`` back in its operand's layout."""
+    axes = tuple(int(a) for a in np.argsort(order))
+    return None if axes == tuple(range(len(axes))) else axes
 
 
-def _dot_transpose_lhs(ct, lhs, rhs, *, dimension_numbers, sharding, **params):
+def _dot_transpose_lhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation, **params):
     """``d_lhs = dot(g, rhs)``: the activation gradient, under the rule."""
     del sharding
+    if permutation is not None:  # the forward result was transposed: undo it on g
+        ct = jnp.transpose(ct, np.argsort(permutation))
     x_aval = lhs.aval
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = free_dims(x_aval.ndim, x_contract, x_batch)
@@ -159,16 +196,22 @@ def _dot_transpose_lhs(ct, lhs, rhs, *, dimension_numbers, sharding, **params):
     dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_by_y = [int(d) for d in np.take(x_contract, np.argsort(y_contract))]
     order = [*x_batch, *x_kept, *x_contract_by_y]
-    params = {**params, "out_dtype": np.dtype(x_aval.dtype)}
-    sharding = _sharding_of_result(x_aval, order)
-    y = _bind_dot(ct, rhs, dimension_numbers=dims, sharding=sharding, **params)
-    return permute(y, np.argsort(order), params["form"] if sharding is None else FORMS["native"])
+    return amp_dot_general_p.bind(
+        ct,
+        rhs,
+        dimension_numbers=dims,
+        sharding=_sharding_of_result(x_aval, order),
+        permutation=_permutation(order),
+        **{**params, "out_dtype": np.dtype(x_aval.dtype)},
+    )
 
 
-def _dot_transpose_rhs(ct, lhs, rhs, *, dimension_numbers, sharding, **params):
+def _dot_transpose_rhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation, **params):
     """``d_rhs = dot(lhs, g)``: ``lhs`` first, so that a weight ``[in, out]`` gets its
     gradient in its own layout, with no transpose after the GEMM."""
     del sharding
+    if permutation is not None:
+        ct = jnp.transpose(ct, np.argsort(permutation))
     y_aval = rhs.aval
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = free_dims(lhs.ndim, x_contract, x_batch)
@@ -177,10 +220,14 @@ def _dot_transpose_rhs(ct, lhs, rhs, *, dimension_numbers, sharding, **params):
     dims = ((tuple(x_kept), ans_x), (tuple(x_batch), ans_batch))
     y_contract_by_x = [int(y_contract[i]) for i in np.argsort(x_contract)]
     order = [*y_batch, *y_contract_by_x, *y_kept]
-    params = {**params, "out_dtype": np.dtype(y_aval.dtype)}
-    sharding = _sharding_of_result(y_aval, order)
-    y = _bind_dot(lhs, ct, dimension_numbers=dims, sharding=sharding, **params)
-    return permute(y, np.argsort(order), params["form"] if sharding is None else FORMS["native"])
+    return amp_dot_general_p.bind(
+        lhs,
+        ct,
+        dimension_numbers=dims,
+        sharding=_sharding_of_result(y_aval, order),
+        permutation=_permutation(order),
+        **{**params, "out_dtype": np.dtype(y_aval.dtype)},
+    )
 
 
 def _bump(dims, b):
@@ -208,29 +255,49 @@ def _batch_dimension_numbers(ndims, batch_dims, dimension_numbers):
     return ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)), out_dim
 
 
-def _dot_batch(axis_data, args, dims, *, dimension_numbers, sharding, **params):
+def _dot_batch(axis_data, args, dims, *, dimension_numbers, sharding, permutation, **params):
     lhs, rhs = args
     lbd, rbd = dims
     if lbd is None and rbd is None:
-        out = _bind_dot(lhs, rhs, dimension_numbers=dimension_numbers, sharding=sharding, **params)
+        out = amp_dot_general_p.bind(
+            lhs,
+            rhs,
+            dimension_numbers=dimension_numbers,
+            sharding=sharding,
+            permutation=permutation,
+            **params,
+        )
         return out, None
     ndims = (np.ndim(lhs), np.ndim(rhs))
     new_dims, out_dim = _batch_dimension_numbers(ndims, (lbd, rbd), dimension_numbers)
     if sharding is not None:
         sharding = batching.get_sharding_for_vmap(axis_data, sharding, out_dim)
-    out = _bind_dot(lhs, rhs, dimension_numbers=new_dims, sharding=sharding, **params)
+    if permutation is not None:  # the mapped dimension first, the others permuted after it
+        permutation = (out_dim, *(p + int(p >= out_dim) for p in permutation))
+        out_dim = 0
+    out = amp_dot_general_p.bind(
+        lhs, rhs, dimension_numbers=new_dims, sharding=sharding, permutation=permutation, **params
+    )
     return out, out_dim
 
 
-amp_dot_general_p.def_impl(_dot_impl)
+def _dispatch(*args, **params):
+    """An eager call: the primitive compiled for the backend its operands live on."""
+    return _apply_primitive(amp_dot_general_p, *args, **params)
+
+
+amp_dot_general_p.def_impl(_dispatch)
 amp_dot_general_p.def_abstract_eval(_dot_abstract_eval)
 ad.defbilinear(amp_dot_general_p, _dot_transpose_lhs, _dot_transpose_rhs)
 batching.fancy_primitive_batchers[amp_dot_general_p] = _dot_batch
+# Without an override the form is the lowering platform's: a program lowered for a GPU
+# (jax.export from a CPU host, say) takes the native form, one for a CPU the canonical.
 mlir.register_lowering(amp_dot_general_p, mlir.lower_fun(_dot_impl, multiple_results=False))
-
-# The rule's result is named, so that ``jax.checkpoint`` policies can save it (the 16-bit
-# activation) rather than recompute its GEMM (see residuals.py).
-MATMUL_OUTPUT = "jaxamp_matmul_output"
+mlir.register_lowering(
+    amp_dot_general_p,
+    mlir.lower_fun(functools.partial(_dot_impl, platform="cpu"), multiple_results=False),
+    platform="cpu",
+)
 
 
 def _normalize_dimension_numbers(dimension_numbers):
@@ -281,8 +348,8 @@ def amp_dot_general(
     multiplied with float32 products and sums; the result comes back in
     ``preferred_element_type`` if that is a floating dtype, else in
     ``compute_dtype``. Gradients come back in the dtypes the operands came in.
-    Non-floating operands or a float32 ``compute_dtype`` leave the call to
-    ``lax.dot_general``.
+    Non-floating operands, a non-floating ``preferred_element_type`` or a float32
+    ``compute_dtype`` leave the call to ``lax.dot_general``.
 
     Args:
       lhs: left operand.
@@ -292,8 +359,9 @@ def amp_dot_general(
         algorithms are replaced by the rule's own.
       preferred_element_type: the result dtype, or ``None`` for ``compute_dtype``.
       compute_dtype: the 16-bit dtype of the GEMM operands.
-      form: a :class:`jaxamp.MatmulForm` or its name; ``None`` picks
-        :func:`jaxamp.matmul_form` (``use_matmul_form`` overrides it).
+      form: a :class:`jaxamp.MatmulForm` or its name; ``None`` takes an override
+        (:func:`jaxamp.use_matmul_form`) if one is set, else the form of the
+        platform the program is lowered for (:func:`jaxamp.matmul_form`).
       out_sharding: the result's sharding, as for ``lax.dot_general``.
 
     Returns:
@@ -315,7 +383,10 @@ def amp_dot_general(
     """
     compute = np.dtype(compute_dtype)
     floating = all(jnp.issubdtype(x.dtype, jnp.floating) for x in (lhs, rhs))
-    if not (_is_16bit_float(compute) and floating):
+    preferred_floating = preferred_element_type is None or jnp.issubdtype(
+        preferred_element_type, jnp.floating
+    )
+    if not (_is_16bit_float(compute) and floating and preferred_floating):
         return lax.dot_general(
             lhs,
             rhs,
@@ -324,21 +395,21 @@ def amp_dot_general(
             preferred_element_type=preferred_element_type,
             out_sharding=out_sharding,
         )
-    out = compute
-    if preferred_element_type is not None and jnp.issubdtype(preferred_element_type, jnp.floating):
-        out = np.dtype(preferred_element_type)
+    out = compute if preferred_element_type is None else np.dtype(preferred_element_type)
+    chosen = override() if form is None else get_form(form)
+    sharding = canonicalize_sharding(out_sharding, "amp_dot_general")
     lhs, rhs = _same_varying_axes(lhs, rhs)
-    y = _bind_dot(
+    return amp_dot_general_p.bind(
         lhs,
         rhs,
         dimension_numbers=_normalize_dimension_numbers(dimension_numbers),
         compute_dtype=compute,
         out_dtype=out,
         precision=_rule_precision(precision),
-        form=matmul_form(dtype=compute) if form is None else get_form(form),
-        sharding=canonicalize_sharding(out_sharding, "amp_dot_general"),
+        form=chosen,
+        sharding=sharding,
+        permutation=None,
     )
-    return checkpoint_name(y, MATMUL_OUTPUT)
 
 
 # ------------------------------------------------------------------- convolutions
@@ -437,10 +508,9 @@ def _bind_conv(lhs, rhs, conv_params, compute: np.dtype, out: np.dtype) -> jax.A
         if k != "preferred_element_type"
     )
     lhs, rhs = _same_varying_axes(lhs, rhs)
-    y = amp_conv_general_dilated_p.bind(
+    return amp_conv_general_dilated_p.bind(
         lhs, rhs, conv_params=conv_params, compute_dtype=compute, out_dtype=out
     )
-    return checkpoint_name(y, MATMUL_OUTPUT)
 
 
 _CONV_ARGS = (
@@ -557,14 +627,12 @@ class DotGeneral:
         """``jnp.einsum`` whose contractions run under the rule, in the compute dtype.
 
         ``jnp.einsum`` caches its traces by its ``_dot_general`` argument, so the rule is
-        passed with its form resolved: an einsum traced under another form is traced
-        again, not taken from the cache.
+        passed with the form :func:`jaxamp.use_matmul_form` sets, if any: an einsum
+        traced under another form is traced again, not taken from the cache.
         """
         if kwargs.get("preferred_element_type") is None:
             kwargs["preferred_element_type"] = self.compute_dtype
-        rule = self
-        if self.form is None:
-            rule = dataclasses.replace(self, form=matmul_form(dtype=self.compute_dtype))
+        rule = self if self.form is not None else dataclasses.replace(self, form=override())
         return jnp.einsum(subscripts, *operands, _dot_general=rule, **kwargs)
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -129,7 +130,8 @@ def use_matmul_form(form: str | MatmulForm) -> Iterator[MatmulForm]:
         _OVERRIDE.reset(token)
 
 
-def _override() -> MatmulForm | None:
+def override() -> MatmulForm | None:
+    """The form :func:`use_matmul_form` or ``JAXAMP_MATMUL_FORM`` asks for, or ``None``."""
     chosen = _OVERRIDE.get()
     if chosen is not None:
         return chosen
@@ -142,20 +144,30 @@ def _override() -> MatmulForm | None:
         raise ValueError(f"{ENV_VAR}={name!r}: {e}") from e
 
 
+def platform_form(platform: str | None, dtype: Any) -> MatmulForm:
+    """The form a GEMM in ``dtype`` takes when lowered for ``platform``, with no override."""
+    if platform == "cpu":
+        return FORMS["canonical" if np.dtype(dtype) == jnp.bfloat16 else "upcast"]
+    return FORMS["native"]
+
+
 def matmul_form(platform: str | None = None, dtype: Any = jnp.bfloat16) -> MatmulForm:
     """The form of the 16-bit GEMMs in ``dtype`` on ``platform`` (default: the default backend).
 
     An override (:func:`use_matmul_form`, ``JAXAMP_MATMUL_FORM``) wins; else
     ``canonical`` for bfloat16 and ``upcast`` for float16 on CPUs, ``native``
-    elsewhere. A ``native`` override on a CPU warns: XLA:CPU fails to run some
-    of its bfloat16 dots.
+    elsewhere. Without an override the form is chosen when a program is lowered,
+    for the platform it is lowered for (a program exported for GPUs from a CPU
+    host, or run on the CPU of a GPU host, takes that platform's form). A
+    ``native`` override on a CPU warns: XLA:CPU fails to run some of its
+    bfloat16 dots.
 
     Example:
       >>> matmul_form("gpu").name, matmul_form("cpu").name, matmul_form("cpu", "float16").name
       ('native', 'canonical', 'upcast')
     """
     platform = jax.default_backend() if platform is None else platform
-    chosen = _override()
+    chosen = override()
     if chosen is not None:
         if chosen.name == "native" and platform == "cpu" and np.dtype(dtype) == jnp.bfloat16:
             warnings.warn(
@@ -165,9 +177,7 @@ def matmul_form(platform: str | None = None, dtype: Any = jnp.bfloat16) -> Matmu
                 stacklevel=3,
             )
         return chosen
-    if platform == "cpu":
-        return FORMS["canonical" if np.dtype(dtype) == jnp.bfloat16 else "upcast"]
-    return FORMS["native"]
+    return platform_form(platform, dtype)
 
 
 # --------------------------------------------------------------------------- the GEMMs
@@ -204,9 +214,9 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
     batch_shape = tuple(lhs.shape[d] for d in lb)
     lfree_shape = tuple(lhs.shape[d] for d in lfree)
     rfree_shape = tuple(rhs.shape[d] for d in rfree)
-    k = int(np.prod([lhs.shape[d] for d in lc], dtype=np.int64))
-    m = int(np.prod(lfree_shape, dtype=np.int64))
-    n = int(np.prod(rfree_shape, dtype=np.int64))
+    k = math.prod(lhs.shape[d] for d in lc)  # symbolic dimensions multiply too
+    m = math.prod(lfree_shape)
+    n = math.prod(rfree_shape)
     nb = len(lb)
     a = materialize(lhs, [*lb, *lfree, *lc]).reshape(*batch_shape, m, k)
     if not rb and list(rc) + rfree == list(range(rhs.ndim)):

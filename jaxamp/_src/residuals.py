@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.matmul import MATMUL_OUTPUT, amp_conv_general_dilated_p, amp_dot_general_p
+from jaxamp._src.matmul import amp_conv_general_dilated_p, amp_dot_general_p
 
 RESIDUAL_MODES = ("compute_dtype", "dots", "all")
 
@@ -74,7 +74,6 @@ _ALWAYS_SAVEABLE = frozenset(
         lax.argmin_p,
     )
 )
-_GEMMS = frozenset(p.name for p in (lax.dot_general_p, lax.conv_general_dilated_p))
 # Outputs that are cheaper to redo than to keep: they are made from smaller inputs.
 _NEVER_SAVED = frozenset(p.name for p in (lax.broadcast_in_dim_p, lax.iota_p))
 _BOOL_OUTPUT = frozenset(
@@ -117,33 +116,13 @@ def _is_downcast(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]) -> b
     )
 
 
-def _is_matmul_rule_output(prim: Any, params: dict[str, Any]) -> bool:
-    """The 16-bit result of jaxamp's matmul rule (``matmul.MATMUL_OUTPUT``): the activation."""
-    return prim.name == "name" and params.get("name") == MATMUL_OUTPUT
-
-
-def _is_wide_result_of_16bit_gemm(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):
-    """A GEMM of 16-bit operands with a float32 result: the rule's result is saved instead."""
-    preferred = params.get("preferred_element_type")
-    return (
-        prim.name in _GEMMS
-        and preferred is not None
-        and _is_wide_float(preferred)
-        and not any(_is_wide_float(getattr(a, "dtype", np.float32)) for a in avals)
-    )
-
-
 def save_compute_dtype(prim: Any, *avals: Any, **params: Any) -> bool:
     """``jax.checkpoint`` policy: save all but float32 elementwise intermediates.
 
     Also not saved: downcasts from float32 (such as the 16-bit copies of float32
-    weights), which the backward pass redoes from their float32 input, and the
-    float32 results of the matmul rule's GEMMs, whose 16-bit cast is saved.
+    weights), which the backward pass redoes from their float32 input. The matmul
+    rule's results (its primitives' outputs, 16-bit activations) are saved.
     """
-    if _is_matmul_rule_output(prim, params):
-        return True
-    if _is_wide_result_of_16bit_gemm(prim, avals, params):
-        return False
     if prim.name in _ALWAYS_SAVEABLE:
         return True
     if prim.name in _NEVER_SAVED or _is_downcast(prim, avals, params):
@@ -153,10 +132,6 @@ def save_compute_dtype(prim: Any, *avals: Any, **params: Any) -> bool:
 
 def save_dots(prim: Any, *avals: Any, **params: Any) -> bool:
     """``jax.checkpoint`` policy: save matmul, convolution and reduction outputs only."""
-    if _is_matmul_rule_output(prim, params):
-        return True
-    if _is_wide_result_of_16bit_gemm(prim, avals, params):
-        return False
     return prim.name in _ALWAYS_SAVEABLE
 
 
