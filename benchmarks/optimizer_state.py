@@ -69,8 +69,16 @@ def recipes() -> dict[str, tuple[str, Any, Any]]:
     }
 
 
-def bytes_per_parameter() -> list[dict[str, Any]]:
-    model = GPT2LMHeadModel(GPT2Config())
+BYTES_MODELS = {
+    "gpt2-small": GPT2Config(),
+    "gpt2-tiny": GPT2Config(
+        vocab_size=256, max_position=16, hidden_size=32, num_layers=1, num_heads=2
+    ),
+}
+
+
+def bytes_per_parameter(model_name: str = "gpt2-small") -> list[dict[str, Any]]:
+    model = GPT2LMHeadModel(BYTES_MODELS[model_name])
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
     shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
     n = sum(int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
@@ -274,6 +282,12 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--gpt-steps", type=int, default=1000, help="small GPT training steps")
+    parser.add_argument(
+        "--bytes-model",
+        choices=list(BYTES_MODELS),
+        default="gpt2-small",
+        help="the model whose bytes per parameter are counted (gpt2-tiny: a quick check)",
+    )
     parser.add_argument("--out", default=None, help="folder for the results")
     args = parser.parse_args(argv)
     env = environment()
@@ -281,10 +295,11 @@ def main(argv=None):
         accuracy = digits_accuracy(args.seeds, args.epochs, bar)
     with tqdm(total=len(recipes()) * args.seeds, desc="small GPT, per recipe and seed") as bar:
         gpt = gpt_loss(args.seeds, args.gpt_steps, bar)
-    memory = bytes_per_parameter()
+    memory = bytes_per_parameter(args.bytes_model)
     curves = stall()
     result = {
         "environment": env,
+        "bytes_model": args.bytes_model,
         "bytes": memory,
         "accuracy": accuracy,
         "gpt": gpt,
@@ -292,7 +307,8 @@ def main(argv=None):
     }
     md = "# Optimizer-state precision\n\n"
     md += f"Hardware: {describe_hardware(env)}; jax {jax.__version__}.\n\n"
-    md += "Bytes per parameter, GPT-2 small (params + master/compensation + Adam state):\n\n"
+    md += f"Bytes per parameter, {args.bytes_model} "
+    md += "(params + master/compensation + Adam state):\n\n"
     md += markdown_table(
         memory,
         [

@@ -198,8 +198,7 @@ def test_softmax_logsumexp_and_normalisation_run_in_float32(fun):
     # The matmul rule is one equation, its result 16-bit; everything after it is float32.
     rule = next(i for i, e in enumerate(eqns) if e.primitive.name == "amp_dot_general")
     assert _float_dtypes(eqns[rule].outvars) == {"bfloat16"}
-    assert eqns[rule + 1].primitive.name == "name"  # checkpoint_name(rule output)
-    after = [e for e in eqns[rule + 2 :] if _float_dtypes(e.outvars)]  # after its name
+    after = [e for e in eqns[rule + 1 :] if _float_dtypes(e.outvars)]
     assert after and all(_float_dtypes(e.outvars) == {"float32"} for e in after), after
 
 

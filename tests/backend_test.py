@@ -111,9 +111,6 @@ def test_auto_policy_says_why_naming_the_cpu(kind, monkeypatch):
     from jaxamp._src import environment
 
     monkeypatch.setattr(environment, "cpu_info", lambda: ("Test CPU 9000", CPU_KINDS[kind]))
-    from jaxamp._src import backend
-
-    monkeypatch.setattr(backend, "cpu_info", environment.cpu_info)
     policy, reason = auto_policy(FakeDevice("cpu"), explain=True)
     assert policy == jaxamp.PRESETS["float32"]
     assert "Test CPU 9000" in reason

@@ -43,6 +43,30 @@ def _check(records):
             assert r["speedup_vs_fp32"] == 1.0
 
 
+def test_cpu_smoke_suite_on_one_model(tmp_path):
+    """The smoke suite's small twin: one model, every variant and framework, one repeat."""
+    argv = ["--suite", "cpu-smoke", "--models", "bert-tiny:2", "--warmup", "1", "--repeats", "1"]
+    records = run.main([*argv, "--out", str(tmp_path)])
+    _check(records)
+    assert {r["model"] for r in records} == {"bert-tiny"}
+    assert {r["variant"] for r in records if r["framework"] == "jaxamp"} == {
+        "fp32",
+        "tf32",
+        "bf16",
+        "fp16",
+    }
+    frameworks = {r["framework"] for r in records}
+    assert {"jaxamp", "flax"} <= frameworks
+    bf16 = [r for r in records if r["framework"] == "jaxamp" and r["variant"] == "bf16"]
+    assert bf16 and all(r["jaxamp_over_handwritten_flax"] > 0 for r in bf16)
+    if "torch" in frameworks:
+        assert all(r["jaxamp_over_torch"] > 0 for r in records if r["framework"] == "jaxamp")
+    data = json.loads((tmp_path / "benchmarks.json").read_text())
+    assert data["records"] == json.loads(json.dumps(records, default=str))
+    assert (tmp_path / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
 def test_cpu_smoke_suite(tmp_path):
     records = run.main(["--suite", "cpu-smoke", "--out", str(tmp_path)])
     _check(records)
@@ -125,6 +149,7 @@ def test_matmul_forms_at_tiny_size(tmp_path):
     from benchmarks import matmul_forms
 
     argv = ["--size", "32", "--batch", "16", "--features", "8", "--warmup", "1", "--repeats", "2"]
+    argv += ["--model-batch", "2", "--model-length", "8", "--model-width", "64"]
     matmul_forms.main([*argv, "--out", str(tmp_path), "--hlo-out", str(tmp_path / "hlo")])
     result = json.loads((tmp_path / "matmul_forms.json").read_text())
     forms = {r["form"] for r in result["records"]}
@@ -138,13 +163,18 @@ def test_matmul_forms_at_tiny_size(tmp_path):
     assert any(p.name.endswith(".hlo.txt") for p in (tmp_path / "hlo").iterdir())
 
 
-def test_optimizer_state_benchmark_at_small_size(tmp_path):
+@pytest.mark.parametrize(
+    "bytes_model",
+    ["gpt2-tiny", pytest.param("gpt2-small", marks=pytest.mark.slow)],
+)
+def test_optimizer_state_benchmark_at_small_size(tmp_path, bytes_model):
     from benchmarks import optimizer_state
 
     argv = ["--seeds", "1", "--epochs", "1", "--gpt-steps", "2", "--out", str(tmp_path)]
-    result = optimizer_state.main(argv)
+    result = optimizer_state.main([*argv, "--bytes-model", bytes_model])
     by_recipe = {r["recipe"]: r for r in result["bytes"]}
-    assert by_recipe["fp32"]["parameters"] > 100e6  # GPT-2 small
+    parameters = by_recipe["fp32"]["parameters"]
+    assert parameters > 100e6 if bytes_model == "gpt2-small" else parameters < 1e6
     for r in result["bytes"]:  # the pytree and the compiled update agree
         assert abs(r["bytes_per_param_pytree"] - r["bytes_per_param_compiled"]) < 0.05
     assert {r["recipe"] for r in result["accuracy"]} == set(by_recipe)
@@ -156,7 +186,7 @@ def test_optimizer_state_benchmark_at_small_size(tmp_path):
         assert (tmp_path / name).exists()
 
 
-@pytest.mark.parametrize("model", ["mlp", "resnet18"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
     from benchmarks import loss_scaling
 

@@ -18,6 +18,21 @@ import jaxamp
 from jaxamp.models import BertClassifier, BertConfig, GPT2Config, GPT2LMHeadModel
 
 FORMS = [f for f in jaxamp.MATMUL_FORMS if f != "native" or jax.default_backend() != "cpu"]
+
+
+def _cases():
+    """(policy, form) pairs; a policy's default form on this backend is what every other
+    test of these models runs, so there it is ``slow`` (CI runs the other forms)."""
+    from jaxamp._src.matmul_forms import platform_form
+
+    for policy in POLICIES:
+        compute = jaxamp.get_policy(policy).compute_dtype
+        default = platform_form(jax.default_backend(), compute).name
+        for form in FORMS:
+            marks = [pytest.mark.slow] if form == default else []
+            yield pytest.param(policy, form, marks=marks, id=f"{policy}-{form}")
+
+
 IDS = jax.random.randint(jax.random.key(0), (4, 16), 1, 96)
 
 
@@ -67,8 +82,7 @@ def transformers_bert(policy):
 MODELS = {"jaxamp BERT": jaxamp_bert, "jaxamp GPT-2": jaxamp_gpt2, "BERT": transformers_bert}
 
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("policy", "form"), list(_cases()))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_models_train_under_every_form(name, policy, form):
     amp_loss, fp32_loss, params, batch = MODELS[name](policy)
