@@ -181,7 +181,11 @@ def test_configurations_are_hashable():
     assert hash(StaticLossScale(2.0)) != hash(StaticLossScale(4.0))
 
 
-@pytest.mark.parametrize("make", [np.float32, np.float64, jnp.float32, float])
+@pytest.mark.parametrize(
+    "make",
+    [np.float32, np.float64, jnp.float32, float, np.asarray, lambda v: np.full([], v, np.float32)],
+    ids=["np.float32", "np.float64", "jnp.float32", "float", "np.asarray", "0-d float32 array"],
+)
 def test_numpy_and_jax_scalars_are_accepted(make):
     rule = DynamicLossScale(
         init_scale=make(1024.0), growth_factor=make(2.0), growth_interval=np.int64(10)
@@ -191,6 +195,14 @@ def test_numpy_and_jax_scalars_are_accepted(make):
     assert hash(rule) == hash(DynamicLossScale(init_scale=1024.0, growth_interval=10))
     assert float(rule.init().scale) == 1024.0
     assert StaticLossScale(make(8.0)).scale == 8.0
+
+
+def test_jmps_default_floor_is_accepted_as_min_scale():
+    rule = DynamicLossScale(init_scale=np.asarray(2.0**15), min_scale=np.ones([], np.float32))
+    assert rule.min_scale == 1.0 and type(rule.min_scale) is float
+    assert StaticLossScale(np.asarray(10.0)).scale == 10.0
+    with pytest.raises(TypeError, match="must be a real scalar"):
+        StaticLossScale(np.ones(2))
 
 
 def test_a_non_number_is_a_type_error_naming_it():

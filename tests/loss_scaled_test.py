@@ -422,3 +422,23 @@ def test_a_non_finite_shard_skips_the_whole_data_parallel_step():
     new_params, state = jax.jit(mapped_step)({"w": jnp.ones((4,))}, state, x)
     np.testing.assert_array_equal(new_params["w"], jnp.ones(4))
     assert int(state.skipped_steps) == 1
+
+
+def test_nonfinite_record_is_the_same_on_every_device():
+    """Under a named axis the record is taken from the global check: a device whose own
+    gradients were finite records the leaf another device saw overflow."""
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), axis_name="d", record_nonfinite=True)
+    params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    state = tx.init(params)
+    grads = {"a": jnp.ones((2, 3)).at[0, 1].set(jnp.inf), "b": jnp.ones((2, 3))}
+
+    @jax.jit
+    @functools.partial(jax.vmap, in_axes=(0, None, None), out_axes=(0, 0), axis_name="d")
+    def step(grads, state, params):
+        return tx.update(grads, state, params)
+
+    updates, new = step(grads, state, params)
+    assert new.nonfinite_grads["a"].tolist() == [True, True]
+    assert new.nonfinite_grads["b"].tolist() == [False, False]
+    assert new.skipped_steps.tolist() == [1, 1]
+    assert float(jnp.abs(updates["a"]).max()) == 0.0

@@ -47,8 +47,10 @@ def _state(scale: float, hysteresis: int = 1) -> LossScaleState:
 
 
 def _real(name: str, value: Any) -> float:
-    """``value`` as a Python float: a Python, NumPy or JAX real scalar (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.generic, jax.Array)):
+    """``value`` as a Python float: a Python, NumPy (including a 0-d array, such as
+    jmp's ``np.ones([], np.float32)``) or JAX real scalar (not a bool)."""
+    scalar_types = (numbers.Real, np.generic, np.ndarray, jax.Array)
+    if isinstance(value, bool) or not isinstance(value, scalar_types):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
     if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
         raise TypeError(f"{name} must be a real scalar, got {value!r}.")

@@ -312,23 +312,20 @@ def loss_scaled(
         grads = jax.tree.map(
             lambda g: g.astype(jnp.float32) * inv_scale if is_floating_array(g) else g, updates
         )
+        every_device = lambda ok: (
+            ok if axis_name is None else lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+        )
         nonfinite_grads = state.nonfinite_grads
         if not record_nonfinite:
-            finite = _unscaled_finite(updates, inv_scale)
+            finite = every_device(_unscaled_finite(updates, inv_scale))
         else:  # the per-leaf checks are the check: computed once, kept and combined
-            leaves_ok = _finite_leaves(updates, inv_scale)
-            checks = jax.tree.leaves(leaves_ok)
-            finite = jnp.stack(checks).all() if checks else jnp.asarray(True)
-            if axis_name is not None:
-                leaves_ok = jax.tree.map(
-                    lambda ok: lax.pmin(ok.astype(jnp.int32), axis_name).astype(jnp.bool_),
-                    leaves_ok,
-                )
+            checks, treedef = jax.tree.flatten(_finite_leaves(updates, inv_scale))
+            checks = every_device(jnp.stack(checks)) if checks else jnp.ones([0], jnp.bool_)
+            finite = checks.all()  # global, as the record is: the same on every device
+            leaves_ok = jax.tree.unflatten(treedef, list(checks))
             nonfinite_grads = jax.tree.map(
                 lambda ok, old: jnp.where(finite, old, ~ok), leaves_ok, state.nonfinite_grads
             )
-        if axis_name is not None:
-            finite = lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
         master_params = _adopt_changes(state.master_params, params) if has_master else None
         if has_master or rounds:
             inner_params = recipes.inner_params(params, master_params, state.compensation)

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxamp._src.loss_scaled import LossScaledState
 
@@ -19,12 +20,36 @@ def _value(x: Any) -> Any:
     return getattr(x, "value", x)
 
 
+def _loss_scaled_states(tree: Any) -> list[LossScaledState]:
+    is_state = lambda x: isinstance(x, LossScaledState)
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
+def _check_not_inside_multi_steps(opt_state: Any) -> None:
+    """``optax.MultiSteps(jaxamp.loss_scaled(...))`` never recovers from an overflow:
+    MultiSteps accumulates the scaled gradients itself, and resets its accumulator with
+    ``(1 - emit) * acc``, which leaves an inf or NaN in place (0 * inf is NaN); its
+    ``should_skip_update_fn`` skips without the scaler seeing the overflow, so the
+    scale never backs off. The other order accumulates only finite, unscaled steps."""
+    is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+    for node in jax.tree.leaves(opt_state, is_leaf=is_multi):
+        if is_multi(node) and _loss_scaled_states(node.inner_opt_state):
+            raise ValueError(
+                "jaxamp.loss_scaled is inside optax.MultiSteps: MultiSteps accumulates the "
+                "scaled gradients, and after one overflow its accumulator stays NaN (it "
+                "resets it with (1 - emit) * acc, and 0 * inf is NaN), so training stops "
+                "for good. Put the loss scaling outside: "
+                "jaxamp.loss_scaled(optax.MultiSteps(inner, every_k_schedule=k))."
+            )
+
+
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
     """Finds the :class:`LossScaledState` inside an optimizer state.
 
-    Looks through any nesting: ``optax.chain``, ``optax.MultiSteps``,
-    ``optax.inject_hyperparams``, tuples, dicts, and ``nnx.Optimizer`` (pass the
-    optimizer or its ``opt_state``).
+    Looks through any nesting: ``optax.chain``, ``optax.inject_hyperparams``,
+    ``optax.multi_transform``, tuples, dicts, and ``nnx.Optimizer`` (pass the
+    optimizer or its ``opt_state``). ``optax.MultiSteps`` goes inside
+    ``loss_scaled``, not around it (see Raises).
 
     Args:
       opt_state: an optimizer state, or an object with an ``opt_state`` attribute.
@@ -33,14 +58,12 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
       The one ``LossScaledState`` found (its leaves unwrapped from NNX variables).
 
     Raises:
-      ValueError: if there is none, or more than one.
+      ValueError: if there is none, or more than one; or if it sits inside
+        ``optax.MultiSteps``, which cannot recover from an overflow of the scaled
+        gradients it accumulates (``jaxamp.loss_scaled(optax.MultiSteps(...))`` can).
     """
     opt_state = getattr(opt_state, "opt_state", opt_state)
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaledState))
-        if isinstance(x, LossScaledState)
-    ]
+    found = _loss_scaled_states(opt_state)
     if not found:
         raise ValueError(
             "No jaxamp loss-scaling state in this optimizer state: build the optimizer "
@@ -50,6 +73,7 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
         raise ValueError(
             f"Found {len(found)} jaxamp.loss_scaled states; wrap the optimizer only once."
         )
+    _check_not_inside_multi_steps(opt_state)
     return jax.tree.map(
         _value, found[0], is_leaf=lambda x: x is not None and hasattr(x, "get_value")
     )
