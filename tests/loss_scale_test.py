@@ -1,7 +1,10 @@
 """Tests for jaxamp/_src/loss_scale.py: the rules, GradScaler parity, validation."""
 
 import dataclasses
+import functools
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +13,14 @@ import pytest
 from jaxamp import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
 
 
+@functools.lru_cache
+def _jitted_adjust(rule):
+    return jax.jit(rule.adjust)  # rules are hashable: one compile per configuration
+
+
 def run(rule, finite_sequence):
     """The scale after each step, with the rule applied under jit."""
-    adjust = jax.jit(rule.adjust)
+    adjust = _jitted_adjust(rule)
     state, scales = rule.init(), []
     for finite in finite_sequence:
         state = adjust(state, jnp.asarray(finite))
@@ -202,3 +210,29 @@ def test_a_non_number_is_a_type_error_naming_it():
         DynamicLossScale(init_scale="big")
     with pytest.raises(TypeError, match="got True"):
         DynamicLossScale(init_scale=True)
+
+
+def _torch_scales(torch, sequence, init_scale, growth_interval):
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    scales = []
+    for finite in sequence:
+        optimizer.zero_grad()
+        scaler.scale((param * (1.0 if finite else float("inf"))).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(
+    sequence=st.lists(st.booleans(), min_size=1, max_size=40),
+    init_scale=st.sampled_from([1.0, 2.0**16, 2.0**126]),  # 2**126: growth stops below inf
+    growth_interval=st.integers(1, 4),
+)
+def test_trajectory_equals_torch_gradscaler_on_any_sequence(sequence, init_scale, growth_interval):
+    torch = pytest.importorskip("torch")
+    rule = DynamicLossScale(init_scale=init_scale, growth_interval=growth_interval)
+    assert run(rule, sequence) == _torch_scales(torch, sequence, init_scale, growth_interval)
