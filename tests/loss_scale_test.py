@@ -205,6 +205,12 @@ def test_jmps_default_floor_is_accepted_as_min_scale():
         StaticLossScale(np.ones(2))
 
 
+def test_adjust_takes_one_finiteness_flag():
+    rule = DynamicLossScale(init_scale=8.0)
+    with pytest.raises(ValueError, match=r"grads_finite must be a boolean scalar.*shape \(2,\)"):
+        jax.jit(rule.adjust)(rule.init(), jnp.array([True, False]))
+
+
 def test_a_non_number_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match="init_scale must be a real number, got 'big'"):
         DynamicLossScale(init_scale="big")

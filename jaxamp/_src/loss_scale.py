@@ -227,7 +227,16 @@ class DynamicLossScale:
 
         Returns:
           The new state.
+
+        Raises:
+          ValueError: if ``grads_finite`` is not a scalar (a vector would turn the
+            state into a batch of states).
         """
+        if jnp.shape(grads_finite) != ():
+            raise ValueError(
+                "grads_finite must be a boolean scalar (e.g. jaxamp.all_finite(grads)), got "
+                f"shape {jnp.shape(grads_finite)}."
+            )
         scale, tracker, hysteresis_left = state
         f32 = jnp.float32
 
