@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 ROUNDINGS = ("nearest", "stochastic")
 
@@ -32,10 +33,21 @@ def validate_rounding(rounding: str) -> str:
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds ``x`` to ``dtype`` stochastically, without bias.
 
-    Works for any floating ``dtype`` narrower than ``x``'s (bfloat16, float16):
-    ``x`` goes to the neighbour above with probability ``(x - lo) / (hi - lo)``.
-    Values that are exact in ``dtype``, non-finite values, and values beyond
-    ``dtype``'s range round to nearest.
+    Works for any floating ``dtype`` narrower than ``x``'s (bfloat16, float16). The
+    magnitude ``|x|`` goes to the neighbour above it with probability
+    ``(|x| - lo) / (hi - lo)`` and the sign is put back, so ``-x`` rounds to exactly
+    ``-(rounding of x)`` with the same key. Subnormals of ``dtype`` round like any
+    other values. Values that are exact in ``dtype`` (zeros of either sign, the max),
+    infinities, NaN, and values beyond ``dtype``'s largest finite value give exactly
+    ``x.astype(dtype)`` (round to nearest: a value past the max by less than half a
+    unit in the last place gives the max, one further out gives ``inf``), whatever
+    their sign.
+
+    bfloat16 is rounded on the bits (16 random bits added to the low half of
+    float32's), which is exact for every value, bfloat16's subnormals included
+    (they are float32 subnormals, which XLA:CPU flushes to zero in arithmetic).
+    Other dtypes compare a uniform draw with the fraction above, exact to 2**-23
+    of a unit in the last place.
 
     Args:
       x: the values (float32).
@@ -51,20 +63,37 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
       >>> y = stochastic_round(x, jnp.bfloat16, jax.random.key(0)).astype(jnp.float32)
       >>> sorted(set(y.tolist())), round(float(y.mean()) - 1.0, 4)
       ([1.0, 1.0078125], 0.001)
+      >>> big = jnp.asarray([1e10, -1e10], jnp.float32)  # beyond float16's max, 65504
+      >>> stochastic_round(big, jnp.float16, jax.random.key(0))
+      Array([ inf, -inf], dtype=float16)
     """
     dtype = np.dtype(dtype)
     x = jnp.asarray(x, jnp.float32)
     nearest = x.astype(dtype)
-    wide = nearest.astype(jnp.float32)
-    toward = jnp.where(wide > x, -jnp.inf, jnp.inf).astype(dtype)
-    other = jnp.nextafter(nearest, toward)
-    lo = jnp.minimum(wide, other.astype(jnp.float32))
-    hi = jnp.maximum(wide, other.astype(jnp.float32))
-    gap = hi - lo
-    p_hi = jnp.where(gap > 0, (x - lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
-    u = jax.random.uniform(key, x.shape, jnp.float32)
-    rounded = jnp.where(u < p_hi, hi, lo).astype(dtype)
-    keep = (wide == x) | ~jnp.isfinite(x) | ~jnp.isfinite(other.astype(jnp.float32))
+    # Signs, magnitudes and exactness on the bits: XLA:CPU flushes float32 subnormals
+    # to zero in arithmetic and comparisons.
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    sign = bits & jnp.uint32(0x80000000)
+    magnitude_bits = bits ^ sign
+    magnitude = lax.bitcast_convert_type(magnitude_bits, jnp.float32)
+    if dtype == jnp.bfloat16:
+        noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
+        kept = (magnitude_bits + noise) & jnp.uint32(0xFFFF0000)  # drops the low half: exact
+        rounded = lax.bitcast_convert_type(kept | sign, jnp.float32).astype(dtype)
+    else:
+        near = magnitude.astype(dtype)
+        above_x = near.astype(jnp.float32) > magnitude
+        zero, inf = jnp.zeros([], dtype), jnp.asarray(jnp.inf, dtype)
+        lo = jnp.where(above_x, jnp.nextafter(near, zero), near)
+        hi = jnp.where(above_x, near, jnp.nextafter(near, inf))
+        lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
+        gap = jnp.where(hi32 > lo32, hi32 - lo32, 1.0)
+        u = jax.random.uniform(key, x.shape, jnp.float32)
+        up = jnp.where(u < (magnitude - lo32) / gap, hi, lo)
+        rounded = jnp.where(sign != 0, -up, up)
+    # exact (bit for bit), inf or NaN, or beyond the largest finite value: to nearest
+    exact = lax.bitcast_convert_type(nearest.astype(jnp.float32), jnp.uint32) == bits
+    keep = exact | ~(magnitude <= jnp.finfo(dtype).max)
     return jnp.where(keep, nearest, rounded)
 
 
