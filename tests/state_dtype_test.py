@@ -25,8 +25,17 @@ def _dtypes(tree):
     return jax.tree.map(lambda x: jnp.asarray(x).dtype, tree)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+# float32 storage with stochastic rounding is left out: float32 state rounded to float32
+# is the identity; test_float32_storage_is_plain_optax_bit_for_bit covers float32.
+@pytest.mark.parametrize(
+    "dtype, rounding",
+    [
+        (d, r)
+        for d in DTYPES
+        for r in ("nearest", "stochastic")
+        if (d, r) != (jnp.float32, "stochastic")
+    ],
+)
 def test_adam_moments_in_dtype_counts_untouched_and_stable(dtype, rounding):
     tx = jaxamp.with_state_dtype(optax.adam(1e-2), dtype, rounding=rounding)
     params = _params()
@@ -129,3 +138,149 @@ def test_named_recipes_give_a_policy_and_an_optimizer(name):
     assert {p.dtype for p in jax.tree.leaves(params)} == {np.dtype(expected)}
     with pytest.raises(ValueError, match=r"Unknown optimizer recipe 'sr'\. Valid choices"):
         jaxamp.optimizer_recipe("sr", optax.adam(1e-2))
+
+
+def _traced_steps(tx, params, steps, grads_dtype=jnp.float32):
+    """``steps`` jitted updates of ``tx``: the params, the dtypes of the state after
+    ``init`` and after each step, and how many times the step was traced."""
+    traces = []
+
+    @jax.jit
+    def step(params, state, grads):
+        traces.append(1)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    dtypes = [_dtypes(state)]
+    for i in range(steps):
+        key = jax.random.fold_in(jax.random.key(1), i)
+        grads = jax.tree.map(lambda p, k=key: jax.random.normal(k, p.shape, grads_dtype), params)
+        params, state = step(params, state, grads)
+        dtypes.append(_dtypes(state))
+    return params, state, dtypes, len(traces)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_hyperparameters_weight_sums_and_counters_are_never_cast(dtype, rounding):
+    """inject_hyperparams' b2 = 0.999 is 1.0 in bfloat16 (Adam's update is then NaN);
+    schedule_free's weight_sum, b1 and max_lr are scalars too: all stay float32, and
+    only the per-parameter statistics (mu, nu, z) take ``dtype``."""
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b2=0.999)
+    tx = jaxamp.with_state_dtype(adam, dtype, rounding=rounding)
+    params, state, dtypes, traces = _traced_steps(tx, _params(), 5)
+    hyper = state.inner_state.hyperparams
+    assert {x.dtype for x in jax.tree.leaves(hyper)} == {np.dtype(jnp.float32)}
+    assert float(hyper["b2"]) == np.float32(0.999)
+    moments = state.inner_state.inner_state[0]
+    assert {x.dtype for x in jax.tree.leaves((moments.mu, moments.nu))} == {np.dtype(dtype)}
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+    assert dtypes[1:] == dtypes[:1] * 5 and traces == 1
+    free = jaxamp.with_state_dtype(
+        optax.contrib.schedule_free(optax.sgd(1.0), 1e-2), dtype, rounding=rounding
+    )
+    params, state, dtypes, traces = _traced_steps(free, _params(), 5)
+    sf = state.inner_state
+    assert {sf.b1.dtype, sf.weight_sum.dtype, sf.max_lr.dtype} == {np.dtype(jnp.float32)}
+    assert sf.step_count.dtype == jnp.int32
+    assert {x.dtype for x in jax.tree.leaves(sf.z)} == {np.dtype(dtype)}
+    assert float(sf.weight_sum) > 0 and dtypes[1:] == dtypes[:1] * 5 and traces == 1
+
+
+def test_bf16_stochastic_recipe_trains_inject_hyperparams_adam():
+    """The 6-bytes recipe with an injected learning rate: the loss goes down and the
+    params stay finite (with b2 rounded to 1.0 they went NaN at the first step)."""
+    import flax.linen as nn
+
+    policy, tx = jaxamp.optimizer_recipe(
+        "bf16_stochastic", optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    )
+    model = jaxamp.linen.apply_policy(nn.Dense(3), policy)
+    x = jax.random.normal(jax.random.key(3), (16, 5))
+    params = model.init(jax.random.key(0), x)["params"]
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss = lambda p: jnp.mean((model.apply({"params": p}, x) - 1.0) ** 2)
+        value, grads = jaxamp.value_and_grad(loss)(params, opt_state=state)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for _ in range(10):
+        params, state, value = step(params, state)
+        losses.append(float(value))
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+    hyper = state.inner_state.inner_state.hyperparams
+    assert float(hyper["b2"]) == np.float32(0.999) and hyper["b2"].dtype == jnp.float32
+
+
+def test_masked_and_single_array_params():
+    """Statistics are found in subtrees shaped like the params: under optax.masked (its
+    MaskedNode placeholders in them) and for params that are one array, where scalar
+    hyperparameters do not have the param's shape."""
+    params = _params()
+    masked = optax.masked(optax.adam(1e-2), {"w": True, "b": False})
+    state = jaxamp.with_state_dtype(masked, jnp.bfloat16).init(params)
+    adam = state.inner_state.inner_state[0]
+    assert adam.mu["w"].dtype == jnp.bfloat16 and isinstance(adam.mu["b"], optax.MaskedNode)
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    tx = jaxamp.with_state_dtype(adam, jnp.bfloat16)
+    _, state, dtypes, traces = _traced_steps(tx, params["w"], 3)  # params: one array
+    inner = state.inner_state
+    assert inner.hyperparams["b2"].dtype == jnp.float32
+    assert inner.inner_state[0].mu.dtype == jnp.bfloat16
+    assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
+
+
+@pytest.mark.parametrize("param_dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fields_not_named_keep_their_dtype_and_the_step_traces_once(param_dtype, rounding):
+    """With {"mu": bfloat16} and 16-bit params, nu starts in the params' dtype: it must stay
+    there (it went to float32 after the first step, and the step traced twice)."""
+    tx = jaxamp.with_state_dtype(optax.adam(1e-2), {"mu": jnp.bfloat16}, rounding=rounding)
+    params = jax.tree.map(lambda p: p.astype(param_dtype), _params())
+    params, state, dtypes, traces = _traced_steps(tx, params, 4, grads_dtype=param_dtype)
+    adam = state.inner_state[0]
+    assert adam.mu["w"].dtype == jnp.bfloat16 and adam.nu["w"].dtype == param_dtype
+    assert dtypes[1:] == dtypes[:1] * 4
+    assert traces == 1
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_float32_storage_is_plain_optax_bit_for_bit(rounding):
+    """Float32 storage rounds nothing: params and state are exactly plain optax's."""
+    tx = jaxamp.with_state_dtype(optax.adam(1e-2), jnp.float32, rounding=rounding)
+    ref = optax.adam(1e-2)
+    ours, state, _, _ = _traced_steps(tx, _params(), 5)
+    theirs, ref_state, _, _ = _traced_steps(ref, _params(), 5)
+    for a, b in zip(
+        jax.tree.leaves((ours, state.inner_state)),
+        jax.tree.leaves((theirs, ref_state)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_stochastic_recipe_rounds_params_and_state_with_independent_bits():
+    """optimizer_recipe("bf16_stochastic"): the param and its optimizer state, both at the
+    same value halfway between two bfloat16 neighbours, round up or down independently
+    (agree in about half the elements; with the same bits they agreed in all)."""
+    n = 1 << 14
+    x = 1.0 + (2 * jnp.arange(n) % 128 + 1) * 2.0**-8  # halfway between bfloat16 neighbours
+    _, tx = jaxamp.optimizer_recipe(
+        "bf16_stochastic", optax.trace(decay=0.9), loss_scale=jaxamp.StaticLossScale(1.0)
+    )
+    params = {"w": jnp.zeros(n, jnp.bfloat16)}
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": x}, state, params)  # trace = g; update = g
+    new = optax.apply_updates(params, updates)["w"].astype(jnp.float32)
+    trace = state.inner_state.inner_state.trace["w"].astype(jnp.float32)
+    assert bool(jnp.all(new != x)) and bool(jnp.all(trace != x))  # every one was rounded
+    agree = float(jnp.mean((new > x) == (trace > x)))
+    assert abs(agree - 0.5) < 0.05, agree  # 0.5 +- 0.004 (1 SE) for independent bits
+    assert abs(float(jnp.mean(new > x)) - 0.5) < 0.05  # each unbiased on its own

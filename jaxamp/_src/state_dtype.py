@@ -1,12 +1,23 @@
 """``with_state_dtype``: any optax transformation with its state stored in 16 bits.
 
 optax's ``scale_by_adam`` has ``mu_dtype`` but no ``nu_dtype``; other
-transformations have neither. This wrapper stores the floating leaves of any
-inner state in the dtypes asked for (one dtype, or one per state field such as
-``{"mu": jnp.bfloat16, "nu": jnp.float32}``) and computes each update in
-float32: it casts the stored state up, runs the inner update, and casts the new
-state down, to nearest or stochastically (unbiased, see
-:mod:`jaxamp._src.rounding`). Integer leaves (step counts) are never cast.
+transformations have neither. This wrapper stores the per-parameter statistics
+of any inner state in the dtypes asked for (one dtype, or one per state field
+such as ``{"mu": jnp.bfloat16, "nu": jnp.float32}``) and computes each update in
+float32: it casts the stored 16-bit leaves up, runs the inner update, and casts the
+new statistics down to their storage dtypes, to nearest or stochastically
+(unbiased, see :mod:`jaxamp._src.rounding`), and every other floating leaf back to
+the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
+
+A per-parameter statistic is a floating leaf that sits in a subtree of the state
+with the params' tree structure (``optax.MaskedNode`` standing in for a masked
+param), at the position of a param of the same shape: Adam's ``mu`` and ``nu``,
+momentum's ``trace``, schedule-free's ``z``. Every other leaf keeps the dtype
+``inner`` gives it: hyperparameters (``optax.inject_hyperparams``' ``b2 = 0.999``
+is 1.0 in bfloat16), step counts, schedule-free's ``weight_sum``, and factored
+statistics whose shapes are not the params' (Adafactor's ``v_row``/``v_col``).
+For params that are a single scalar array, scalar hyperparameters have the
+param's shape and structure too, and are cast.
 """
 
 from __future__ import annotations
@@ -16,10 +27,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxamp._src.policy import canonical_dtype, is_floating_array
 from jaxamp._src.rounding import leaf_keys, new_key_data, round_to, step_key, validate_rounding
+
+# Folded into the seed's key: the state's rounding noise is independent of the params'
+# (loss_scaled(master_weights="stochastic") draws from the same seed's key unfolded).
+_STATE_STREAM = 0x57A7E
 
 
 class StateDtypeState(NamedTuple):
@@ -42,24 +58,50 @@ def _field_names(path: tuple[Any, ...]) -> list[str]:
     return [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
 
 
-def _targets(state: Any, dtype: Any) -> Any:
-    """The storage dtype of each floating leaf of ``state`` (``None``: kept as it is)."""
-    paths_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
+    """Per leaf of ``state``: the path of the subtree shaped like ``like`` (the params or
+    the updates) that holds it, for the per-parameter statistics; ``None`` for the rest."""
+    ref_leaves, ref_def = jax.tree.flatten(like)
+    shapes = [np.shape(x) for x in ref_leaves]
+
+    def params_like(node):
+        return jax.tree.structure(node, is_leaf=_is_masked) == ref_def
+
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=params_like)[0]:
+        if not params_like(node):  # a leaf outside any params-shaped subtree
+            out.append(None)
+            continue
+        for x, shape in zip(jax.tree.flatten(node, is_leaf=_is_masked)[0], shapes, strict=True):
+            if not _is_masked(x):
+                ok = is_floating_array(x) and np.shape(x) == shape
+                out.append(path if ok else None)
+    return out
+
+
+def _targets(state: Any, like: Any, dtype: Any) -> list[Any]:
+    """The storage dtype of each per-parameter statistic of ``state`` (``None``: every
+    other leaf, kept as ``inner`` makes it)."""
+    stats = _statistics(state, like)
     if not isinstance(dtype, Mapping):
-        return [canonical_dtype(dtype) if is_floating_array(x) else None for _, x in paths_leaves]
+        return [None if path is None else canonical_dtype(dtype) for path in stats]
     wanted = {str(k): canonical_dtype(v, f"the dtype for {k!r}") for k, v in dtype.items()}
-    floating = [path for path, x in paths_leaves if is_floating_array(x)]
-    found = {name for path in floating for name in _field_names(path)}
+    found = {name for path in stats if path is not None for name in _field_names(path)}
     unknown = sorted(set(wanted) - found)
     if unknown:
         raise ValueError(
-            f"with_state_dtype: no floating state field named {', '.join(map(repr, unknown))} "
-            f"in this optimizer's state. Valid choices: {', '.join(map(repr, sorted(found)))}."
+            f"with_state_dtype: no state field of per-parameter statistics named "
+            f"{', '.join(map(repr, unknown))} in this optimizer's state. "
+            f"Valid choices: {', '.join(map(repr, sorted(found)))}."
         )
     targets = []
-    for path, x in paths_leaves:
-        names = [n for n in _field_names(path) if n in wanted]
-        targets.append(wanted[names[-1]] if names and is_floating_array(x) else None)
+    for path in stats:
+        names = [] if path is None else [n for n in _field_names(path) if n in wanted]
+        targets.append(wanted[names[-1]] if names else None)
     return targets
 
 
@@ -74,10 +116,21 @@ def _cast_leaves(state: Any, targets: list[Any], rounding: str, key: jax.Array |
 
 
 def _up(state: Any) -> Any:
-    """Floating leaves narrower than float32, cast up to float32."""
+    """Floating leaves narrower than float32, cast up to float32 (the update's dtype)."""
     return jax.tree.map(
         lambda x: x.astype(jnp.float32) if is_floating_array(x) and x.dtype.itemsize < 4 else x,
         state,
+    )
+
+
+def _restore_dtypes(state: Any, stored: Any) -> Any:
+    """``state`` with every floating leaf back in the dtype it had in ``stored``, to
+    nearest (the leaves not cast to a storage dtype: computed in float32, or widened
+    by ``inner`` itself, as optax's Adam turns a bfloat16 ``nu`` into float32)."""
+    return jax.tree.map(
+        lambda x, s: x.astype(s.dtype) if is_floating_array(x) and is_floating_array(s) else x,
+        state,
+        stored,
     )
 
 
@@ -88,16 +141,25 @@ def with_state_dtype(
     rounding: str = "nearest",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    """Stores the floating state of ``inner`` in ``dtype``; computes each update in float32.
+    """Stores the per-parameter statistics of ``inner`` in ``dtype``; updates in float32.
+
+    The statistics are the floating state leaves shaped like the params (in a subtree
+    with the params' structure, with a param's shape): Adam's ``mu`` and ``nu``,
+    momentum's ``trace``. Hyperparameters (``optax.inject_hyperparams``), counts,
+    weight sums and other scalars are never cast. Every state leaf keeps its dtype
+    across ``update``, so a jitted step traces once.
 
     Args:
       inner: any optax transformation, e.g. ``optax.adam(1e-3)``.
-      dtype: the storage dtype of every floating state leaf, or a mapping from
+      dtype: the storage dtype of every per-parameter statistic, or a mapping from
         state field names (``"mu"``, ``"nu"``, ``"trace"``...) to dtypes; fields
-        not named keep the dtype ``inner`` gives them.
+        not named keep the dtype ``inner.init`` gives them (updated in float32 too,
+        and cast back to it to nearest).
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; the noise is a pure
         function of ``seed`` and the step, so a restored run rounds alike).
-      seed: the seed of the stochastic rounding noise.
+      seed: the seed of the stochastic rounding noise; its bits are independent of
+        those ``jaxamp.loss_scaled(master_weights="stochastic", seed=seed)`` draws
+        for the params.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -105,7 +167,8 @@ def with_state_dtype(
 
     Raises:
       ValueError: for an unknown rounding, a dtype that is not floating, or a field
-        name the state lacks (raised by ``init``, which sees the state).
+        name that holds no per-parameter statistic of the state (raised by ``init``,
+        which sees the state).
       TypeError: if ``inner`` is not an optax transformation.
 
     Example:
@@ -131,23 +194,25 @@ def with_state_dtype(
 
     def init_fn(params):
         state = inner.init(params)
-        targets = _targets(state, dtype)
+        targets = _targets(state, params, dtype)
         return StateDtypeState(
             inner_state=_cast_leaves(state, targets, "nearest", None),
-            rounding_key=new_key_data(seed),
+            rounding_key=new_key_data(jax.random.fold_in(jax.random.key(seed), _STATE_STREAM)),
             count=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         stored = state.inner_state
+        # the updates have the params' structure and shapes (params may be None)
         targets = [
-            x.dtype if is_floating_array(x) and t is not None else None
-            for x, t in zip(jax.tree.leaves(stored), _targets(stored, dtype), strict=True)
+            None if t is None else x.dtype
+            for x, t in zip(jax.tree.leaves(stored), _targets(stored, updates, dtype), strict=True)
         ]
         new_updates, new_inner = inner.update(updates, _up(stored), params, **extra_args)
         key = step_key(state.rounding_key, state.count) if rounding == "stochastic" else None
+        new_inner = _cast_leaves(new_inner, targets, rounding, key)
         return new_updates, StateDtypeState(
-            inner_state=_cast_leaves(new_inner, targets, rounding, key),
+            inner_state=_restore_dtypes(new_inner, stored),
             rounding_key=state.rounding_key,
             count=optax.safe_increment(state.count),
         )
@@ -199,8 +264,9 @@ def optimizer_recipe(
             f"{', '.join(map(repr, OPTIMIZER_RECIPES))}."
         )
     policy, master_weights, state_dtype = OPTIMIZER_RECIPES[name]
-    if state_dtype is not None:
-        inner = with_state_dtype(inner, state_dtype, rounding="stochastic")
+    if state_dtype is not None:  # its noise is independent of the params' (same seed)
+        seed = loss_scaled_kwargs.get("seed", 0)
+        inner = with_state_dtype(inner, state_dtype, rounding="stochastic", seed=seed)
     return get_policy(policy), loss_scaled(
         inner, master_weights=master_weights, **loss_scaled_kwargs
     )
