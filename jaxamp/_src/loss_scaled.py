@@ -44,8 +44,8 @@ class LossScaledState(NamedTuple):
     Attributes:
       loss_scale: the scale and its counters.
       inner_state: the wrapped transformation's state.
-      master_params: float32 copy of 16-bit params, or ``None`` when the params
-        are float32 (then they are their own master).
+      master_params: float32 copy of 16-bit params (a float32 scalar placeholder for
+        each other leaf), or ``None`` when no param is 16-bit.
       skipped_steps: steps skipped since ``init``, int32, saturating.
       consecutive_skips: steps skipped since the last finite one, int32, saturating.
       last_finite: whether the last step's gradients were finite, bool.
@@ -182,19 +182,6 @@ def _finite_leaves(grads: Any, inv_scale: jax.Array) -> Any:
     return jax.tree.map(check, grads)
 
 
-def _adopt_changes(master: Any, params: Any) -> Any:
-    """The master, where a param no longer equals the master rounded to its dtype taking
-    the param's value: a change made to the params outside ``update`` (clipping, a
-    projection, surgery) is kept, not undone by the next step. One comparison per leaf."""
-
-    def adopt(m, p):
-        if not is_floating_array(p):
-            return m
-        return jnp.where(m.astype(p.dtype) == p, m, p.astype(jnp.float32))
-
-    return jax.tree.map(adopt, master, params)
-
-
 def loss_scaled(
     inner: optax.GradientTransformation,
     loss_scale: LossScale | None = None,
@@ -326,7 +313,7 @@ def loss_scaled(
             nonfinite_grads = jax.tree.map(
                 lambda ok, old: jnp.where(finite, old, ~ok), leaves_ok, state.nonfinite_grads
             )
-        master_params = _adopt_changes(state.master_params, params) if has_master else None
+        master_params = recipes.adopt_changes(state.master_params, params) if has_master else None
         if has_master or rounds:
             inner_params = recipes.inner_params(params, master_params, state.compensation)
         else:
@@ -337,8 +324,7 @@ def loss_scaled(
                 grads, state.inner_state, inner_params, **extra_args
             )
             if has_master:
-                new_master = optax.apply_updates(master_params, new_updates)
-                landing = recipes.landing_updates(new_master, params)
+                landing, new_master = recipes.step_master(master_params, new_updates, params)
                 return landing, inner_state, new_master, state.compensation
             if rounds:
                 new_updates, compensation = recipes.apply(

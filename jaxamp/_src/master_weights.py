@@ -18,8 +18,18 @@ recipe         state kept for 16-bit params            the new param            
 ``none`` is the naive baseline: an update smaller than half a unit in the last
 place of a 16-bit weight is lost every step, so the weight stalls. The other
 three follow the float32 sum: exactly (``float32``), to within the rounding of
-the compensation (``kahan``), or in expectation (``stochastic``). Float32 params
-are updated as they are in every recipe.
+the compensation (``kahan``), or in expectation (``stochastic``).
+
+Float32 params (and any other leaf that is not 16-bit) take the inner update as
+it is, in every recipe, so ``optax.apply_updates`` gives them what plain optax
+gives; the master and the compensation hold a float32 scalar placeholder in
+their place, never the param itself (a state that shared a buffer with the
+params could not be donated with them).
+
+A param changed outside ``update`` (clipping, pruning, surgery) keeps its new
+value: the float32 master takes it (see ``adopt_changes``), and a Kahan
+compensation that no longer fits the param is dropped (see
+``valid_compensation``).
 """
 
 from __future__ import annotations
@@ -52,15 +62,23 @@ def to_float32(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(jnp.float32) if is_floating_array(x) else x, tree)
 
 
+def _placeholder() -> jax.Array:
+    """The master's or the compensation's leaf for a param that is not 16-bit."""
+    return jnp.zeros([], jnp.float32)
+
+
 def init(params: Any, recipe: str, seed: int) -> tuple[Any, Any, Any]:
     """``(master, compensation, rounding_key)`` for ``params`` (``None`` where unused)."""
     if not any(is_16_bit(x) for x in jax.tree.leaves(params)):
         return None, None, None
     if recipe == "float32":
-        return to_float32(params), None, None
+        master = jax.tree.map(
+            lambda p: p.astype(jnp.float32) if is_16_bit(p) else _placeholder(), params
+        )
+        return master, None, None
     if recipe == "kahan":
         compensation = jax.tree.map(
-            lambda p: jnp.zeros_like(p) if is_16_bit(p) else jnp.zeros([], jnp.float32), params
+            lambda p: jnp.zeros_like(p) if is_16_bit(p) else _placeholder(), params
         )
         return None, compensation, None
     if recipe == "stochastic":
@@ -68,32 +86,78 @@ def init(params: Any, recipe: str, seed: int) -> tuple[Any, Any, Any]:
     return None, None, None
 
 
+def adopt_changes(master: Any, params: Any) -> Any:
+    """The master, where a 16-bit param no longer equals the master rounded to its dtype
+    taking the param's value: a change made to the params outside ``update`` (clipping,
+    a projection, surgery) is kept, not undone by the next step. One comparison per
+    element; placeholders are kept as they are."""
+
+    def adopt(m, p):
+        if not is_16_bit(p):
+            return m
+        return jnp.where(m.astype(p.dtype) == p, m, p.astype(jnp.float32))
+
+    return jax.tree.map(adopt, master, params)
+
+
+def valid_compensation(params: Any, compensation: Any) -> Any:
+    """The Kahan compensation, dropped (set to 0) where it does not fit its param.
+
+    The compensation ``c`` an update leaves is what rounding ``p + y`` to the new
+    ``p`` lost, so ``|c|`` is at most half the gap from ``p`` to its neighbour on
+    ``c``'s side. A param zeroed, clipped or otherwise set outside ``update`` mostly
+    breaks this (a zeroed weight would take its old compensation as its value), and
+    its compensation is dropped. A param set to a value whose half-gap still holds
+    the old ``c`` keeps it: then ``p + c`` rounds to ``p``, and ``c`` moves later
+    sums by less than half a unit in the last place of ``p``.
+    """
+
+    def fit(p, c):
+        if not is_16_bit(p):
+            return c
+        p32, c32 = p.astype(jnp.float32), c.astype(jnp.float32)
+        toward = jnp.where(c32 > 0, jnp.inf, -jnp.inf).astype(p.dtype)
+        gap = jnp.abs(jnp.nextafter(p, toward).astype(jnp.float32) - p32)
+        return jnp.where(2 * jnp.abs(c32) <= gap, c, jnp.zeros_like(c))
+
+    return jax.tree.map(fit, params, compensation)
+
+
 def inner_params(params: Any, master: Any, compensation: Any) -> Any:
     """The float32 params the inner optimizer sees (for weight decay and the like)."""
     if master is not None:
-        return master
+        return jax.tree.map(lambda m, p: m if is_16_bit(p) else p, master, params)
     f32 = to_float32(params)
     if compensation is None:
         return f32
+    compensation = valid_compensation(params, compensation)
     return jax.tree.map(
         lambda p, c: p + c.astype(jnp.float32) if is_16_bit(c) else p, f32, compensation
     )
 
 
-def landing_updates(new_params: Any, params: Any) -> Any:
-    """Updates ``u`` with ``optax.apply_updates(params, u) == new_params`` exactly.
+def step_master(master: Any, updates: Any, params: Any) -> tuple[Any, Any]:
+    """``(updates for optax.apply_updates, new master)`` of the ``float32`` recipe.
 
-    ``new_params`` is float32 (a master) or already in each param's dtype; the
-    difference of two 16-bit values is exact in float32, so ``p + u`` lands on
-    the rounded value.
+    A 16-bit param's master takes the inner update ``u`` in float32, and the param
+    lands exactly on the new master rounded to its dtype (the difference of two
+    16-bit values is exact in float32, so ``p + (new - p)`` is ``new``). Every other
+    leaf takes ``u`` as it is, as plain optax applies it (non-floating params: none),
+    and keeps its placeholder.
     """
 
-    def delta(new, p):
+    def step(m, u, p):
         if not is_floating_array(p):
-            return jnp.zeros_like(p)
-        return new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32)
+            return jnp.zeros_like(p), m
+        if not is_16_bit(p):
+            return u, m
+        new = m + u
+        return new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), new
 
-    return jax.tree.map(delta, new_params, params)
+    pairs = jax.tree.map(step, master, updates, params)
+    outer = jax.tree.structure(updates)
+    landing, new_master = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+    return landing, new_master
 
 
 def apply(
@@ -103,6 +167,7 @@ def apply(
     float32 master. ``updates`` are the inner optimizer's, in float32; each lands the
     param exactly on its recipe's rounding of ``p + u``."""
     if recipe == "kahan":
+        compensation = valid_compensation(params, compensation)
 
         def kahan(u, p, c):
             if not is_16_bit(p):
