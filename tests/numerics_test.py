@@ -187,8 +187,11 @@ def test_non_finite_argument_and_bad_arguments():
     x = X.at[1, 2].set(jnp.nan)
     fault = jaxamp.find_nonfinite(loss)(params, x)
     assert fault.phase == "input" and fault.layer == "[1]" and fault.output.nans == 1
-    with pytest.raises(TypeError, match="floating scalar"):
-        jaxamp.find_nonfinite(lambda p, x: model_output(p, x))(params, X)
+    # a function of activations, not a loss: its forward pass alone, and it says so
+    with pytest.warns(UserWarning, match=r"forward only: fun returns float32\[4, 3\]"):
+        assert jaxamp.find_nonfinite(lambda p, x: model_output(p, x))(params, X) is None
+    with pytest.raises(TypeError, match="floating scalar"):  # numerics_diff compares gradients
+        jaxamp.numerics_diff(model_output, "mixed_bfloat16")(params, X)
     with pytest.raises(ValueError, match="argnums 5"):
         jaxamp.find_nonfinite(loss, argnums=5)(params, X)
     with pytest.raises(ValueError, match="loss_scale must be a positive"):
@@ -202,6 +205,201 @@ def model_output(params, x):
 def test_forward_only_with_grad_false():
     fault = jaxamp.find_nonfinite(lambda x: jnp.log(x), grad=False)(jnp.zeros(3))
     assert fault.primitive == "log" and fault.phase == "forward"
+
+
+# --- faults fed by non-finite constants, loss scaling, phases in loops ---------------------
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+MASK = jnp.array([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+
+
+def _mask_scores(s, mask):
+    return s - 1e30 * (1 - mask)  # DistilBERT's mask: 1e30 is inf in float16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_mask_constant_that_float16_cannot_hold_is_named(dtype):
+    def loss(w, x, mask):
+        s = (x @ w).astype(dtype)
+        with jax.named_scope("attn"):
+            p = jax.nn.softmax(_mask_scores(s, mask.astype(dtype)), axis=-1)
+        return jnp.sum(p.astype(jnp.float32) * x)
+
+    w, x = jnp.eye(4), jnp.abs(X[:2, :4])
+    fault = jaxamp.find_nonfinite(jax.jit(loss))(w, x, MASK)
+    if dtype != jnp.float16:  # 1e30 fits float32 and bfloat16
+        assert fault is None and np.isfinite(float(loss(w, x, MASK)))
+        return
+    assert not np.isfinite(float(loss(w, x, MASK)))
+    assert fault is not None, "a float16 mask of 1e30 (inf) makes the loss NaN"
+    assert (fault.phase, fault.primitive, fault.layer) == ("forward", "mul", "attn"), fault
+    assert "(_mask_scores)" in fault.source and "numerics_test.py" in fault.source
+    assert fault.inputs[0].infs == 1  # the constant, already inf in float16
+    assert fault.output.nans > 0  # inf * 0 where the mask keeps a score
+
+
+def _fill_masked(s, mask):
+    return jnp.where(mask > 0, s, -jnp.inf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_fully_masked_softmax_row_is_named_and_a_partly_masked_one_is_not(dtype):
+    def loss(w, x, mask):
+        s = (x @ w).astype(dtype)
+        with jax.named_scope("attn"):
+            p = jax.nn.softmax(_fill_masked(s, mask), axis=-1)
+        return jnp.sum(p.astype(jnp.float32) * x)
+
+    w, x = jnp.eye(4), jnp.abs(X[:2, :4])
+    # -inf fills are fine while every row keeps a score: not a fault
+    assert np.isfinite(float(loss(w, x, MASK)))
+    assert jaxamp.find_nonfinite(jax.jit(loss))(w, x, MASK) is None
+    masked = MASK.at[1].set(0.0)  # the second row keeps nothing: 0/0
+    assert not np.isfinite(float(loss(w, x, masked)))
+    fault = jaxamp.find_nonfinite(jax.jit(loss))(w, x, masked)
+    assert fault is not None, "a fully masked row makes the loss NaN"
+    assert (fault.phase, fault.primitive, fault.layer) == ("forward", "select_n", "attn"), fault
+    assert "(_fill_masked)" in fault.source
+    assert fault.output.infs == 6 and fault.output.dtype == jnp.dtype(dtype).name  # the fills
+
+
+@pytest.mark.parametrize("scale", [2.0**10, 2.0**16])
+def test_a_float16_loss_is_scaled_as_scale_loss_scales_it(scale):
+    """scale_loss casts a 16-bit loss to float32 before multiplying: the scale (65536 by
+    default, inf in float16) never is a float16 value, but the loss's cotangent is."""
+
+    def loss(w, x):
+        with jax.named_scope("dense"):
+            return jnp.mean(x.astype(jnp.float16) @ w.astype(jnp.float16))
+
+    w, x = jnp.ones((4, 4)), jnp.abs(X[:2, :4]) + 0.5
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), jaxamp.StaticLossScale(scale))
+    state = tx.init(w)
+    grads = jax.jit(jax.grad(lambda w, x: jaxamp.scale_loss(loss(w, x), state)))(w, x)
+    step_overflows = not bool(jnp.all(jnp.isfinite(grads)))
+    assert step_overflows == (scale > 65504)  # the float16 cotangent of the loss
+    fault = jaxamp.find_nonfinite(jax.jit(loss), loss_scale=state)(w, x)
+    assert (fault is not None) == step_overflows, fault
+    if step_overflows:
+        assert (fault.phase, fault.primitive) == ("backward", "convert_element_type"), fault
+        assert fault.output.dtype == "float16" and fault.inputs[0].max_abs == scale
+        assert "loss scale" in str(fault)
+
+    # a loss averaged in float32 at the same scale is finite, as its step is
+    def loss32(w, x):
+        with jax.named_scope("dense"):
+            return jnp.mean((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32))
+
+    grads = jax.grad(lambda w, x: jaxamp.scale_loss(loss32(w, x), state))(w, x)
+    assert bool(jnp.all(jnp.isfinite(grads)))
+    assert jaxamp.find_nonfinite(loss32, loss_scale=state)(w, x) is None
+
+
+def _layer_norm(h):
+    mu = jnp.mean(h, -1, keepdims=True)
+    var = jnp.mean((h - mu) ** 2, -1, keepdims=True)
+    return (h - mu) * jax.lax.rsqrt(var + 1e-12)
+
+
+def _norm_loss(wrap):
+    def loss(w, x):
+        def step(h):
+            with jax.named_scope("norm"):
+                return _layer_norm(h @ w)
+
+        h = wrap(step, x)
+        return jnp.mean(h[:, :2] ** 3)
+
+    return loss
+
+
+def _unrolled(step, x):
+    return step(step(x))
+
+
+def _scanned(step, x):
+    return jax.lax.scan(lambda h, _: (step(h), None), x, None, length=2)[0]
+
+
+def _remat(step, x):
+    return jax.checkpoint(step)(jax.checkpoint(step)(x))
+
+
+def _cond(step, x):
+    both = lambda h: step(step(h))
+    return jax.lax.cond(jnp.sum(x) > -1e9, both, lambda h: h * 2.0, x)
+
+
+def _norm_inputs():
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jnp.full((8, 8), 1e-3) + 1e-5 * jax.random.normal(jax.random.key(1), (8, 8))
+    return w, x
+
+
+@pytest.mark.parametrize("wrap", [_scanned, _remat, _cond], ids=["scan", "remat", "cond"])
+def test_range_report_phases_inside_loops_match_the_unrolled_program(wrap):
+    """A near-constant row's LayerNorm has a derivative of ~1e13: a value of the
+    gradient, not an activation, inside a scan, remat or cond as outside it."""
+    w, x = _norm_inputs()
+    plain = jaxamp.range_report(jax.jit(_norm_loss(_unrolled)))(w, x)
+    looped = jaxamp.range_report(jax.jit(_norm_loss(wrap)))(w, x)
+    fwd = lambda r: next(row for row in r.layers if row.layer == "norm" and row.phase == "forward")
+    assert fwd(plain).max_abs < 65504, plain.table()  # the activations fit float16
+    assert fwd(looped).max_abs == pytest.approx(fwd(plain).max_abs, rel=1e-5), looped.table()
+    assert ("norm", "forward") not in {(r.layer, r.phase) for r in looped.overflows()}
+    assert ("norm", "backward") in {(r.layer, r.phase) for r in looped.overflows()}
+    assert looped.recommend().reason.startswith("Use bfloat16: gradients")
+
+
+def test_a_derivative_computed_inside_a_scan_is_a_backward_fault():
+    def loss(w, x):
+        def body(h, _):
+            with jax.named_scope("root"):
+                return jnp.sqrt(h * w), None
+
+        return jnp.sum(jax.lax.scan(body, x, None, length=2)[0])
+
+    fault = jaxamp.find_nonfinite(jax.jit(loss))(jnp.float32(1.0), jnp.array([1.0, 0.0]))
+    # 0.5 / sqrt(0), which the forward scan computes for the backward one
+    assert (fault.phase, fault.primitive, fault.layer) == ("backward", "div", "root"), fault
+    assert fault.iteration == (0,)
+
+
+def test_a_while_loop_of_the_forward_pass_counts_as_forward():
+    def loss(w, x):
+        with jax.named_scope("loop"):
+            n = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 3.0), (0, x))
+        return jnp.sum(jax.lax.stop_gradient(n[1]) * w)
+
+    report = jaxamp.range_report(jax.jit(loss))(jnp.ones(3), jnp.full(3, 1e4))
+    loop = [r for r in report.layers if r.layer == "loop"]
+    assert [r.phase for r in loop] == ["forward"] and loop[0].max_abs == 2.7e5
+
+
+def _bad_bwd(x, g):
+    return (g / (x * 0.0),)  # the fault: the rule divides by zero
+
+
+@jax.custom_vjp
+def _custom(x):
+    return x * 2.0
+
+
+_custom.defvjp(lambda x: (_custom(x), x), _bad_bwd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("jit_inside", [False, True])
+def test_a_custom_vjp_backward_fault_points_at_the_bwd_rule(dtype, jit_inside):
+    def loss(x):
+        with jax.named_scope("custom"):
+            y = _custom(x.astype(dtype))
+        return jnp.sum(y.astype(jnp.float32))
+
+    fault = jaxamp.find_nonfinite(jax.jit(loss) if jit_inside else loss)(jnp.ones(3))
+    assert (fault.phase, fault.primitive) == ("backward", "div"), fault
+    line = _bad_bwd.__code__.co_firstlineno
+    assert fault.source.endswith(f"numerics_test.py:{line} (_bad_bwd)"), fault.source
 
 
 # --- range_report ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,19 +38,23 @@ class ValueRange:
     @classmethod
     def of(cls, x: Any) -> ValueRange:
         a = np.asarray(x)
+        dtype = np.dtype(a.dtype).name if not hasattr(x, "dtype") else str(x.dtype)
         if a.dtype.kind == "c":
             a = np.abs(a)
-        ok = np.isfinite(a) if a.dtype.kind == "f" else np.ones(a.shape, bool)
+        floating = walk.is_floating(a)  # bfloat16 too, which numpy does not call "f"
+        if floating:
+            a = a.astype(np.float64)
+        ok = np.isfinite(a) if floating else np.ones(a.shape, bool)
         good = a[ok].astype(np.float64) if a.size else np.zeros(0)
         nan = float("nan")
         return cls(
-            dtype=np.dtype(a.dtype).name if not hasattr(x, "dtype") else str(x.dtype),
+            dtype=dtype,
             shape=tuple(a.shape),
             min=float(good.min()) if good.size else nan,
             max=float(good.max()) if good.size else nan,
             max_abs=float(np.abs(good).max()) if good.size else nan,
-            nans=int(np.isnan(a).sum()) if a.dtype.kind == "f" else 0,
-            infs=int(np.isinf(a).sum()) if a.dtype.kind == "f" else 0,
+            nans=int(np.isnan(a).sum()) if floating else 0,
+            infs=int(np.isinf(a).sum()) if floating else 0,
         )
 
     def __str__(self) -> str:
@@ -64,7 +69,9 @@ class ValueRange:
 
 @dataclasses.dataclass(frozen=True)
 class NonFinite:
-    """The first primitive whose output is non-finite while its inputs are finite.
+    """The first primitive whose output is non-finite while its inputs are finite, or
+    non-finite only through a constant (a mask of ``-inf``, or ``1e30`` traced in
+    float16, which is inf there).
 
     Attributes:
       phase: ``"forward"``, ``"backward"`` (computing the gradient), or ``"input"``
@@ -72,11 +79,14 @@ class NonFinite:
       layer: the module path from the name stack (``"Model/block/Dense_0"``), ``""``
         outside any named layer.
       primitive: the JAX primitive, e.g. ``"log"``, ``"dot_general"``.
-      source: ``file:line (function)`` of the code that traced it.
+      source: ``file:line (function)`` of the code that traced it (for the backward
+        rule of a ``custom_vjp``, the rule).
       inputs: the range of each input.
       output: the range of the first non-finite output.
       iteration: loop iterations it ran in (outermost first), ``()`` outside loops.
       name_stack: the full name stack JAX recorded.
+      forward_only: why only the forward pass was checked: ``"grad=False"`` or ``"the
+        function returns a non-scalar"``; ``""`` when the gradient was checked too.
     """
 
     phase: str
@@ -87,9 +97,12 @@ class NonFinite:
     output: ValueRange
     iteration: tuple[int, ...] = ()
     name_stack: str = ""
+    forward_only: str = ""
 
     def __str__(self) -> str:
         where = self.layer or "(no layer)"
+        if walk.LOSS_SCALE_SCOPE in self.name_stack:
+            where = "the loss times the loss scale"
         loop = f", loop iteration {list(self.iteration)}" if self.iteration else ""
         lines = [
             f"{self.phase} {self.primitive} in {where}{loop}: output {self.output}",
@@ -97,7 +110,12 @@ class NonFinite:
         ]
         if self.source:
             lines.append(f"  at {self.source}")
+        if self.forward_only:
+            lines.append(f"  forward only: {self.forward_only}, so no gradient was taken")
         return "\n".join(lines)
+
+
+NON_SCALAR = "the function returns a non-scalar"
 
 
 def find_nonfinite(
@@ -118,19 +136,29 @@ def find_nonfinite(
     is in the forward or the backward pass, and names the layer. A forward fault is
     reported before any backward one, since the forward pass runs first (the forward
     sweep of a gradient also computes derivatives for the backward pass, such as
-    ``0.5 / sqrt(x)``: those count as backward). It is a debugging
-    tool: slow (one dispatch per primitive), and it takes nothing from a normal step.
+    ``0.5 / sqrt(x)``: those count as backward, in a ``lax.scan`` too). It is a
+    debugging tool: slow (one dispatch per primitive), and it takes nothing from a
+    normal step.
+
+    An operation whose inputs are finite but whose output is not is a fault. So is one
+    fed a non-finite constant (``x - 1e30 * (1 - mask)`` traced in float16, where
+    ``1e30`` is inf; ``jnp.where(mask, x, -jnp.inf)``) when what it makes reaches the
+    loss or the gradient: a ``-inf`` fill that every softmax row absorbs is not one,
+    a row with nothing left to keep (0 / 0) is.
 
     Args:
       fun: the loss, a function returning a floating scalar (``(loss, aux)`` with
         ``has_aux``). NNX modules among its arguments are split: those at ``argnums``
         are differentiated with respect to their ``nnx.Param`` variables, and every
         submodule's operations are named after its path; the modules are not changed.
+        A function returning anything else (activations) is checked forward only,
+        with a warning, as with ``grad=False``.
       argnums: the arguments to differentiate with respect to.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       loss_scale: multiply the loss by this before differentiating, as a loss-scaled
-        step does: a number, or an optimizer state holding ``jaxamp.loss_scaled``'s
-        (its current scale is used). ``None``: no scaling.
+        step does with ``jaxamp.scale_loss`` (a 16-bit loss is cast to float32 first):
+        a number, or an optimizer state holding ``jaxamp.loss_scaled``'s (its current
+        scale is used). ``None``: no scaling.
       grad: ``False`` checks the forward pass alone (``fun`` may then return anything).
 
     Returns:
@@ -155,38 +183,124 @@ def find_nonfinite(
         bad_input = _first_nonfinite_argument(args, kwargs)
         if bad_input is not None:
             return bad_input
-        traced = tracing.trace(
-            fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
-        )
-        found: list[NonFinite] = []
-
-        def visit(site: walk.Site, inputs, outputs) -> bool:
-            bad = [o for o in outputs if not walk.finite(o)]
-            if not bad or not all(walk.finite(i) for i in inputs):
-                return False
-            if found and site.phase == "backward":
-                return False  # a backward fault is already known; a forward one still wins
-            found.append(
-                NonFinite(
-                    phase=site.phase,
-                    layer=site.layer,
-                    primitive=site.primitive,
-                    source=site.source,
-                    inputs=tuple(ValueRange.of(i) for i in inputs if hasattr(i, "shape")),
-                    output=ValueRange.of(bad[0]),
-                    iteration=site.iteration,
-                    name_stack=site.name_stack,
-                )
+        forward_only = "" if grad else "grad=False"
+        try:
+            traced = tracing.trace(
+                fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
             )
-            # The forward sweep also computes derivatives the backward pass uses
-            # (0.5 / sqrt(x)); they are backward faults, and a forward fault later in
-            # the sweep is reported before them: the forward pass runs first.
-            return site.phase == "forward"
-
-        walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
-        return found[-1] if found else None
+        except tracing.NotALoss as e:
+            warn_forward_only("find_nonfinite", e)
+            forward_only = NON_SCALAR
+            traced = tracing.trace(fun, argnums, args, kwargs, grad=False)
+        origins = _Origins(forward_only)
+        result = walk.run(
+            traced.jaxpr,
+            traced.args,
+            lambda *_: None,
+            traced.primal_outputs,
+            tagger=origins,
+            rules=traced.rules,
+        )
+        if result is None:  # stopped at a forward fault
+            return origins.faults[-1]
+        p = traced.primal_outputs
+        outputs = result[1] if p is None else [result[1][0], *result[1][p:]]
+        return origins.first(outputs)
 
     return find
+
+
+def warn_forward_only(tool: str, error: tracing.NotALoss) -> None:
+    """Warns that ``tool`` checks ``fun``'s forward pass only, ``fun`` not being a loss."""
+    warnings.warn(
+        f"{tool}: forward only: fun returns {error.returned}, not a floating scalar (a "
+        "loss), so no gradient was taken and only the forward pass is checked.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+CONSTANT = "constant"  # the tag of a value computed from the program's constants alone
+
+
+def constant(tags: Sequence[Any], inputs: Sequence[Any], bad: Sequence[bool]) -> bool:
+    """Whether an operation's outputs are constants: its inputs are, and it does not
+    make an inf or a NaN of finite ones (a loss scale of 65536 cast to float16 does)."""
+    if not all(t is CONSTANT for t in tags):
+        return False
+    return not any(bad) or not all(walk.finite(i) for i in inputs)
+
+
+def carried(tags: Sequence[Any]) -> frozenset:
+    """The origins the non-finite inputs of an operation carry (``frozenset()``: none)."""
+    return frozenset().union(*(t for t in tags if isinstance(t, frozenset)))
+
+
+def merge_tags(tags: Sequence[Any]) -> Any:
+    """A stacked scan output's tag, from its iterations' tags."""
+    if tags and all(t is CONSTANT for t in tags):
+        return CONSTANT
+    return carried(tags) or None
+
+
+class _Origins:
+    """A :class:`walk.Tagger` that follows every inf and NaN to the operations that
+    made it. A value's tag is ``CONSTANT`` (from constants alone), ``None`` (finite,
+    or not followed), or the set of the faults (indices in ``faults``) its non-finite
+    elements come from."""
+
+    constant = CONSTANT
+
+    def __init__(self, forward_only: str):
+        self.forward_only = forward_only
+        self.faults: list[NonFinite] = []
+        self.strict: list[bool] = []  # made from finite inputs (else: fed a constant)
+
+    def op(self, site: walk.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
+        bad = [not walk.finite(o) for o in outputs]
+        if constant(tags, inputs, bad):
+            return [CONSTANT] * len(outputs), False
+        if not any(bad):
+            return [None] * len(outputs), False
+        came_from = carried(tags)
+        if came_from:  # an earlier fault's inf or NaN, carried on
+            return [came_from if b else None for b in bad], False
+        index, strict = len(self.faults), all(walk.finite(i) for i in inputs)
+        self.faults.append(self._fault(site, inputs, outputs[bad.index(True)]))
+        self.strict.append(strict)
+        # The forward pass runs first: its first fault made from finite inputs is the
+        # answer, unless one fed a constant came before it (whether that one reaches the
+        # loss or the gradient is known only at the end).
+        first_forward = all(f.phase != "forward" for f in self.faults[:index])
+        stop = site.phase == "forward" and strict and first_forward
+        return [frozenset({index}) if b else None for b in bad], stop
+
+    def merge(self, tags: Sequence[Any]) -> Any:
+        return merge_tags(tags)
+
+    def _fault(self, site: walk.Site, inputs, output) -> NonFinite:
+        return NonFinite(
+            phase=site.phase,
+            layer=site.layer,
+            primitive=site.primitive,
+            source=site.source,
+            inputs=tuple(ValueRange.of(i) for i in inputs if hasattr(i, "shape")),
+            output=ValueRange.of(output),
+            iteration=site.iteration,
+            name_stack=site.name_stack,
+            forward_only=self.forward_only,
+        )
+
+    def first(self, outputs: Sequence[Any]) -> NonFinite | None:
+        """The fault to report, given the tags of the loss and the gradient: the first
+        forward one, else the first backward one, that is made from finite inputs or
+        reaches them."""
+        reached = carried(outputs)
+        for phase in ("forward", "backward"):
+            for i, fault in enumerate(self.faults):
+                if fault.phase == phase and (self.strict[i] or i in reached):
+                    return fault
+        return None
 
 
 def _scale_of(loss_scale: Any) -> float | None:

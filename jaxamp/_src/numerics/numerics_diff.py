@@ -104,7 +104,7 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
         if floating:
             last[site.layer] = floating[-1]
 
-    outs = walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
+    outs, _ = walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
     return last, outs
 
 

@@ -11,23 +11,43 @@ are there as Linen's are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxamp._src.numerics import sources
 from jaxamp._src.numerics.walk import LOSS_SCALE_SCOPE, is_floating
+
+
+class NotALoss(TypeError):
+    """``fun`` does not return a floating scalar, so it has no gradient to take.
+
+    Attributes:
+      returned: what it returned instead, e.g. ``"float32[4, 3]"``.
+    """
+
+    def __init__(self, message: str, returned: str):
+        super().__init__(message)
+        self.returned = returned
 
 
 @dataclasses.dataclass
 class Traced:
-    """``jax.value_and_grad(fun)`` (or ``fun`` alone) as a jaxpr, with its flat arguments."""
+    """``jax.value_and_grad(fun)`` (or ``fun`` alone) as a jaxpr, with its flat arguments.
+
+    Attributes:
+      rules: where each ``custom_vjp``'s backward rule is, per call site (traces the
+        forward pass on first call, then cached; see ``sources.custom_vjp_rules``).
+    """
 
     jaxpr: Any
     args: list[Any]
     out_tree: Any
     primal_outputs: int | None  # leaves of the value (loss and aux) before the gradient
+    rules: Callable[[], dict[Any, str]] | None = None
 
 
 def _nnx_module(x: Any) -> bool:
@@ -81,9 +101,14 @@ def trace(
     grad: bool = True,
 ) -> Traced:
     """Traces ``jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)`` (``fun`` alone
-    when ``grad`` is false), the loss multiplied by ``loss_scale`` before differentiating.
-    NNX modules among the arguments are split: those at ``argnums`` are differentiated
-    with respect to their ``nnx.Param`` variables, and their layers get name scopes."""
+    when ``grad`` is false), the loss multiplied by ``loss_scale`` before differentiating
+    as ``jaxamp.scale_loss`` multiplies it (a 16-bit loss cast to float32 first). NNX
+    modules among the arguments are split: those at ``argnums`` are differentiated with
+    respect to their ``nnx.Param`` variables, and their layers get name scopes.
+
+    Raises:
+      NotALoss: with ``grad``, when ``fun`` does not return a floating scalar.
+    """
     argnums_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for i in argnums_tuple:
         if not (isinstance(i, int) and -len(args) <= i < len(args)):
@@ -117,20 +142,32 @@ def trace(
         out = merged(*values)
         loss, aux = out if has_aux else (out, None)
         if not (hasattr(loss, "shape") and jnp.shape(loss) == () and is_floating(loss)):
-            raise TypeError(
+            returned = (
+                f"{loss.dtype}{list(jnp.shape(loss))}"
+                if hasattr(loss, "shape") and hasattr(loss, "dtype")
+                else type(loss).__name__
+            )
+            raise NotALoss(
                 "find_nonfinite, range_report and numerics_diff differentiate fun: it must "
                 "return a floating scalar (the loss)"
                 + (" and its auxiliary output (has_aux=True)" if has_aux else "")
-                + f", got {type(loss).__name__} {jnp.shape(loss) if hasattr(loss, 'shape') else ''}"
-                + ". Pass grad=False to evaluate the forward pass alone."
+                + f", got {returned}. Pass grad=False to evaluate the forward pass alone.",
+                returned,
             )
         if loss_scale is not None:
             with jax.named_scope(LOSS_SCALE_SCOPE):
-                loss = loss * jnp.asarray(loss_scale, loss.dtype)
+                if jnp.dtype(loss.dtype).itemsize < 4:  # as jaxamp.scale_loss: float32 first
+                    loss = loss.astype(jnp.float32)
+                loss = loss * jnp.asarray(loss_scale, jnp.float32).astype(loss.dtype)
         return (loss, aux) if has_aux else loss
 
     target = jax.value_and_grad(scaled, argnums_tuple, has_aux=has_aux) if grad else merged
     closed, out_shape = jax.make_jaxpr(target, return_shape=True)(*pieces)
     flat_args = jax.tree.leaves(pieces)
     primal = len(jax.tree.leaves(out_shape[0])) if grad else None
-    return Traced(closed, flat_args, jax.tree.structure(out_shape), primal)
+
+    @functools.cache
+    def rules() -> dict[Any, str]:
+        return sources.custom_vjp_rules(jax.make_jaxpr(merged)(*pieces))
+
+    return Traced(closed, flat_args, jax.tree.structure(out_shape), primal, rules)

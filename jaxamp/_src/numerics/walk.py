@@ -9,19 +9,18 @@ it runs: forward or backward, the layer (from the name stack that Flax Linen,
 primitive, and the source line. Calls, ``checkpoint`` and custom derivatives are
 entered; ``cond`` takes the branch the values select; ``scan`` and
 ``while`` loops run iteration by iteration, so a fault is found in the
-iteration that makes it.
+iteration that makes it. A :class:`Tagger` can follow values through the program
+(``find_nonfinite`` follows where each inf and NaN comes from).
 
 This is a debugging path: nothing here runs in a training step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax.extend as jex
 import jax.numpy as jnp
@@ -29,15 +28,9 @@ import numpy as np
 
 from jaxamp._src.audit import short_name
 from jaxamp._src.autocast_interpreter import _bind, _open
+from jaxamp._src.numerics import phases, sources
 
 LOSS_SCALE_SCOPE = "jaxamp_loss_scale"  # the multiplication of the loss by the loss scale
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-_CHECKPOINTS = ("checkpoint", "remat2")
-_CUSTOM = {
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,104 +64,39 @@ class _Stop(Exception):
     pass
 
 
-def _source(eqn: Any) -> str:
-    """The first frame of model code (outside JAX, installed packages and jaxamp's
-    machinery; jaxamp's reference models count as model code) that traced ``eqn``,
-    else the first frame outside JAX. JAX keeps the innermost frames only
-    (``jax_traceback_in_locations_limit``), so a deep stack may show library code."""
-    from jax._src import source_info_util  # private: the traceback's frames
+class Tagger(Protocol):
+    """Follows values through an evaluation: each value carries a tag, which the tagger
+    computes for every primitive's outputs from its inputs' tags.
 
-    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
-    if traceback is None:
-        return ""
-    try:
-        frames = list(source_info_util.user_frames(traceback))
-    except Exception:
-        return ""
-    library = (os.sep + "site-packages" + os.sep, os.sep + "jaxamp" + os.sep + "_src" + os.sep)
-    models = os.sep + "jaxamp" + os.sep + "_src" + os.sep + "models" + os.sep  # model code
+    Attributes:
+      constant: the tag of a literal or a constant of the program (the arguments'
+        tag is ``None``).
+    """
 
-    def own_code(name: str) -> bool:
-        return models in name or not any(part in name for part in library)
+    constant: Any
 
-    own = [f for f in frames if own_code(f.file_name)]
-    frame = (own or frames or [None])[0]
-    if frame is None:
-        return ""
-    name = frame.file_name
-    with contextlib.suppress(ValueError):  # another drive on Windows
-        if os.path.abspath(name).startswith(os.getcwd() + os.sep):
-            name = os.path.relpath(name)
-    return f"{name}:{frame.start_line} ({frame.function_name})"
+    def op(
+        self, site: Site, tags: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]
+    ) -> tuple[list[Any], bool]:
+        """The outputs' tags, and whether to stop the evaluation."""
+        ...
+
+    def merge(self, tags: Sequence[Any]) -> Any:
+        """The tag of a scan's stacked output, from its iterations' (``[]``: none ran)."""
+        ...
+
+
+@dataclasses.dataclass
+class _Context:
+    visit: Visitor
+    primal: set[int] | None = None
+    tagger: Tagger | None = None
+    rules: Callable[[], dict[Any, str]] | None = None  # custom_vjp backward rules
 
 
 def _join(prefix: str, eqn: Any) -> str:
     stack = str(getattr(getattr(eqn, "source_info", None), "name_stack", "") or "")
     return "/".join(p for p in (prefix, stack) if p)
-
-
-def _inner_jaxprs(eqn: Any) -> list[Any]:
-    """The jaxprs an equation calls, whose outputs are its outputs (one per branch for
-    ``cond``); ``[]`` for primitives without one, and for loops (handled whole)."""
-    name, params = eqn.primitive.name, eqn.params
-    if name in _CALLS and _CALLS[name] in params:
-        return [params[_CALLS[name]]]
-    if name in _CHECKPOINTS:
-        return [params["jaxpr"]]
-    if name in _CUSTOM and params.get(_CUSTOM[name]) is not None:
-        return [params[_CUSTOM[name]]]
-    if name == "cond":
-        return list(params["branches"])
-    return []
-
-
-def primal_equations(jaxpr: Any, needed: Sequence[bool]) -> tuple[set[int], list[bool]]:
-    """The equations (by ``id``) that the ``needed`` outputs of ``jaxpr`` depend on, and
-    which of its inputs they read.
-
-    In ``jax.value_and_grad``'s program the forward sweep computes the loss and, beside
-    it, the derivatives the backward pass will use (``0.5 / sqrt(x)`` for ``sqrt``);
-    only the first are the forward pass. Equations inside a loop are all counted when
-    any of the loop's outputs is needed."""
-    live = {v for v, n in zip(jaxpr.outvars, needed, strict=True) if n and not _literal(v)}
-    found: set[int] = set()
-    for eqn in reversed(jaxpr.eqns):
-        flags = [v in live for v in eqn.outvars]
-        if not any(flags):
-            continue
-        found.add(id(eqn))
-        inners = _inner_jaxprs(eqn)
-        if not inners:
-            if eqn.primitive.name in ("scan", "while"):
-                found |= _all_equations(eqn)
-            live |= {a for a in eqn.invars if not _literal(a)}
-            continue
-        reads = [False] * len(eqn.invars)
-        offset = 1 if eqn.primitive.name == "cond" else 0  # the branch index
-        if offset:
-            reads[0] = True
-        for closed in inners:
-            inner, _ = _open(closed)
-            ids, inner_reads = primal_equations(inner, flags)
-            found |= ids
-            for i, r in enumerate(inner_reads):
-                reads[i + offset] = reads[i + offset] or r
-        live |= {a for a, r in zip(eqn.invars, reads, strict=True) if r and not _literal(a)}
-    return found, [v in live for v in jaxpr.invars]
-
-
-def _all_equations(eqn: Any) -> set[int]:
-    found = {id(eqn)}
-    for value in eqn.params.values():
-        for closed in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(closed, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
-                for inner in _open(closed)[0].eqns:
-                    found |= _all_equations(inner)
-    return found
-
-
-def _literal(atom: Any) -> bool:
-    return isinstance(atom, jex.core.Literal)
 
 
 def _layer(stack: str, primitive: str) -> str:
@@ -218,14 +146,13 @@ def _bind_widened(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         return _bind(eqn, traced)
 
 
-def _site(eqn: Any, stack: str, iteration: tuple[int, ...], primal: set[int] | None) -> Site:
-    backward = "transpose(" in stack or (primal is not None and id(eqn) not in primal)
-    phase = "backward" if backward else "forward"
+def _site(eqn: Any, stack: str, iteration: tuple[int, ...], ctx: _Context, where: str) -> Site:
+    backward = "transpose(" in stack or (ctx.primal is not None and id(eqn) not in ctx.primal)
     return Site(
         primitive=eqn.primitive.name,
-        phase=phase,
+        phase="backward" if backward else "forward",
         layer=_layer(stack, eqn.primitive.name),
-        source=_source(eqn),
+        source=sources.source(eqn, ctx.rules if backward else None, where),
         name_stack=stack,
         iteration=iteration,
         sixteen_bit=tuple(_is_sixteen(getattr(v.aval, "dtype", None)) for v in eqn.outvars),
@@ -236,68 +163,97 @@ def evaluate(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
-    visit: Visitor,
+    ctx: _Context,
     prefix: str = "",
     iteration: tuple[int, ...] = (),
-    primal: set[int] | None = None,
-) -> list[Any]:
-    """Evaluates ``jaxpr`` on concrete ``args``, calling ``visit(site, inputs, outputs)``
-    after each primitive; a visitor that returns ``True`` stops the evaluation
-    (:func:`run` then returns early)."""
+    tags: Sequence[Any] | None = None,
+    where: str = "",
+) -> tuple[list[Any], list[Any]]:
+    """Evaluates ``jaxpr`` on concrete ``args`` (tagged ``tags``), calling
+    ``ctx.visit(site, inputs, outputs)`` after each primitive; a visitor that returns
+    ``True`` stops the evaluation (:func:`run` then returns early). Returns the outputs
+    and their tags (all ``None`` without a tagger). ``where``: the source of the call
+    ``jaxpr`` is the body of, for equations whose own traceback shows no model code."""
     values: dict[Any, Any] = {}
+    tagged: dict[Any, Any] = {}
+    constant = ctx.tagger.constant if ctx.tagger is not None else None
 
     def read(atom):
         return atom.val if isinstance(atom, jex.core.Literal) else values[atom]
 
+    def tag(atom):
+        return constant if isinstance(atom, jex.core.Literal) else tagged.get(atom)
+
     values.update(zip(jaxpr.constvars, consts, strict=True))
     values.update(zip(jaxpr.invars, args, strict=True))
+    tagged.update((v, constant) for v in jaxpr.constvars)
+    tagged.update(zip(jaxpr.invars, tags or [None] * len(args), strict=True))
     for eqn in jaxpr.eqns:
         invals = [read(a) for a in eqn.invars]
-        stack = _join(prefix, eqn)
-        outs = _evaluate_eqn(eqn, invals, visit, stack, iteration, primal)
+        outs, out_tags = _evaluate_eqn(
+            eqn, invals, [tag(a) for a in eqn.invars], ctx, _join(prefix, eqn), iteration, where
+        )
         values.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+        tagged.update(zip(eqn.outvars, out_tags, strict=True))
+    return [read(v) for v in jaxpr.outvars], [tag(v) for v in jaxpr.outvars]
 
 
-def _inner(closed: Any, invals, visit, stack, iteration, primal) -> list[Any]:
+def _inner(closed: Any, invals, tags, ctx, stack, iteration, where) -> tuple[list, list]:
     jaxpr, consts = _open(closed)
-    return evaluate(jaxpr, consts, invals, visit, stack, iteration, primal)
+    return evaluate(jaxpr, consts, invals, ctx, stack, iteration, tags, where)
 
 
-def _evaluate_eqn(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
-    name, params = eqn.primitive.name, eqn.params
-    if name in _CALLS and _CALLS[name] in params:
-        return _inner(params[_CALLS[name]], invals, visit, stack, iteration, primal)
-    if name in _CHECKPOINTS:
-        return _inner(params["jaxpr"], invals, visit, stack, iteration, primal)
-    if name in _CUSTOM and params.get(_CUSTOM[name]) is not None:
-        return _inner(params[_CUSTOM[name]], invals, visit, stack, iteration, primal)
+def _evaluate_eqn(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list, list]:
+    name = eqn.primitive.name
+    inners = phases.inner_jaxprs(eqn)
+    if inners or name in ("scan", "while"):
+        where = sources.own_source(eqn) or where
     if name == "cond":
         index, *operands = invals
-        branch = params["branches"][int(np.clip(int(index), 0, len(params["branches"]) - 1))]
-        return _inner(branch, operands, visit, stack, iteration, primal)
+        branch = inners[int(np.clip(int(index), 0, len(inners) - 1))]
+        return _inner(branch, operands, tags[1:], ctx, stack, iteration, where)
+    if inners:
+        return _inner(inners[0], invals, tags, ctx, stack, iteration, where)
     if name == "scan":
-        return _scan(eqn, invals, visit, stack, iteration, primal)
+        return _scan(eqn, invals, tags, ctx, stack, iteration, where)
     if name == "while":
-        return _while(eqn, invals, visit, stack, iteration, primal)
+        return _while(eqn, invals, tags, ctx, stack, iteration, where)
     outs = _bind_widened(eqn, invals) if _WIDEN.get() else _bind(eqn, invals)
-    if visit(_site(eqn, stack, iteration, primal), invals, outs):
+    site = _site(eqn, stack, iteration, ctx, where)
+    if ctx.visit(site, invals, outs):
         raise _Stop
-    return outs
+    if ctx.tagger is None:
+        return outs, [None] * len(outs)
+    out_tags, stop = ctx.tagger.op(site, tags, invals, outs)
+    if stop:
+        raise _Stop
+    return outs, out_tags
 
 
-def _scan(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
+def _scan(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list[Any], list[Any]]:
     p = eqn.params
     n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
     consts, carry = invals[:n_consts], list(invals[n_consts : n_consts + n_carry])
-    xs = invals[n_consts + n_carry :]
+    const_tags, carry_tags = tags[:n_consts], list(tags[n_consts : n_consts + n_carry])
+    xs, xs_tags = invals[n_consts + n_carry :], tags[n_consts + n_carry :]
     ys: list[list[Any]] = []
+    ys_tags: list[list[Any]] = []
     order = range(length - 1, -1, -1) if p.get("reverse", False) else range(length)
     for i in order:
         operands = [*consts, *carry, *(x[i] for x in xs)]
-        outs = _inner(p["jaxpr"], operands, visit, stack, (*iteration, i), primal)
+        outs, out_tags = _inner(
+            p["jaxpr"],
+            operands,
+            [*const_tags, *carry_tags, *xs_tags],
+            ctx,
+            stack,
+            (*iteration, i),
+            where,
+        )
         carry, y = outs[:n_carry], outs[n_carry:]
+        carry_tags = out_tags[:n_carry]
         ys.append(y)
+        ys_tags.append(out_tags[n_carry:])
     if p.get("reverse", False):
         ys.reverse()
     n_ys = len(eqn.outvars) - n_carry
@@ -305,22 +261,35 @@ def _scan(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
         jnp.stack([y[j] for y in ys]) if ys else jnp.zeros(eqn.outvars[n_carry + j].aval.shape)
         for j in range(n_ys)
     ]
-    return [*carry, *stacked]
+    merged = [
+        ctx.tagger.merge([t[j] for t in ys_tags]) if ctx.tagger is not None else None
+        for j in range(n_ys)
+    ]
+    return [*carry, *stacked], [*carry_tags, *merged]
 
 
-def _while(eqn, invals, visit, stack, iteration, primal) -> list[Any]:
+def _while(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list[Any], list[Any]]:
     p = eqn.params
     n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
-    carry = list(invals[n_cond + n_body :])
-    quiet: Visitor = lambda *_: None  # the loop's condition is not part of the model
+    body_tags = tags[n_cond : n_cond + n_body]
+    carry, carry_tags = list(invals[n_cond + n_body :]), list(tags[n_cond + n_body :])
+    quiet = _Context(lambda *_: None)  # the loop's condition is not part of the model
     i = 0
-    while bool(_inner(p["cond_jaxpr"], [*cond_consts, *carry], quiet, stack, iteration, None)[0]):
-        carry = _inner(
-            p["body_jaxpr"], [*body_consts, *carry], visit, stack, (*iteration, i), primal
+    while bool(
+        _inner(p["cond_jaxpr"], [*cond_consts, *carry], None, quiet, stack, iteration, where)[0][0]
+    ):
+        carry, carry_tags = _inner(
+            p["body_jaxpr"],
+            [*body_consts, *carry],
+            [*body_tags, *carry_tags],
+            ctx,
+            stack,
+            (*iteration, i),
+            where,
         )
         i += 1
-    return carry
+    return carry, carry_tags
 
 
 def run(
@@ -329,23 +298,30 @@ def run(
     visit: Visitor,
     primal_outputs: int | None = None,
     widen: bool = False,
-):
-    """Evaluates a ``ClosedJaxpr`` on ``args``; ``None`` when the visitor stopped it.
+    tagger: Tagger | None = None,
+    rules: Callable[[], dict[Any, str]] | None = None,
+) -> tuple[list[Any], list[Any]] | None:
+    """Evaluates a ``ClosedJaxpr`` on ``args``: its outputs and their tags (``None``
+    without a ``tagger``), or ``None`` when the visitor or the tagger stopped it.
 
     ``widen``: compute what the program computes in 16 bits in float32 instead (see
     ``_bind_widened``), so that a visitor sees how large those values get.
 
     ``primal_outputs``: how many of the outputs are the function's value (the rest being
     its gradient); equations the value does not depend on are reported as backward.
-    ``None``: every equation outside a transpose is forward."""
+    ``None``: every equation outside a transpose is forward.
+
+    ``rules``: where each ``custom_vjp``'s backward rule is, per call site
+    (``sources.custom_vjp_rules`` of the forward program), to name the rule as the
+    source of its equations; called only when one is met."""
     inner, consts = _open(jaxpr)
     primal = None
     if primal_outputs is not None:
         needed = [i < primal_outputs for i in range(len(inner.outvars))]
-        primal = primal_equations(inner, needed)[0]
+        primal = phases.primal_equations(inner, needed)[0]
     token = _WIDEN.set(widen)
     try:
-        return evaluate(inner, consts, args, visit, primal=primal)
+        return evaluate(inner, consts, args, _Context(visit, primal, tagger, rules))
     except _Stop:
         return None
     finally:
