@@ -402,6 +402,26 @@ def test_a_custom_vjp_backward_fault_points_at_the_bwd_rule(dtype, jit_inside):
     assert fault.source.endswith(f"numerics_test.py:{line} (_bad_bwd)"), fault.source
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_function_returning_activations_is_checked_forward_only(dtype):
+    loss, params = linen_setup()
+    params = jax.tree.map(lambda p: p.astype(dtype), params)
+    apply = jax.jit(lambda p, x: LinenNet().apply(p, x))
+    with pytest.warns(UserWarning, match="forward only"):
+        assert jaxamp.find_nonfinite(apply)(params, X.astype(dtype)) is None
+    with pytest.warns(UserWarning, match="forward only"):
+        fault = jaxamp.find_nonfinite(lambda x: jnp.log(x) * 2.0)(jnp.zeros(3, dtype))
+    assert fault.forward_only and fault.primitive == "log" and fault.phase == "forward"
+    assert "forward only: the function returns a non-scalar, so no gradient was taken" in str(fault)
+    with pytest.warns(UserWarning, match="forward only"):
+        report = jaxamp.range_report(apply)(params, X.astype(dtype))
+    assert report.forward_only and {r.phase for r in report.layers} == {"forward"}
+    assert "forward only" in report.table() and "forward only" in report.recommend().reason
+    assert any(r.layer.endswith("amplify") for r in report.layers)
+    full = jaxamp.range_report(loss)(params, X.astype(dtype))
+    assert not full.forward_only and "forward only" not in full.table()
+
+
 # --- range_report ---------------------------------------------------------------------------
 
 
@@ -447,6 +467,96 @@ def test_range_report_dtype_errors():
     report = jaxamp.range_report(lambda w: jnp.sum(w))(jnp.ones(2))
     with pytest.raises(ValueError, match="dtype must be one of float16, bfloat16"):
         report.overflows("int8")
+
+
+def _dense_loss(dtype):
+    def loss(w, x):
+        with jax.named_scope("dense"):
+            h = x.astype(dtype) @ w.astype(dtype)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_range_report_does_not_count_the_loss_scale_multiply(dtype):
+    """The loss times 65536 is not a value of the model: at jaxamp's default scale
+    every model would otherwise be told to use bfloat16."""
+    w, x = jnp.full((4, 4), 0.5), jnp.abs(X[:2, :4]) + 0.5
+    state = jaxamp.loss_scaled(optax.sgd(0.1)).init(w)  # loss scale 65536
+    plain = jaxamp.range_report(jax.jit(_dense_loss(dtype)))(w, x)
+    scaled = jaxamp.range_report(jax.jit(_dense_loss(dtype)), loss_scale=state)(w, x)
+    assert scaled.loss_scale == 65536.0
+    forward = lambda r: {(row.layer, row.max_abs) for row in r.layers if row.phase == "forward"}
+    assert forward(scaled) == forward(plain)  # the scaled loss (1e5) is not among them
+    assert [r for r in scaled.overflows() if r.phase == "forward"] == []
+    advice = scaled.recommend()
+    assert advice.dtype == "float16" and "activations" not in advice.reason, advice
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("policy", [None, "mixed_float16"])
+def test_recommend_names_a_loss_scale_that_fits_when_the_scale_overflows(dtype, policy):
+    """Gradients that fit float16 unscaled but overflow at 2**24: float16 with a smaller
+    loss scale, not bfloat16."""
+    if policy and dtype != jnp.float32:
+        pytest.skip("a policy applies to the float32 function")
+    w, x = jnp.full((4, 4), 0.5), jnp.abs(X[:2, :4]) + 0.5
+    loss = jax.jit(_dense_loss(dtype))
+    report = jaxamp.range_report(loss, loss_scale=2.0**24, policy=policy)(w, x)
+    assert any(r.phase == "backward" for r in report.overflows()), report.table()
+    advice = report.recommend()
+    assert advice.dtype == "float16" and advice.loss_scaling, advice
+    assert advice.loss_scale is not None and 1 <= advice.loss_scale < 2.0**24
+    assert f"{advice.loss_scale:g}" in advice.reason and "smaller loss scale" in advice.reason
+    assert np.log2(advice.loss_scale).is_integer()
+    # the scale it names does fit, and twice... the largest power of two that does
+    fits = jaxamp.range_report(loss, loss_scale=advice.loss_scale, policy=policy)(w, x)
+    assert fits.overflows() == [], fits.table()
+    assert fits.recommend().dtype == "float16" and fits.recommend().loss_scale is None
+    # gradients float16 cannot hold even unscaled still need bfloat16
+    big = jaxamp.range_report(loss, loss_scale=2.0**24, policy=policy)(w * 300.0, x * 300.0)
+    assert big.recommend().dtype == "bfloat16"
+
+
+def test_range_report_flush_to_zero_boundary_is_float16_rounding():
+    """float16 rounds 2**-25 (half its smallest subnormal, a tie) to 0, and a value just
+    below its smallest normal up to that normal."""
+    c = jnp.array([2.0**-25, 2.0**-25 * (1 + 2.0**-20), 2.0**-26, 2.0**-14 - 2.0**-26])
+    assert list(np.asarray(c.astype(jnp.float16), np.float64) == 0) == [1, 0, 1, 0]
+
+    def loss(w):
+        with jax.named_scope("tiny"):
+            return jnp.sum(w * c)
+
+    report = jaxamp.range_report(jax.jit(loss))(jnp.ones(4))
+    tiny = next(r for r in report.layers if r.layer == "tiny" and r.phase == "backward")
+    # its gradient values: the cotangent ones (4) and c (4)
+    assert tiny.below_subnormal == 2 / 8, tiny  # 2**-25 and 2**-26
+    assert tiny.below_normal == 3 / 8, tiny  # and 2**-25 (1 + 2**-20); 2**-14 - 2**-26 rounds up
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "overflows"),
+    [
+        (65504.0, "float16", False),
+        (65519.0, "float16", False),  # rounds to 65504
+        (65520.0, "float16", True),  # rounds to inf
+        (3.3895e38, "bfloat16", False),
+        (3.395e38, "bfloat16", False),  # above bfloat16's largest, rounds down to it
+        (3.4e38, "bfloat16", True),
+    ],
+)
+def test_range_report_overflow_boundary_is_the_dtype_rounding(value, dtype, overflows):
+    def loss(w):
+        with jax.named_scope("big"):
+            h = w * 1.0
+        return jnp.sum(h) * 0.0
+
+    report = jaxamp.range_report(jax.jit(loss))(jnp.array([value, 1.0], jnp.float32))
+    big = next(r for r in report.layers if r.layer == "big" and r.phase == "forward")
+    assert big.max_abs == float(np.float32(value))
+    assert (big in report.overflows(dtype)) == overflows
 
 
 # --- numerics_diff --------------------------------------------------------------------------
