@@ -108,11 +108,20 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
     return last, outs
 
 
+_VARIABLE_VALUE = ("value", "raw_value")  # the array of an nnx.Variable, below its path
+
+
 def _owner(path: Sequence[Any], single_argnum: bool) -> str:
     """The layer a gradient leaf belongs to, from its path in the gradients (a tuple,
     one entry per differentiated argument): ``(0, 'params', 'fc', 'kernel')`` -> ``'fc'``
     (the argument's index, a Flax collection name and the leaf's own name dropped); a
-    leaf of a flat dict is its own layer; a bare array argument is ``arg<index>``."""
+    leaf of a flat dict is its own layer; a bare array argument is ``arg<index>``. An
+    NNX variable's array (``[0]['fc']['kernel'].value``) is its variable's leaf."""
+    path = list(path)
+    while (
+        path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name in _VARIABLE_VALUE
+    ):
+        path.pop()
     keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
     index, keys = keys[0], keys[1:]
     if keys and keys[0] == "params":
