@@ -519,6 +519,18 @@ def test_recommend_names_a_loss_scale_that_fits_when_the_scale_overflows(dtype, 
     assert big.recommend().dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_range_report_leaves_out_a_mask_fill_of_the_dtype_s_lowest(dtype):
+    def loss(w, keep):
+        with jax.named_scope("attn"):
+            s = jnp.where(keep, w.astype(dtype) * 2, jnp.finfo(dtype).min)
+        return jnp.sum(jax.nn.softmax(s).astype(jnp.float32))
+
+    report = jaxamp.range_report(jax.jit(loss))(jnp.arange(4.0), jnp.arange(4) < 2)
+    attn = next(r for r in report.layers if r.layer == "attn" and r.phase == "forward")
+    assert attn.max_abs == 6.0, attn  # 2w, not the fill: finfo(dtype).min is a sentinel
+
+
 def test_range_report_flush_to_zero_boundary_is_float16_rounding():
     """float16 rounds 2**-25 (half its smallest subnormal, a tie) to 0, and a value just
     below its smallest normal up to that normal."""
