@@ -8,6 +8,7 @@ for this model (at which loss scale) or bfloat16 is needed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
@@ -99,12 +100,11 @@ class _Measure:
         bad = [not walk.finite(o) for o in outputs]
         if constant(tags, inputs, bad):
             out_tags = [CONSTANT] * len(outputs)
+        elif not any(bad):
+            out_tags = [None] * len(outputs)
         else:
-            came_from = carried(tags)
-            out_tags = [
-                (came_from or frozenset({_WIDE if _wide(o) else _NARROW})) if b else None
-                for o, b in zip(outputs, bad, strict=True)
-            ]
+            came_from = carried(tags) or self._made(site, inputs, outputs, bad)
+            out_tags = [came_from if b else None for b in bad]
         if walk.LOSS_SCALE_SCOPE not in site.name_stack:  # the loss times the scale: not
             self._count(site, outputs, out_tags)  # a value of the model
         return out_tags, False
@@ -112,11 +112,35 @@ class _Measure:
     def merge(self, tags: Sequence[Any]) -> Any:
         return merge_tags(tags)
 
+    @staticmethod
+    def _made(site: walk.Site, inputs, outputs, bad) -> frozenset:
+        """Where an operation that makes a new inf or NaN makes it. In float32 when its
+        output is held there; when, made of finite 16-bit inputs, it is not finite
+        computed in float32 either (``log(0)``); or when fed an inf or NaN constant
+        that is not float16 (bfloat16 holds what float32 holds: its inf is meant, a
+        ``-inf`` mask fill). Else in 16 bits: an overflow, or a float16 constant that
+        may be a value float16 rounded to inf (a mask of ``1e30``) as well as a
+        ``-inf`` meant."""
+        if all(_wide(o) for o, b in zip(outputs, bad, strict=True) if b):
+            return frozenset({_WIDE})
+        fed = [i for i in inputs if not walk.finite(i)]
+        if fed:
+            meant = not any(_float16(i) for i in fed)
+            return frozenset({_WIDE if meant else _NARROW})
+        if site.eqn is not None:
+            with contextlib.suppress(Exception):
+                wide = walk.in_float32(site, inputs)
+                if all(not walk.finite(w) for w, b in zip(wide, bad, strict=True) if b):
+                    return frozenset({_WIDE})
+        return frozenset({_NARROW})
+
     def _count(self, site: walk.Site, outputs, tags) -> None:
         key = (site.layer, site.phase)
         for out, sixteen, tag in zip(outputs, site.sixteen_bit, tags, strict=True):
             if walk.is_floating(out) and self.counted(sixteen):
-                wide = tag == frozenset({_WIDE}) or (not isinstance(tag, frozenset) and _wide(out))
+                # a constant's inf or NaN is meant unless float16 may have rounded it
+                made = tag if isinstance(tag, frozenset) else {_NARROW if _float16(out) else _WIDE}
+                wide = made == {_WIDE}
                 self.stats.setdefault(key, _Accumulator()).add(out, wide)
                 if key not in self.nonfinite and self.stats[key].nonfinite:
                     self.nonfinite.append(key)
@@ -124,6 +148,10 @@ class _Measure:
 
 def _wide(x: Any) -> bool:
     return np.asarray(x).dtype.itemsize >= 4
+
+
+def _float16(x: Any) -> bool:
+    return np.asarray(x).dtype == np.float16
 
 
 def range_report(

@@ -30,9 +30,12 @@ class LayerRange:
       below_subnormal: the fraction of the nonzero values that float16 rounds to zero:
         those up to half its smallest subnormal, 2**-25 (about 3e-8) included.
       nonfinite: how many values were inf or NaN.
-      nonfinite_float32: how many of those were held in float32 (or wider), or
-        computed there for a policy: float32 cannot hold them either, so they are not
-        float16's range at fault (a mask's ``-inf`` fill, ``log(0)``, ``0 / 0``).
+      nonfinite_float32: how many of those float32 makes too, so that float16's range
+        is not at fault: each inf and NaN is followed to the operation that made it,
+        which holds its output in float32 (or computes it there, for a policy), or is
+        not finite computed in float32 either (``log(0)`` in float16), or was fed an
+        inf constant that is not float16 (a ``-inf`` mask fill; a float16 inf may be
+        a value float16 rounded, such as a mask of ``1e30``, and counts as float16's).
     """
 
     layer: str

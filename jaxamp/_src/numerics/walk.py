@@ -46,6 +46,7 @@ class Site:
       iteration: the loop iterations it runs in (outermost first), ``()`` outside loops.
       sixteen_bit: per output, whether the program holds it in a 16-bit type (when
         evaluated widened, the value seen is its float32 counterpart).
+      eqn: the equation itself (for :func:`in_float32`).
     """
 
     primitive: str
@@ -55,6 +56,7 @@ class Site:
     name_stack: str
     iteration: tuple[int, ...] = ()
     sixteen_bit: tuple[bool, ...] = ()
+    eqn: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 Visitor = Callable[[Site, Sequence[Any], Sequence[Any]], bool | None]
@@ -156,7 +158,14 @@ def _site(eqn: Any, stack: str, iteration: tuple[int, ...], ctx: _Context, where
         name_stack=stack,
         iteration=iteration,
         sixteen_bit=tuple(_is_sixteen(getattr(v.aval, "dtype", None)) for v in eqn.outvars),
+        eqn=eqn,
     )
+
+
+def in_float32(site: Site, inputs: Sequence[Any]) -> list[Any]:
+    """The outputs of the primitive at ``site`` on ``inputs``, computed in float32 where
+    the program computes in 16 bits (see ``_bind_widened``)."""
+    return _bind_widened(site.eqn, inputs)
 
 
 def evaluate(
