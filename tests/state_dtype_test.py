@@ -218,15 +218,24 @@ def test_bf16_stochastic_recipe_trains_inject_hyperparams_adam():
     assert float(hyper["b2"]) == np.float32(0.999) and hyper["b2"].dtype == jnp.float32
 
 
-def test_masked_and_single_array_params():
+def test_masked_lookahead_and_single_array_params():
     """Statistics are found in subtrees shaped like the params: under optax.masked (its
-    MaskedNode placeholders in them) and for params that are one array, where scalar
+    MaskedNode placeholders in them), under optax.lookahead (shaped like the fast params,
+    a part of its LookaheadParams), and for params that are one array, where scalar
     hyperparameters do not have the param's shape."""
     params = _params()
     masked = optax.masked(optax.adam(1e-2), {"w": True, "b": False})
     state = jaxamp.with_state_dtype(masked, jnp.bfloat16).init(params)
     adam = state.inner_state.inner_state[0]
     assert adam.mu["w"].dtype == jnp.bfloat16 and isinstance(adam.mu["b"], optax.MaskedNode)
+    look = jaxamp.with_state_dtype(optax.lookahead(optax.adam(1e-2), 5, 0.5), jnp.bfloat16)
+    both = optax.LookaheadParams.init_synced(params)
+    state = look.init(both)
+    _, new = jax.jit(look.update)(_grads(0), state, both)  # updates for the fast params
+    for s in (state, new):
+        adam = s.inner_state.fast_state[0]
+        assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype(jnp.bfloat16)}
+    assert _dtypes(new) == _dtypes(state)
     adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
     tx = jaxamp.with_state_dtype(adam, jnp.bfloat16)
     _, state, dtypes, traces = _traced_steps(tx, params["w"], 3)  # params: one array

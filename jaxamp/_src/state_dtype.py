@@ -10,9 +10,11 @@ new statistics down to their storage dtypes, to nearest or stochastically
 the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
 
 A per-parameter statistic is a floating leaf that sits in a subtree of the state
-with the params' tree structure (``optax.MaskedNode`` standing in for a masked
-param), at the position of a param of the same shape: Adam's ``mu`` and ``nu``,
-momentum's ``trace``, schedule-free's ``z``. Every other leaf keeps the dtype
+with the params' tree structure, or with that of a subtree of the params that is
+not a single array (``optax.MaskedNode`` standing in for a masked param), at the
+position of a param of the same shape: Adam's ``mu`` and ``nu``, momentum's
+``trace``, schedule-free's ``z``, the fast optimizer's moments under
+``optax.lookahead``. Every other leaf keeps the dtype
 ``inner`` gives it: hyperparameters (``optax.inject_hyperparams``' ``b2 = 0.999``
 is 1.0 in bfloat16), step counts, schedule-free's ``weight_sum``, and factored
 statistics whose shapes are not the params' (Adafactor's ``v_row``/``v_col``).
@@ -62,23 +64,44 @@ def _is_masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
+def _references(like: Any) -> dict[Any, list[list[tuple[int, ...]]]]:
+    """The tree structures of ``like`` and of each of its subtrees that is not a single
+    leaf (a wrapper such as ``optax.lookahead`` keeps statistics shaped like a part of
+    its params), each with the leaf shapes of every subtree that has it."""
+    leaves, treedef = jax.tree.flatten(like)
+    refs: dict[Any, list[list[tuple[int, ...]]]] = {}
+
+    def visit(treedef, shapes):
+        refs.setdefault(treedef, []).append(shapes)
+        start = 0
+        for child in treedef.children():
+            n = child.num_leaves
+            if n and child.num_nodes > 1:
+                visit(child, shapes[start : start + n])
+            start += n
+
+    visit(treedef, [np.shape(x) for x in leaves])
+    return refs
+
+
 def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
     """Per leaf of ``state``: the path of the subtree shaped like ``like`` (the params or
-    the updates) that holds it, for the per-parameter statistics; ``None`` for the rest."""
-    ref_leaves, ref_def = jax.tree.flatten(like)
-    shapes = [np.shape(x) for x in ref_leaves]
+    the updates), or like a part of it, that holds it, for the per-parameter statistics;
+    ``None`` for the rest."""
+    refs = _references(like)
 
     def params_like(node):
-        return jax.tree.structure(node, is_leaf=_is_masked) == ref_def
+        return jax.tree.structure(node, is_leaf=_is_masked) in refs
 
     out = []
     for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=params_like)[0]:
         if not params_like(node):  # a leaf outside any params-shaped subtree
             out.append(None)
             continue
-        for x, shape in zip(jax.tree.flatten(node, is_leaf=_is_masked)[0], shapes, strict=True):
+        leaves, treedef = jax.tree.flatten(node, is_leaf=_is_masked)
+        for i, x in enumerate(leaves):
             if not _is_masked(x):
-                ok = is_floating_array(x) and np.shape(x) == shape
+                ok = is_floating_array(x) and any(np.shape(x) == s[i] for s in refs[treedef])
                 out.append(path if ok else None)
     return out
 
