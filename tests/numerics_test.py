@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from gated_net import gated_setup
 
 import jaxamp
 
@@ -643,6 +644,36 @@ def test_numerics_diff_with_a_policy_applied_to_the_model():
     paths = dict(diff.gradients)
     assert "[0]['params']['amplify']['kernel']" in paths
     assert all(0 < e < 0.1 for e in paths.values())
+
+
+def test_numerics_diff_marks_rows_whose_float32_value_is_near_zero():
+    """A zero gate: the gate's output and the branch's gradients are exactly 0 in both
+    runs (identical: error 0, marked near zero). A gate of 1e-6: float16 flushes the
+    branch's gradients (a raw relative error of tens of %), but they are a millionth of
+    the typical gradient, so their scale error is small and the rows are marked."""
+    loss, params = gated_setup(0.0)
+    diff = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, X)
+    rows = {(r.layer, r.phase): r for r in diff.layers}
+    for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
+        assert rows[key].near_zero and rows[key].scale_error == 0.0, rows[key]
+        assert rows[key].relative_error == 0.0 and rows[key].cosine is None
+    for key in (("GatedNet/embed", "forward"), ("GatedNet/head", "backward")):
+        r = rows[key]
+        assert not r.near_zero and 1e-4 < r.scale_error < 0.05, r
+        assert r.scale_error == pytest.approx(r.relative_error)  # normal rows: the same number
+        assert 0.99 < r.cosine <= 1.0, r
+    same = jaxamp.numerics_diff(loss, "float32")(params, X)
+    assert all(r.scale_error == 0.0 for r in same.layers), same.layers
+
+    loss, params = gated_setup(1e-6)
+    diff = jaxamp.numerics_diff(loss, "mixed_float16")(params, X)
+    rows = {(r.layer, r.phase): r for r in diff.layers}
+    for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
+        assert rows[key].near_zero and 0 < rows[key].scale_error < 1e-3, rows[key]
+    # float16 flushes most of the branch's gradients (1e-6 times the usual) to zero: the
+    # raw relative error, kept as it was, reads 46%
+    assert rows[("GatedNet/branch", "backward")].relative_error > 0.1
+    assert not rows[("GatedNet/gate", "backward")].near_zero  # the gate's own gradient
 
 
 # --- loss_scaled's record of non-finite gradients -------------------------------------------

@@ -13,6 +13,10 @@ from jaxamp._src.numerics import tracing, walk
 from jaxamp._src.numerics.find_nonfinite import _scale_of
 from jaxamp._src.policy import Policy
 
+# A layer whose float32 value has an RMS below this fraction of the typical RMS of its
+# pass (the median over the model's layers) is "near zero" (see LayerDiff.scale_error).
+NEAR_ZERO = 1e-3
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerDiff:
@@ -25,14 +29,28 @@ class LayerDiff:
         taken together: for a Dense layer its kernel's and bias's).
       relative_error: ``||amp - fp32|| / ||fp32||`` (Frobenius norms, in float64); ``inf``
         when the policy's value is not finite; ``None`` when the two runs' values have
-        different shapes (not comparable).
+        different shapes (not comparable). Meaningless for a float32 value that is (near)
+        zero, such as the output of a zero-initialised scale: see ``scale_error``.
       shape: the value's shape (for ``"backward"``: ``(number of gradient elements,)``).
+      scale_error: ``||amp - fp32|| / max(||fp32||, NEAR_ZERO * typical * sqrt(size))``,
+        where ``typical`` is the median, over the layers of this phase, of the float32
+        value's RMS (``||fp32|| / sqrt(size)``; zeros left out): the relative error,
+        except that a near-zero value is measured against the typical size of the
+        model's values instead of its own. ``0.0`` exactly when the two values are
+        identical; ``inf`` when the policy's is not finite; ``None`` when not comparable.
+      cosine: the cosine similarity of the two values, ``None`` when either is zero,
+        not finite or not comparable.
+      near_zero: the float32 value's RMS is at most ``NEAR_ZERO`` times the typical
+        (exact zeros included): its relative error says nothing.
     """
 
     layer: str
     phase: str
     relative_error: float | None
     shape: tuple[int, ...]
+    scale_error: float | None = None
+    cosine: float | None = None
+    near_zero: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +105,63 @@ def _relative(amp: Any, ref: Any) -> float | None:
     scale = float(np.linalg.norm(r))
     diff = float(np.linalg.norm(a - r))
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair:
+    """The norms of one layer's value in both runs, for its :class:`LayerDiff`."""
+
+    layer: str
+    phase: str
+    shape: tuple[int, ...]
+    ref_norm: float
+    diff_norm: float | None  # None: not comparable; inf: the policy's value not finite
+    cosine: float | None
+    size: int
+
+
+def _pair(layer: str, phase: str, amp: Any | None, ref: Any) -> _Pair:
+    """``amp`` is ``None`` when the policy's run has no such value."""
+    r = np.asarray(ref).astype(np.float64)
+    ref_norm, shape = float(np.linalg.norm(r)), tuple(np.shape(ref))
+    a = None if amp is None else np.asarray(amp).astype(np.float64)
+    if a is None or a.shape != r.shape:
+        return _Pair(layer, phase, shape, ref_norm, None, None, r.size)
+    if not np.all(np.isfinite(a)):
+        return _Pair(layer, phase, shape, ref_norm, float("inf"), None, r.size)
+    amp_norm = float(np.linalg.norm(a))
+    cosine = None
+    if ref_norm > 0 and amp_norm > 0:
+        cosine = float(np.clip(np.vdot(a, r) / (amp_norm * ref_norm), -1.0, 1.0))
+    return _Pair(layer, phase, shape, ref_norm, float(np.linalg.norm(a - r)), cosine, r.size)
+
+
+def _layer_diffs(pairs: list[_Pair]) -> list[LayerDiff]:
+    """Each pair's :class:`LayerDiff`, its near-zero floor from the typical RMS of the
+    float32 values of its phase."""
+    typical = {}
+    for phase in {p.phase for p in pairs}:
+        rms = [p.ref_norm / np.sqrt(p.size) for p in pairs if p.phase == phase and p.size]
+        rms = [x for x in rms if x > 0]
+        typical[phase] = float(np.median(rms)) if rms else 0.0
+    rows = []
+    for p in pairs:
+        floor = NEAR_ZERO * typical[p.phase] * np.sqrt(p.size)
+        near_zero = p.ref_norm <= floor
+        relative = scaled = None
+        if p.diff_norm == 0:  # identical (0/0 too)
+            relative = scaled = 0.0
+        elif p.diff_norm is not None:
+            relative = _ratio(p.diff_norm, p.ref_norm)
+            scaled = _ratio(p.diff_norm, max(p.ref_norm, floor))
+        rows.append(
+            LayerDiff(p.layer, p.phase, relative, p.shape, scaled, p.cosine, bool(near_zero))
+        )
+    return rows
+
+
+def _ratio(diff: float, scale: float) -> float:
+    return diff / scale if scale > 0 else float("inf")
 
 
 def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
@@ -201,11 +276,9 @@ def numerics_diff(
         amp = tracing.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
         ref_last, ref_outs = _last_values(ref)
         amp_last, amp_outs = _last_values(amp)
-        layers = []
-        for layer, value in ref_last.items():
-            other = amp_last.get(layer)
-            error = None if other is None else _relative(other, value)
-            layers.append(LayerDiff(layer, "forward", error, tuple(np.shape(value))))
+        compared = [
+            _pair(layer, "forward", amp_last.get(layer), v) for layer, v in ref_last.items()
+        ]
         ref_tree = jax.tree.unflatten(ref.out_tree, ref_outs)
         amp_tree = jax.tree.unflatten(amp.out_tree, amp_outs)
         if scale is not None:  # the policy's loss and gradients, unscaled
@@ -221,9 +294,8 @@ def numerics_diff(
             ref_flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g, _ in pairs])
             amp_flat = np.concatenate([np.ravel(np.asarray(a, np.float64)) for _, a in pairs])
             name = "/".join(p for p in (root, owner) if p)
-            layers.append(
-                LayerDiff(name, "backward", _relative(amp_flat, ref_flat), ref_flat.shape)
-            )
+            compared.append(_pair(name, "backward", amp_flat, ref_flat))
+        layers = _layer_diffs(compared)
         loss_ref = ref_tree[0][0] if has_aux else ref_tree[0]
         loss_amp = amp_tree[0][0] if has_aux else amp_tree[0]
         return NumericsDiff(tuple(layers), tuple(grads), (float(loss_ref), float(loss_amp)))
