@@ -1,9 +1,13 @@
 """Tests for jaxamp/_src/compare.py: the runner, its report, and accuracy parity on real data."""
 
 import dataclasses
+import itertools
 
+import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from gated_net import GatedNet, X
 
 import jaxamp
 from jaxamp._src import data
@@ -83,6 +87,14 @@ def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp
     # bfloat16 keeps fewer bits than float16: it departs more at the same layers
     worst = lambda name: max(d["relative_error"] for d in runs[name]["divergence"])
     assert worst("bf16") > worst("fp16")
+    for d in runs["bf16"]["divergence"]:  # the raw relative error is kept beside it
+        assert d["scale_error"] == d["relative_error"] or d["near_zero"], d
+    taken = runs["fp16"]["divergence_loss_scale"]  # compared where its optimizer steps
+    assert taken["initial"] == 65536.0 and taken["used"] == 65536.0 / 2 ** len(taken["overflowed"])
+    assert (
+        runs["fp32"]["divergence_loss_scale"] is None
+        and runs["bf16"]["divergence_loss_scale"] is None
+    )
     check = bert_report["float16_check"]
     assert check["dtype"] == "float16" and check["overflowing_layers"] == []
     assert all(r["first_nonfinite"] is None for r in runs.values())
@@ -115,7 +127,128 @@ def test_a_float16_run_that_diverges_names_the_first_non_finite_layer():
     assert any("float16 range check" in line for line in logged)
     from jaxamp._src.report import format_markdown
 
-    assert "the loss became non-finite at step 0" in format_markdown(report)
+    md = format_markdown(report)
+    assert "the loss became non-finite at step 0" in md
+    # no loss scale makes a non-finite loss finite: one try, compared at the initial scale
+    taken = runs["fp16"]["divergence_loss_scale"]
+    assert taken == {
+        "initial": 65536.0,
+        "overflowed": [65536.0],
+        "used": None,
+        "loss_finite": False,
+    }
+    assert "the loss itself is not finite, so no scale helps: compared at 65536" in md
+
+
+def _gated_divergence_report():
+    """compare's divergence records of fp32 and bf16 for a tiny model with a zero-init gate
+    (tests/gated_net.py): its output and its branch's gradients are 0."""
+    import jax
+
+    from jaxamp._src.numerics import in_compare
+
+    model, x = GatedNet(0.0), X
+    params = model.init(jax.random.key(0), x)
+    loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
+    runs = [
+        {"variant": name, "divergence": in_compare.divergence(loss, mixed, params, x)}
+        for name, mixed in (("fp32", loss), ("bf16", jaxamp.autocast(loss, "mixed_bfloat16")))
+    ]
+    return {"runs": runs}
+
+
+def test_divergence_table_marks_near_zero_rows_and_identical_values_and_explains_itself():
+    from jaxamp._src.numerics import in_compare
+
+    lines = in_compare.markdown(_gated_divergence_report())
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in lines if "| " in line}
+    for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
+        assert "≈0 in fp32" in rows[key], rows[key]  # not an error of 0 (nor 0/0)
+    header = next(line for line in lines if line.startswith("| layer |"))
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    cell = lambda key, name: rows[key].split("|")[1:-1][columns.index(name)].strip()
+    fp32, bf16 = (cell(("GatedNet/head", "backward"), name) for name in ("fp32", "bf16"))
+    assert fp32 == "0" and 1e-4 < float(bf16) < 0.05, rows  # identical: exactly 0
+    text = "\n".join(lines)
+    # the paragraph above the table says what the numbers, ≈0 and skipped steps mean
+    paragraph = text[: text.index("| layer |")]
+    for phrase in ("max(‖fp32‖", "≈0 in fp32", "identical", "skipped", "cosine"):
+        assert phrase in paragraph, (phrase, paragraph)
+
+
+def test_divergence_plot_has_no_made_up_values_and_labels_what_it_shows(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxamp._src.numerics import in_compare
+
+    report = _gated_divergence_report()
+    figures = []
+    in_compare.plot(report, tmp_path, lambda fig, name: figures.append((fig, name)))
+    [(fig, name)] = figures
+    assert name == "divergence.png"
+    bf16 = {(d["layer"], d["phase"]): d for d in report["runs"][1]["divergence"]}
+    for ax, phase in zip(fig.axes, ("forward", "backward"), strict=True):
+        data_lines = [ln for ln in ax.get_lines() if ln.get_transform() == ax.transData]
+        plotted = [y for line in data_lines for y in line.get_ydata()]
+        assert plotted and min(plotted) > 1e-6, (phase, plotted)  # no 1e-12 stand-ins for 0
+        rows = [d for d in bf16.values() if d["phase"] == phase]
+        errors = sorted(d["scale_error"] for d in rows if not d["near_zero"])
+        assert sorted(plotted) == pytest.approx(errors), (phase, plotted)
+        labels = ax.get_legend_handles_labels()[1]
+        assert "bf16" in labels and "≈0 in fp32" in labels, labels
+        assert "fp32" in ax.get_title() and phase in ax.get_title()
+    assert "max(‖fp32‖" in fig.axes[0].get_ylabel()
+    plt.close(fig)
+
+
+class _Squeezed(nn.Module):
+    """Dense -> BatchNorm -> Dense. BatchNorm over 4 examples divides by their small
+    spread: float16's gradients below it overflow at the initial loss scale of 65536."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.BatchNorm(use_running_average=not train, name="norm")(nn.Dense(8, name="dense")(x))
+        return nn.Dense(3, name="head")(nn.relu(h))
+
+
+def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_training_steps():
+    """Training skips a step whose float16 gradients overflow and halves the scale; the
+    divergence is taken at the first scale whose step the optimizer takes (no inf column)."""
+    import jax
+
+    from jaxamp._src import compare as compare_lib
+    from jaxamp._src.numerics import in_compare
+    from jaxamp._src.variants import get_variant
+
+    x = 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
+    sample = (x, jnp.array([0, 1, 2, 0]))
+    task = compare_lib._Task(_Squeezed(), True, 1e-3)
+    variables = task.module.init(jax.random.key(0), x)
+    config = CompareConfig(variants=("fp16",), batch_size=4)
+    run = compare_lib._Run(get_variant("fp16"), task, variables, config, sample)
+    compare_lib._numerics_before_training([run], task, variables, sample, config, print)
+    errors = [d["relative_error"] for d in run.divergence if d["phase"] == "backward"]
+    assert errors and all(np.isfinite(e) for e in errors), errors
+    scales = run.divergence_loss_scale
+    assert scales["initial"] == 65536.0 and scales["overflowed"][0] == 65536.0, scales
+    tried = [*scales["overflowed"], scales["used"]]
+    assert all(a == 2 * b for a, b in itertools.pairwise(tried)), scales  # halved
+    record = {"divergence": run.divergence, "divergence_loss_scale": scales}
+    report = {"runs": [{"variant": "fp16", **record}]}
+    md = "\n".join(in_compare.markdown(report))
+    skipped = scales["overflowed"]
+    assert (
+        f"fp16: the first {len(skipped)} steps, at loss scales 65536 down to {skipped[-1]:g}, "
+        f"overflow (skipped, as training skips them); compared at {scales['used']:g}, the "
+        "first step the optimizer took" in md
+        if len(skipped) > 1
+        else "fp16: the first step at loss scale 65536 overflows (skipped, as training skips "
+        f"it); compared at {scales['used']:g}, the first step the optimizer took" in md
+    ), md
+    assert f"| fp16 (loss scale {scales['used']:g}) |" in md
 
 
 def test_same_initialisation_and_data_for_every_variant(bert_report):

@@ -62,9 +62,12 @@ class CompareConfig:
         run) describe the final model; 0 evaluates with the statistics as trained.
       numerics: before training, the per-layer divergence of each variant from float32
         at the initial weights (``jaxamp.numerics_diff``, on 4 examples of the first
-        batch) and, when a variant computes in float16, a float16 range check of the
-        float32 model (``jaxamp.range_report``); during training, the first non-finite
-        layer of a variant whose loss stops being finite (``jaxamp.find_nonfinite``).
+        batch; a loss-scaled variant at the scale of the first step its optimizer takes
+        on them, steps that overflow skipped as in training, and recorded as
+        ``divergence_loss_scale``) and, when a variant computes in float16, a float16
+        range check of the float32 model (``jaxamp.range_report``); during training,
+        the first non-finite layer of a variant whose loss stops being finite
+        (``jaxamp.find_nonfinite``).
         Each is evaluated one primitive at a time, outside the timed steps.
       width: channels of a ResNet's first stage (64 as published).
       layers: BERT layers.
@@ -210,6 +213,7 @@ class _Run:
         self.diagnose = config.numerics
         self.first_nonfinite: dict[str, Any] | None = None
         self.divergence: list[dict[str, Any]] | None = None
+        self.divergence_loss_scale: dict[str, Any] | None = None
         with variant.tracing():
             start = time.perf_counter()
             self.step = (
@@ -352,6 +356,7 @@ class _Run:
             "bn_recalibration_change": getattr(self, "recalibration_change", None),
             "bytes_per_param": self.bytes_per_param,
             "divergence": self.divergence,
+            "divergence_loss_scale": self.divergence_loss_scale,
             "first_nonfinite": self.first_nonfinite,
             "losses": [float(v) for v in self.losses],
             "loss_scales": [float(v) for v in self.scales] if final_scale is not None else None,
@@ -385,7 +390,13 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             return loss.mean()
 
     for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
-        scale = float(run.scale_of(run.opt_state)) if run.variant.dynamic_loss_scaling else None
+        scale = None
+        if run.variant.dynamic_loss_scaling:  # where the optimizer takes its first step
+            taken = numerics_checks.first_step_taken(
+                _step_on(run, rng, params, state, x, y), run.opt_state, run.scale_of
+            )
+            run.divergence_loss_scale = taken
+            scale = taken["initial"] if taken["used"] is None else taken["used"]
         run.divergence = numerics_checks.divergence(
             reference, run.loss_fn(rng), params, state, x, y, loss_scale=scale
         )
@@ -396,6 +407,21 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
     if check["dtype"] != "float16":
         log(f"float16 range check (before training): {check['reason']}")
     return check
+
+
+def _step_on(run: _Run, rng, params, state, x, y) -> Callable[[Any], tuple[Any, Any, Any]]:
+    """``run``'s training step on the divergence's examples, its params left as they are:
+    ``opt_state -> (loss finite, step taken, opt_state after)``, jitted; the optimizer's
+    own finiteness check and loss-scale rule decide."""
+    loss = run.loss_fn(rng)
+
+    @jax.jit
+    def step(opt_state, params, run_params, state, x, y):
+        value, grads = value_and_grad(loss)(params, state, x, y, opt_state=opt_state)
+        _, opt_state = run.tx.update(grads, opt_state, run_params)
+        return jnp.isfinite(value), find_loss_scaled_state(opt_state).last_finite, opt_state
+
+    return lambda opt_state: step(opt_state, params, run.params, state, x, y)
 
 
 def _bytes_per_param(params: Any, opt_state: Any) -> float:
