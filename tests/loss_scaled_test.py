@@ -498,3 +498,50 @@ def test_finiteness_check_equals_isfinite_of_the_unscaled_gradients(grads, inv_s
     assert bool(jax.jit(jaxamp.all_finite)(grads)) == all(
         bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in grads.values()
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("recipe", ["float32", "stochastic"])
+def test_nonfinite_record_is_shaped_like_the_gradients_under_lookahead(dtype, recipe):
+    """optax.lookahead's params are LookaheadParams(fast, slow) but its gradients are
+    shaped like the fast params: the record is shaped like the gradients (init built it
+    from the params, and update failed with "pytree structure error")."""
+    fast = params_of(dtype)
+    params = optax.LookaheadParams.init_synced(fast)
+    inner = optax.lookahead(optax.adam(1e-2), 2, 0.5)
+    tx = jaxamp.loss_scaled(inner, master_weights=recipe, record_nonfinite=True)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    grads = jax.tree.map(lambda x: jnp.full(x.shape, 65536.0, x.dtype), fast)
+    updates, state = step(grads, state, params)
+    assert jax.tree.structure(state.nonfinite_grads) == jax.tree.structure(fast)
+    params = optax.apply_updates(params, updates)
+    assert bool(state.last_finite) and jaxamp.nonfinite_gradients(state) == []
+    _, state = step({**grads, "b": grads["b"].at[1].set(jnp.inf)}, state, params)
+    assert not bool(state.last_finite)
+    assert jaxamp.nonfinite_gradients(state) == ["['b']"]
+
+
+def test_nonfinite_record_of_other_gradients_is_a_clear_error():
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), record_nonfinite=True)
+    params = params_of(jnp.float32)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"record_nonfinite=True.*shaped like the gradients"):
+        jax.jit(tx.update)({"w": params["w"]}, state, None)
+
+
+@pytest.mark.parametrize("master_weights", ["float32", "kahan", "stochastic", "none"])
+def test_complex_gradients_are_unscaled(master_weights):
+    """A complex param (beside a bfloat16 one) takes plain optax's update: its scaled
+    gradient is unscaled in its complex dtype (it reached the inner optimizer still
+    multiplied by the scale, 2**16)."""
+    params = {"z": jnp.array([1 + 1j, -2 + 0.5j], jnp.complex64), "w": jnp.ones(2, jnp.bfloat16)}
+    loss = lambda p: jnp.sum(jnp.abs(p["z"]) ** 2) + jnp.sum(p["w"].astype(jnp.float32) ** 2)
+    tx = jaxamp.loss_scaled(optax.sgd(0.25), master_weights=master_weights)
+    state = tx.init(params)
+    grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    expected = -0.25 * jax.grad(loss)(params)["z"]
+    assert updates["z"].dtype == jnp.complex64
+    np.testing.assert_allclose(updates["z"], expected, rtol=1e-6)
+    assert bool(state.last_finite)

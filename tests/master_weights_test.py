@@ -306,3 +306,23 @@ def test_bad_master_weights():
     state = tx.init({"w": jnp.ones(2, jnp.bfloat16)})
     with pytest.raises(ValueError, match="needs the current params"):
         tx.update({"w": jnp.ones(2)}, state)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_complex_params_take_the_inner_update_as_it_is(recipe):
+    """A complex param beside a 16-bit one takes the inner update unchanged in every
+    recipe (with a float32 master it was frozen: its update was zeros)."""
+    params = {"z": jnp.array([1 + 1j, -2j], jnp.complex64), "w": jnp.ones(2, jnp.bfloat16)}
+    grads = {"z": jnp.array([0.5 + 0.5j, 1 - 1j], jnp.complex64), "w": jnp.ones(2, jnp.bfloat16)}
+    tx = jaxamp.loss_scaled(optax.sgd(1.0), StaticLossScale(1.0), master_weights=recipe)
+
+    @jax.jit
+    def step(params, state):
+        updates, state = tx.update(grads, state, params)
+        return updates, optax.apply_updates(params, updates), state
+
+    updates, new, _ = step(params, tx.init(params))
+    assert updates["z"].dtype == jnp.complex64
+    np.testing.assert_array_equal(updates["z"], -grads["z"])
+    np.testing.assert_array_equal(new["z"], params["z"] - grads["z"])
+    assert new["w"].dtype == jnp.bfloat16

@@ -212,3 +212,12 @@ def test_property_non_finite_and_out_of_range_as_round_to_nearest(dtype, magnitu
     x = x.at[:3].set(jnp.asarray([jnp.inf, -jnp.inf, jnp.nan]))
     y = _round(x, dtype, jax.random.key(seed))
     np.testing.assert_array_equal(_bits(y), _bits(x.astype(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8])
+def test_unsupported_dtypes_are_a_clear_error(dtype):
+    """float8 dtypes (some without an inf) and non-floating dtypes are refused, listing the
+    dtypes that are supported (float8 raised jax's TypePromotionError)."""
+    x = jnp.ones(4, jnp.float32)
+    with pytest.raises(ValueError, match=r"Valid choices: bfloat16, float16, float32"):
+        stochastic_round(x, dtype, jax.random.key(0))

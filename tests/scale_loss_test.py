@@ -249,3 +249,33 @@ def test_nnx_transform_is_used_on_a_model_with_batch_norm_and_dropout():
     assert all(jnp.issubdtype(g.dtype, jnp.floating) for g in jax.tree.leaves(grads))
     losses = [float(train_step(model, optimizer, x, y)[0]) for _ in range(20)]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ls: optax.chain(optax.apply_every(2), ls),
+        lambda ls: optax.chain(optax.chain(optax.apply_every(2)), optax.chain(ls)),
+        lambda ls: optax.chain(optax.scale_by_adam(), ls),
+    ],
+    ids=["apply_every", "nested_apply_every", "scale_by_adam"],
+)
+def test_loss_scaled_after_gradient_statistics_is_a_clear_error(build):
+    """A transformation ahead of loss_scaled in a chain that keeps statistics of the
+    gradients (optax.apply_every's accumulator, Adam's moments) sees them scaled and,
+    after one overflow, keeps a NaN for good while the scale halves forever: refused,
+    naming the order that works."""
+    tx = build(jaxamp.loss_scaled(optax.sgd(0.1)))
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"ahead of jaxamp\.loss_scaled.*jaxamp\.loss_scaled\("):
+        jax.jit(jaxamp.scale_loss)(jnp.float32(1.0), state)
+
+
+def test_stateless_or_later_transformations_beside_loss_scaled_are_fine():
+    ls = jaxamp.loss_scaled(optax.sgd(0.1), DynamicLossScale(256.0))
+    for tx in (
+        optax.chain(optax.clip(1.0), optax.identity(), ls),
+        optax.chain(ls, optax.apply_every(2)),
+        optax.chain(optax.inject_hyperparams(optax.scale)(step_size=1.0), ls),
+    ):
+        assert float(jaxamp.get_loss_scale(tx.init(PARAMS))) == 256.0

@@ -293,3 +293,97 @@ def test_bf16_stochastic_recipe_rounds_params_and_state_with_independent_bits():
     agree = float(jnp.mean((new > x) == (trace > x)))
     assert abs(agree - 0.5) < 0.05, agree  # 0.5 +- 0.004 (1 SE) for independent bits
     assert abs(float(jnp.mean(new > x)) - 0.5) < 0.05  # each unbiased on its own
+
+
+_MASK = {"a": True, "b": False, "c": {"d": True}}
+_LABELS = {"a": "x", "b": "y", "c": {"d": "x"}}
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, {"mu": jnp.bfloat16, "nu": jnp.bfloat16}])
+def test_inside_masked_and_multi_transform(wrapper, flat, dtype):
+    """with_state_dtype inside optax.masked or optax.multi_transform sees params with
+    MaskedNode placeholders: every unmasked param's moments are cast, the top-level ones
+    too (they stayed float32; with flat params nothing was cast, and a per-field dtype
+    raised "no state field ... named 'mu' ... Valid choices: .")."""
+    params = {"a": jnp.ones((3, 2)), "b": jnp.ones(2), "c": {"d": jnp.ones(4)}}
+    mask, labels = _MASK, _LABELS
+    if flat:
+        params, mask, labels = (
+            {k: v for k, v in t.items() if k != "c"} for t in (params, mask, labels)
+        )
+    inner = jaxamp.with_state_dtype(optax.adam(1e-2), dtype)
+    if wrapper == "masked":
+        tx = optax.masked(inner, mask)
+        adam_of = lambda s: s.inner_state.inner_state[0]
+    else:
+        tx = optax.multi_transform({"x": inner, "y": optax.sgd(1e-2)}, labels)
+        adam_of = lambda s: s.inner_states["x"].inner_state.inner_state[0]
+    params, state, dtypes, traces = _traced_steps(tx, params, 3)
+    adam = adam_of(state)
+    unmasked = ["a", "d"] if not flat else ["a"]
+    moments = [m["a"] for m in (adam.mu, adam.nu)]
+    if not flat:
+        moments += [m["c"]["d"] for m in (adam.mu, adam.nu)]
+    assert [x.dtype for x in moments] == [np.dtype(jnp.bfloat16)] * 2 * len(unmasked)
+    assert isinstance(adam.mu["b"], optax.MaskedNode)
+    assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, {"mu": jnp.bfloat16}])
+def test_flattened_statistics_are_cast(dtype):
+    """optax.flatten keeps Adam's moments as one vector of the params' total size: they
+    are per-parameter statistics (they stayed float32, silently; a per-field dtype
+    raised "Valid choices: ." with no field in it)."""
+    params = {"a": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    tx = jaxamp.with_state_dtype(optax.flatten(optax.adam(1e-2)), dtype)
+    params, state, dtypes, traces = _traced_steps(tx, params, 3)
+    adam = state.inner_state[0]
+    assert adam.mu.shape == (15,) and adam.mu.dtype == jnp.bfloat16
+    assert adam.nu.dtype == (jnp.float32 if isinstance(dtype, dict) else jnp.bfloat16)
+    assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+
+
+def test_nothing_to_cast_warns_and_field_errors_name_the_fields_found():
+    """A with_state_dtype that finds no per-parameter statistic in a state with floating
+    leaves says so at init, naming the transformation; an unknown field lists the
+    fields that hold statistics (or the floating leaves, when none does)."""
+    params = {"a": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    plateau = optax.contrib.reduce_on_plateau()
+    with pytest.warns(UserWarning, match=r"reduce_on_plateau.*found no per-parameter"):
+        jaxamp.with_state_dtype(plateau, jnp.bfloat16).init(params)
+    no_statistic = r"reduce_on_plateau.*'mu'.*ReduceLROnPlateauState.*\.scale \(\)"
+    with pytest.raises(ValueError, match=no_statistic):
+        jaxamp.with_state_dtype(plateau, {"mu": jnp.bfloat16}).init(params)
+    with pytest.raises(ValueError, match=r"'m'.*Valid choices: 'mu', 'nu'\.$"):
+        jaxamp.with_state_dtype(optax.flatten(optax.adam(1e-2)), {"m": jnp.bfloat16}).init(params)
+
+
+@pytest.mark.parametrize("params", [jnp.float32(1.0), jnp.ones(1)], ids=["scalar", "one"])
+def test_scalar_params_never_cast_hyperparameters(params):
+    """With one scalar param every scalar state leaf has the param's shape and
+    structure: inject_hyperparams' hyperparameters, schedule-free's b1/weight_sum/max_lr
+    and reduce_on_plateau's scale are still never cast (b2 = 0.999 became 1.0 in
+    bfloat16 and Adam's update NaN)."""
+    adam = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    tx = jaxamp.with_state_dtype(adam, jnp.bfloat16)
+    state = tx.init(params)
+    hyper = state.inner_state.hyperparams
+    assert {x.dtype for x in jax.tree.leaves(hyper)} == {np.dtype(jnp.float32)}
+    assert state.inner_state.inner_state[0].mu.dtype == jnp.bfloat16
+    updates, state = jax.jit(tx.update)(jnp.full_like(params, 0.5), state, params)
+    np.testing.assert_allclose(updates, jnp.full_like(params, -1e-3), rtol=1e-6)
+    assert float(state.inner_state.hyperparams["b2"]) == np.float32(0.999)
+    free = jaxamp.with_state_dtype(optax.contrib.schedule_free_adamw(1e-3), jnp.bfloat16)
+    sf = free.init(params).inner_state
+    assert {sf.b1.dtype, sf.weight_sum.dtype, sf.max_lr.dtype} == {np.dtype(jnp.float32)}
+    assert sf.z.dtype == jnp.bfloat16
+    plateau = optax.chain(optax.adam(1e-3), optax.contrib.reduce_on_plateau())
+    chained = jaxamp.with_state_dtype(plateau, jnp.bfloat16).init(params).inner_state
+    assert chained[0][0].mu.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(chained[1])} <= {np.dtype(jnp.float32)} | {
+        np.dtype(jnp.int32)
+    }

@@ -2,8 +2,9 @@
 
 The wrapper sits outermost around the user's optimizer. Each ``update``:
 
-1. unscales the (scaled) gradients in float32, before anything else sees them,
-   so an inner ``clip_by_global_norm`` clips true gradients;
+1. unscales the (scaled) gradients in float32 (complex ones in their complex
+   dtype), before anything else sees them, so an inner ``clip_by_global_norm``
+   clips true gradients;
 2. checks that every unscaled gradient element is finite, from reductions of
    each gradient as it is (its max, min and sum; see ``_unscaled_finite``), so
    no array of a gradient's size is written for it; under ``jit`` with sharded
@@ -59,7 +60,8 @@ class LossScaledState(NamedTuple):
       nonfinite_grads: with ``record_nonfinite=True``, a tree shaped like the gradients
         of boolean scalars: which leaves were non-finite at the last skipped step (all
         ``False`` before any skip); else ``None``. Read it with
-        :func:`jaxamp.nonfinite_gradients`.
+        :func:`jaxamp.nonfinite_gradients`. ``init`` sees only the params, so it takes
+        the gradients' structure from them (see ``_gradient_structure``).
     """
 
     loss_scale: LossScaleState
@@ -84,6 +86,30 @@ def _is_inexact_array(x: Any) -> bool:
     return isinstance(x, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(
         x.dtype, jnp.inexact
     )
+
+
+def _gradient_structure(params: Any) -> Any:
+    """``params`` as the gradients of ``update`` are shaped: each
+    ``optax.LookaheadParams(fast, slow)`` replaced by its ``fast`` params (lookahead
+    takes gradients of the fast params only). Every other tree is its own gradients'
+    shape; ``update`` checks it (see ``_record_nonfinite``)."""
+    is_lookahead = lambda x: isinstance(x, optax.LookaheadParams)
+    return jax.tree.map(lambda x: x.fast if is_lookahead(x) else x, params, is_leaf=is_lookahead)
+
+
+def _record_nonfinite(checks: Any, finite: jax.Array, record: Any) -> Any:
+    """The new record: on a skipped step, which gradient leaves were not finite; on a
+    finite one, the record as it was. ``checks`` holds the per-leaf results, shaped
+    like the gradients; the record was shaped at ``init``, from the params."""
+    if jax.tree.structure(checks) != jax.tree.structure(record):
+        raise ValueError(
+            "loss_scaled(record_nonfinite=True) keeps one flag per gradient leaf, in a tree "
+            "shaped like the gradients, which init took from the params (optax.LookaheadParams "
+            "as its fast params); these gradients are shaped "
+            f"{jax.tree.structure(checks)}, the record {jax.tree.structure(record)}. Pass "
+            "update gradients shaped like the params given to init."
+        )
+    return jax.tree.map(lambda ok, old: jnp.where(finite, old, ~ok), checks, record)
 
 
 def nonfinite_gradients(opt_state: Any) -> list[str]:
@@ -126,6 +152,17 @@ def all_finite(tree: Any) -> jax.Array:
     if not leaves:
         return jnp.asarray(True)
     return jnp.stack(leaves).all()
+
+
+def _unscale(g: Any, inv_scale: jax.Array) -> Any:
+    """A scaled gradient leaf unscaled: a real floating one in float32, a complex one in
+    its own complex dtype (both parts multiplied by ``inv_scale``); any other leaf (an
+    integer's float0 gradient, a ``None``) as it is."""
+    if is_floating_array(g):
+        return g.astype(jnp.float32) * inv_scale
+    if _is_inexact_array(g):  # complex
+        return g * inv_scale.astype(jnp.finfo(g.dtype).dtype)
+    return g
 
 
 def _fast_min_max() -> bool:
@@ -232,7 +269,10 @@ def loss_scaled(
       record_nonfinite: keep, in the state, which gradient leaves were non-finite at
         the last skipped step (one boolean per leaf, from the finiteness check's own
         per-leaf results); :func:`jaxamp.nonfinite_gradients` lists them, and
-        :func:`jaxamp.find_nonfinite` then finds the operation that made them.
+        :func:`jaxamp.find_nonfinite` then finds the operation that made them. The
+        record is shaped like the params given to ``init``, ``optax.LookaheadParams``
+        taken as their fast params (the params ``optax.lookahead``'s gradients are
+        of); ``update`` raises a ``ValueError`` for gradients of another shape.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -283,7 +323,9 @@ def loss_scaled(
             compensation=compensation,
             rounding_key=key,
             nonfinite_grads=(
-                jax.tree.map(lambda _: jnp.asarray(False), params) if record_nonfinite else None
+                jax.tree.map(lambda _: jnp.asarray(False), _gradient_structure(params))
+                if record_nonfinite
+                else None
             ),
         )
 
@@ -296,9 +338,7 @@ def loss_scaled(
                 "so update() needs the current params: tx.update(grads, state, params)."
             )
         inv_scale = 1.0 / state.loss_scale.scale
-        grads = jax.tree.map(
-            lambda g: g.astype(jnp.float32) * inv_scale if is_floating_array(g) else g, updates
-        )
+        grads = jax.tree.map(lambda g: _unscale(g, inv_scale), updates)
         every_device = lambda ok: (
             ok if axis_name is None else lax.pmin(ok.astype(jnp.int32), axis_name) > 0
         )
@@ -310,9 +350,7 @@ def loss_scaled(
             checks = every_device(jnp.stack(checks)) if checks else jnp.ones([0], jnp.bool_)
             finite = checks.all()  # global, as the record is: the same on every device
             leaves_ok = jax.tree.unflatten(treedef, list(checks))
-            nonfinite_grads = jax.tree.map(
-                lambda ok, old: jnp.where(finite, old, ~ok), leaves_ok, state.nonfinite_grads
-            )
+            nonfinite_grads = _record_nonfinite(leaves_ok, finite, state.nonfinite_grads)
         master_params = recipes.adopt_changes(state.master_params, params) if has_master else None
         if has_master or rounds:
             inner_params = recipes.inner_params(params, master_params, state.compensation)

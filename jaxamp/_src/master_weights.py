@@ -20,9 +20,9 @@ place of a 16-bit weight is lost every step, so the weight stalls. The other
 three follow the float32 sum: exactly (``float32``), to within the rounding of
 the compensation (``kahan``), or in expectation (``stochastic``).
 
-Float32 params (and any other leaf that is not 16-bit) take the inner update as
-it is, in every recipe, so ``optax.apply_updates`` gives them what plain optax
-gives; the master and the compensation hold a float32 scalar placeholder in
+Float32 params (and any other floating or complex leaf that is not 16-bit) take
+the inner update as it is, in every recipe, so ``optax.apply_updates`` gives them
+what plain optax gives; the master and the compensation hold a float32 scalar placeholder in
 their place, never the param itself (a state that shared a buffer with the
 params could not be donated with them).
 
@@ -38,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxamp._src.policy import is_floating_array
 from jaxamp._src.rounding import leaf_keys, new_key_data, step_key, stochastic_round
@@ -56,6 +57,13 @@ def validate_master_weights(master_weights: str) -> str:
 
 def is_16_bit(x: Any) -> bool:
     return is_floating_array(x) and x.dtype.itemsize < 4
+
+
+def _is_inexact_array(x: Any) -> bool:
+    """A floating or complex array (a param that optax updates)."""
+    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(
+        x.dtype, jnp.inexact
+    )
 
 
 def to_float32(tree: Any) -> Any:
@@ -142,12 +150,12 @@ def step_master(master: Any, updates: Any, params: Any) -> tuple[Any, Any]:
     A 16-bit param's master takes the inner update ``u`` in float32, and the param
     lands exactly on the new master rounded to its dtype (the difference of two
     16-bit values is exact in float32, so ``p + (new - p)`` is ``new``). Every other
-    leaf takes ``u`` as it is, as plain optax applies it (non-floating params: none),
-    and keeps its placeholder.
+    inexact leaf (float32, float64, complex) takes ``u`` as it is, as plain optax
+    applies it; integer and boolean params take none. Both keep their placeholder.
     """
 
     def step(m, u, p):
-        if not is_floating_array(p):
+        if not _is_inexact_array(p):
             return jnp.zeros_like(p), m
         if not is_16_bit(p):
             return u, m

@@ -30,32 +30,55 @@ def validate_rounding(rounding: str) -> str:
     return rounding
 
 
+STOCHASTIC_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def validate_stochastic_dtype(dtype: Any) -> np.dtype:
+    """``dtype`` as a ``np.dtype`` if :func:`stochastic_round` supports it (one of
+    :data:`STOCHASTIC_DTYPES`), else raises ``ValueError``."""
+    try:
+        canonical = np.dtype(dtype)
+    except TypeError:
+        canonical = None
+    if canonical is None or canonical.name not in STOCHASTIC_DTYPES:
+        shown = canonical.name if canonical is not None else repr(dtype)
+        raise ValueError(
+            f"stochastic_round cannot round to {shown}. Valid choices: "
+            f"{', '.join(STOCHASTIC_DTYPES)} (float32 returns x as it is)."
+        )
+    return canonical
+
+
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds ``x`` to ``dtype`` stochastically, without bias.
 
-    Works for any floating ``dtype`` narrower than ``x``'s (bfloat16, float16). The
-    magnitude ``|x|`` goes to the neighbour above it with probability
-    ``(|x| - lo) / (hi - lo)`` and the sign is put back, so ``-x`` rounds to exactly
-    ``-(rounding of x)`` with the same key. Subnormals of ``dtype`` round like any
-    other values. Values that are exact in ``dtype`` (zeros of either sign, the max),
-    infinities, NaN, and values beyond ``dtype``'s largest finite value give exactly
-    ``x.astype(dtype)`` (round to nearest: a value past the max by less than half a
-    unit in the last place gives the max, one further out gives ``inf``), whatever
-    their sign.
+    ``dtype`` is bfloat16 or float16 (float32 gives ``x`` itself: nothing to round);
+    any other dtype, float8 ones included (some have no infinity, and jax does not
+    promote them in arithmetic), raises a ``ValueError``. The magnitude ``|x|`` goes
+    to the neighbour above it with probability ``(|x| - lo) / (hi - lo)`` and the
+    sign is put back, so ``-x`` rounds to exactly ``-(rounding of x)`` with the same
+    key. Subnormals of ``dtype`` round like any other values. Values that are exact
+    in ``dtype`` (zeros of either sign, the max), infinities, NaN, and values beyond
+    ``dtype``'s largest finite value give exactly ``x.astype(dtype)`` (round to
+    nearest: a value past the max by less than half a unit in the last place gives
+    the max, one further out gives ``inf``), whatever their sign.
 
     bfloat16 is rounded on the bits (16 random bits added to the low half of
     float32's), which is exact for every value, bfloat16's subnormals included
     (they are float32 subnormals, which XLA:CPU flushes to zero in arithmetic).
-    Other dtypes compare a uniform draw with the fraction above, exact to 2**-23
+    float16 compares a uniform draw with the fraction above, exact to 2**-23
     of a unit in the last place.
 
     Args:
       x: the values (float32).
-      dtype: the narrower floating dtype.
+      dtype: ``bfloat16``, ``float16`` or ``float32``.
       key: a PRNG key; the same key gives the same roundings.
 
     Returns:
       ``x`` in ``dtype``.
+
+    Raises:
+      ValueError: for any other ``dtype``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -67,9 +90,11 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
       >>> stochastic_round(big, jnp.float16, jax.random.key(0))
       Array([ inf, -inf], dtype=float16)
     """
-    dtype = np.dtype(dtype)
+    dtype = validate_stochastic_dtype(dtype)
     x = jnp.asarray(x, jnp.float32)
     nearest = x.astype(dtype)
+    if dtype == jnp.float32:
+        return nearest
     # Signs, magnitudes and exactness on the bits: XLA:CPU flushes float32 subnormals
     # to zero in arithmetic and comparisons.
     bits = lax.bitcast_convert_type(x, jnp.uint32)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._src.loss_scaled import LossScaledState
+from jaxamp._src.policy import is_floating_array
 
 
 def _value(x: Any) -> Any:
@@ -43,6 +44,67 @@ def _check_not_inside_multi_steps(opt_state: Any) -> None:
             )
 
 
+def _children(node: Any) -> list[Any]:
+    """The pytree children of ``node`` (one level down)."""
+    return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
+
+
+def _is_variable(x: Any) -> bool:
+    return x is not None and hasattr(x, "get_value")
+
+
+def _gradient_statistics(state: Any) -> str | None:
+    """What in ``state`` keeps statistics of the gradients its transformation sees (a
+    gradient accumulator, or a floating array that is not a scalar: Adam's moments, an
+    EMA), for messages; ``None`` if nothing does (stateless transformations, counts,
+    scalar hyperparameters)."""
+    from jaxamp._src.state_dtype import _hide_never_cast
+
+    accumulators = (optax.MultiStepsState, optax.ApplyEvery)
+    is_accumulator = lambda x: isinstance(x, accumulators)
+    found = jax.tree_util.tree_flatten_with_path(
+        _hide_never_cast(jax.tree.map(_value, state, is_leaf=_is_variable)),
+        is_leaf=is_accumulator,
+    )[0]
+    for path, leaf in found:
+        if is_accumulator(leaf):
+            at = f" at {jax.tree_util.keystr(path)} of its state" if path else ""
+            return f"a gradient accumulator (an optax.{type(leaf).__name__}{at})"
+    for path, leaf in found:
+        if is_floating_array(leaf) and leaf.ndim >= 1:
+            return (
+                "a transformation with statistics of the gradients (the array at "
+                f"{jax.tree_util.keystr(path)} of its state)"
+            )
+    return None
+
+
+def _check_not_after_gradient_statistics(opt_state: Any) -> None:
+    """A transformation ahead of ``loss_scaled`` in a chain sees the scaled gradients.
+    One that keeps statistics of them (``optax.apply_every``'s accumulator, Adam's
+    moments) takes in the inf or NaN of an overflow and keeps it for good (an
+    accumulator resets with ``0 * acc``, a moment decays it but never drops it), while
+    the scaler skips every step after and halves the scale forever."""
+    node = opt_state
+    while not isinstance(node, LossScaledState):
+        children = list(node) if type(node) in (tuple, list) else _children(node)
+        index = next(i for i, child in enumerate(children) if _loss_scaled_states(child))
+        if type(node) in (tuple, list):  # an optax.chain's state: earlier ones run first
+            for i, earlier in enumerate(children[:index]):
+                what = _gradient_statistics(earlier)
+                if what is not None:
+                    raise ValueError(
+                        f"Transformation {i} of an optax.chain, ahead of jaxamp.loss_scaled "
+                        f"(transformation {index}), is {what}: it sees the scaled "
+                        "gradients, and after one overflow its state holds an inf or NaN "
+                        "for good, while every later step is skipped and the loss scale "
+                        "halves forever. Put the loss scaling outermost, around everything "
+                        "that sees gradients: jaxamp.loss_scaled(optax.chain(...)), e.g. "
+                        "jaxamp.loss_scaled(optax.chain(optax.apply_every(k), inner))."
+                    )
+        node = children[index]
+
+
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
     """Finds the :class:`LossScaledState` inside an optimizer state.
 
@@ -60,7 +122,13 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
     Raises:
       ValueError: if there is none, or more than one; or if it sits inside
         ``optax.MultiSteps``, which cannot recover from an overflow of the scaled
-        gradients it accumulates (``jaxamp.loss_scaled(optax.MultiSteps(...))`` can).
+        gradients it accumulates (``jaxamp.loss_scaled(optax.MultiSteps(...))`` can);
+        or if it sits in an ``optax.chain`` after a transformation that keeps
+        statistics of the (scaled) gradients it sees, such as ``optax.apply_every``
+        or ``optax.scale_by_adam`` (``loss_scaled`` goes outermost:
+        ``jaxamp.loss_scaled(optax.chain(optax.apply_every(k), inner))``).
+        Stateless transformations and scalar state (counts, hyperparameters) ahead
+        of it are fine.
     """
     opt_state = getattr(opt_state, "opt_state", opt_state)
     found = _loss_scaled_states(opt_state)
@@ -74,9 +142,8 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
             f"Found {len(found)} jaxamp.loss_scaled states; wrap the optimizer only once."
         )
     _check_not_inside_multi_steps(opt_state)
-    return jax.tree.map(
-        _value, found[0], is_leaf=lambda x: x is not None and hasattr(x, "get_value")
-    )
+    _check_not_after_gradient_statistics(opt_state)
+    return jax.tree.map(_value, found[0], is_leaf=_is_variable)
 
 
 def get_loss_scale(opt_state: Any) -> jax.Array:

@@ -11,19 +11,29 @@ the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
 
 A per-parameter statistic is a floating leaf that sits in a subtree of the state
 with the params' tree structure, or with that of a subtree of the params that is
-not a single array (``optax.MaskedNode`` standing in for a masked param), at the
-position of a param of the same shape: Adam's ``mu`` and ``nu``, momentum's
-``trace``, schedule-free's ``z``, the fast optimizer's moments under
-``optax.lookahead``. Every other leaf keeps the dtype
-``inner`` gives it: hyperparameters (``optax.inject_hyperparams``' ``b2 = 0.999``
-is 1.0 in bfloat16), step counts, schedule-free's ``weight_sum``, and factored
-statistics whose shapes are not the params' (Adafactor's ``v_row``/``v_col``).
-For params that are a single scalar array, scalar hyperparameters have the
-param's shape and structure too, and are cast.
+not a single array, at the position of a param of the same shape: Adam's ``mu``
+and ``nu``, momentum's ``trace``, schedule-free's ``z``, the fast optimizer's
+moments under ``optax.lookahead``. ``optax.MaskedNode`` stands in for a masked
+param on either side (``optax.masked`` around the wrapper puts it in the state,
+``optax.masked`` or ``optax.multi_transform`` inside which the wrapper sits puts
+it in the params it sees). A state with no such leaf may be a flattened one
+(``optax.flatten``): then its 1-D floating leaves whose size is the params' total
+size (or a subtree's) are the statistics.
+
+Hyperparameters and the like are never cast, whatever their shapes (with a
+single scalar param every scalar has the param's shape):
+``optax.inject_hyperparams``' ``hyperparams`` (``b2 = 0.999`` is 1.0 in
+bfloat16), schedule-free's ``b1``, ``weight_sum`` and ``max_lr``,
+``reduce_on_plateau``'s state and the line searches' step sizes and values
+(``_NEVER_CAST``). Nor are step counts and factored statistics whose shapes are
+not the params' (Adafactor's ``v_row``/``v_col``): every leaf that is not a
+statistic keeps the dtype ``inner`` gives it. ``init`` warns when it finds no
+statistic at all in a state with floating leaves.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -64,15 +74,74 @@ def _is_masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
-def _references(like: Any) -> dict[Any, list[list[tuple[int, ...]]]]:
+# State fields that never hold per-parameter statistics, whatever their shapes (``None``:
+# every field of the state). Looked up by name: some are in optax.contrib, or missing
+# from older optax versions.
+_NEVER_CAST_NAMES = (
+    ("InjectHyperparamsState", ("hyperparams",)),
+    ("InjectStatefulHyperparamsState", ("hyperparams", "hyperparams_states")),
+    ("ScheduleFreeState", ("b1", "weight_sum", "step_count", "max_lr")),
+    ("ReduceLROnPlateauState", None),
+    ("ScaleByBacktrackingLinesearchState", ("learning_rate", "value", "info")),
+    ("ScaleByZoomLinesearchState", ("learning_rate", "value", "info")),
+)
+_NEVER_CAST: dict[type, tuple[str, ...] | None] = {
+    getattr(module, name): fields
+    for name, fields in _NEVER_CAST_NAMES
+    for module in (optax, getattr(optax, "contrib", None))
+    if isinstance(getattr(module, name, None), type)
+}
+
+
+class _Hidden:
+    """Stands in for a leaf of a never-cast field while the statistics are looked for."""
+
+
+_HIDDEN = _Hidden()
+
+
+def _hide_never_cast(state: Any) -> Any:
+    """``state`` with every leaf of a never-cast field (``_NEVER_CAST``) replaced by
+    ``_HIDDEN``: the same tree structure, with those leaves no longer floating arrays."""
+    kinds = tuple(_NEVER_CAST)
+    is_kind = lambda x: isinstance(x, kinds)
+
+    def hide(node):
+        if not is_kind(node):
+            return node
+        fields = next(f for kind, f in _NEVER_CAST.items() if isinstance(node, kind))
+        return node._replace(
+            **{
+                name: (
+                    jax.tree.map(lambda _: _HIDDEN, value)
+                    if fields is None or name in fields
+                    else _hide_never_cast(value)
+                )
+                for name, value in zip(node._fields, node, strict=True)
+            }
+        )
+
+    return jax.tree.map(hide, state, is_leaf=is_kind)
+
+
+def _references(like: Any) -> tuple[dict[Any, list[list[Any]]], set[int]]:
     """The tree structures of ``like`` and of each of its subtrees that is not a single
     leaf (a wrapper such as ``optax.lookahead`` keeps statistics shaped like a part of
-    its params), each with the leaf shapes of every subtree that has it."""
-    leaves, treedef = jax.tree.flatten(like)
-    refs: dict[Any, list[list[tuple[int, ...]]]] = {}
+    its params), each with the leaf shapes of every subtree that has it; and the total
+    sizes of those subtrees (the sizes a flattened statistic may have).
+
+    ``optax.MaskedNode`` is a leaf here, with no shape: the params a transformation
+    inside ``optax.masked`` (or ``optax.multi_transform``) sees hold one for each
+    masked param, as its state does."""
+    leaves, treedef = jax.tree.flatten(like, is_leaf=_is_masked)
+    refs: dict[Any, list[list[Any]]] = {}
+    sizes: set[int] = set()
 
     def visit(treedef, shapes):
         refs.setdefault(treedef, []).append(shapes)
+        size = sum(int(np.prod(s)) for s in shapes if s is not None)
+        if size:
+            sizes.add(size)
         start = 0
         for child in treedef.children():
             n = child.num_leaves
@@ -80,15 +149,18 @@ def _references(like: Any) -> dict[Any, list[list[tuple[int, ...]]]]:
                 visit(child, shapes[start : start + n])
             start += n
 
-    visit(treedef, [np.shape(x) for x in leaves])
-    return refs
+    visit(treedef, [None if _is_masked(x) else np.shape(x) for x in leaves])
+    return refs, sizes
 
 
 def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
     """Per leaf of ``state``: the path of the subtree shaped like ``like`` (the params or
     the updates), or like a part of it, that holds it, for the per-parameter statistics;
-    ``None`` for the rest."""
-    refs = _references(like)
+    ``None`` for the rest. A state with no such leaf is looked at as a flattened one:
+    its 1-D floating leaves of a total size of ``like`` (or of a part of it) are the
+    statistics, each with its own path. Never-cast fields are never statistics."""
+    state = _hide_never_cast(state)
+    refs, sizes = _references(like)
 
     def params_like(node):
         return jax.tree.structure(node, is_leaf=_is_masked) in refs
@@ -103,23 +175,59 @@ def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
             if not _is_masked(x):
                 ok = is_floating_array(x) and any(np.shape(x) == s[i] for s in refs[treedef])
                 out.append(path if ok else None)
-    return out
+    if any(path is not None for path in out):
+        return out
+    return [  # optax.flatten: each statistic is one vector of all the params
+        path if is_floating_array(x) and np.ndim(x) == 1 and np.size(x) in sizes else None
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
 
 
-def _targets(state: Any, like: Any, dtype: Any) -> list[Any]:
+def _name(inner: Any) -> str:
+    """A transformation's name for messages: ``optax.flatten``, ``optax.chain``..."""
+    init = getattr(inner, "init", None)
+    qualname = getattr(init, "__qualname__", None)
+    if not qualname:
+        return type(inner).__name__
+    module = getattr(init, "__module__", None) or ""
+    parts = module.split(".")
+    prefix = ".".join(parts[:2] if parts[1:2] == ["contrib"] else parts[:1])
+    function = qualname.split(".<locals>")[0]
+    return f"{prefix}.{function}" if prefix else function
+
+
+def _floating_leaves(state: Any) -> str:
+    """The state's floating leaves with their shapes, for messages."""
+    found = [
+        f"{jax.tree_util.keystr(path)} {np.shape(x)}"
+        for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if is_floating_array(x)
+    ]
+    shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+    return shown or "none"
+
+
+def _targets(state: Any, like: Any, dtype: Any, name: str = "inner") -> list[Any]:
     """The storage dtype of each per-parameter statistic of ``state`` (``None``: every
     other leaf, kept as ``inner`` makes it)."""
     stats = _statistics(state, like)
     if not isinstance(dtype, Mapping):
         return [None if path is None else canonical_dtype(dtype) for path in stats]
     wanted = {str(k): canonical_dtype(v, f"the dtype for {k!r}") for k, v in dtype.items()}
-    found = {name for path in stats if path is not None for name in _field_names(path)}
+    found = {field for path in stats if path is not None for field in _field_names(path)}
     unknown = sorted(set(wanted) - found)
-    if unknown:
+    if unknown and found:
         raise ValueError(
-            f"with_state_dtype: no state field of per-parameter statistics named "
+            f"with_state_dtype({name}): no state field of per-parameter statistics named "
             f"{', '.join(map(repr, unknown))} in this optimizer's state. "
             f"Valid choices: {', '.join(map(repr, sorted(found)))}."
+        )
+    if unknown:
+        raise ValueError(
+            f"with_state_dtype({name}): no state field of per-parameter statistics named "
+            f"{', '.join(map(repr, unknown))}: this optimizer's state "
+            f"({type(state).__name__}) holds no per-parameter statistic at all. Its "
+            f"floating leaves: {_floating_leaves(state)}."
         )
     targets = []
     for path in stats:
@@ -168,9 +276,12 @@ def with_state_dtype(
 
     The statistics are the floating state leaves shaped like the params (in a subtree
     with the params' structure, with a param's shape): Adam's ``mu`` and ``nu``,
-    momentum's ``trace``. Hyperparameters (``optax.inject_hyperparams``), counts,
-    weight sums and other scalars are never cast. Every state leaf keeps its dtype
-    across ``update``, so a jitted step traces once.
+    momentum's ``trace``; under ``optax.flatten``, the 1-D leaves of the params' total
+    size. Hyperparameters (``optax.inject_hyperparams``), schedule-free's weight sum
+    and ``b1``, ``reduce_on_plateau``'s state and the line searches' step sizes are
+    never cast, whatever their shapes; counts are not floating. Every state leaf
+    keeps its dtype across ``update``, so a jitted step traces once. ``init`` warns
+    (``UserWarning``) when the state has floating leaves but no statistic.
 
     Args:
       inner: any optax transformation, e.g. ``optax.adam(1e-3)``.
@@ -213,11 +324,24 @@ def with_state_dtype(
             canonical_dtype(d, f"the dtype for state field {name!r}")
     else:
         canonical_dtype(dtype)
+    name = _name(inner)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
         state = inner.init(params)
-        targets = _targets(state, params, dtype)
+        targets = _targets(state, params, dtype, name)
+        floating = [x for x in jax.tree.leaves(state) if is_floating_array(x)]
+        if floating and all(t is None for t in targets):
+            warnings.warn(
+                f"with_state_dtype({name}, {np.dtype(canonical_dtype(dtype))}) found no "
+                f"per-parameter statistic to cast in its state ({type(state).__name__}): no "
+                "floating leaf sits where a param does in a subtree shaped like the params, "
+                "and none is a flattened "
+                "statistic (1-D, of the params' total size); hyperparameters are never "
+                "cast. Every leaf keeps the dtype it has: "
+                f"{_floating_leaves(state)}.",
+                stacklevel=2,
+            )
         return StateDtypeState(
             inner_state=_cast_leaves(state, targets, "nearest", None),
             rounding_key=new_key_data(jax.random.fold_in(jax.random.key(seed), _STATE_STREAM)),
@@ -229,7 +353,9 @@ def with_state_dtype(
         # the updates have the params' structure and shapes (params may be None)
         targets = [
             None if t is None else x.dtype
-            for x, t in zip(jax.tree.leaves(stored), _targets(stored, updates, dtype), strict=True)
+            for x, t in zip(
+                jax.tree.leaves(stored), _targets(stored, updates, dtype, name), strict=True
+            )
         ]
         new_updates, new_inner = inner.update(updates, _up(stored), params, **extra_args)
         key = step_key(state.rounding_key, state.count) if rounding == "stochastic" else None
