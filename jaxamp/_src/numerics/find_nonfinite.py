@@ -140,6 +140,12 @@ def find_nonfinite(
     debugging tool: slow (one dispatch per primitive), and it takes nothing from a
     normal step.
 
+    A ``jax.shard_map`` inside ``fun`` is entered: its body runs on every shard at once
+    (its collectives across them, as on the mesh), so that a fault there is named by
+    its layer and line; the ranges it shows are then the shards' values, stacked along
+    one leading axis per mesh axis (``float32[8, 1, 2]`` for a ``[1, 2]`` block on each
+    of 8 devices). A ``shard_map`` inside another's body runs whole.
+
     An operation whose inputs are finite but whose output is not is a fault. So is one
     fed a non-finite constant (``x - 1e30 * (1 - mask)`` traced in float16, where
     ``1e30`` is inf; ``jnp.where(mask, x, -jnp.inf)``) when what it makes reaches the

@@ -4,9 +4,10 @@ The forward sweep of a gradient computes the loss and, beside it, the derivative
 the backward pass will use (``0.5 / sqrt(x)`` for ``sqrt``, a LayerNorm's
 ``rsqrt`` derivative); only the first are the forward pass. An equation is
 forward when the function's value depends on it: inside calls, ``checkpoint``,
-custom derivatives and ``cond`` branches that is decided output by output, and
-inside a ``scan`` iteration by iteration (a carry needed by the next iteration is
-needed), so that a scanned layer's derivatives count as backward there too.
+custom derivatives, ``cond`` branches and ``shard_map`` bodies that is decided output
+by output, and inside a ``scan`` iteration by iteration (a carry needed by the next
+iteration is needed), so that a scanned layer's derivatives count as backward there
+too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jaxamp._src.autocast_interpreter import _open
 
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 CHECKPOINTS = ("checkpoint", "remat2")
+SHARD_MAP = "shard_map"  # its body's outputs are its outputs, per shard
 CUSTOM = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
@@ -29,10 +31,13 @@ CUSTOM = {
 
 def inner_jaxprs(eqn: Any) -> list[Any]:
     """The jaxprs an equation calls, whose outputs are its outputs (one per branch for
-    ``cond``); ``[]`` for primitives without one, and for loops (handled whole)."""
+    ``cond``; a ``shard_map``'s body, which computes them shard by shard); ``[]`` for
+    primitives without one, and for loops (handled whole)."""
     name, params = eqn.primitive.name, eqn.params
     if name in CALLS and CALLS[name] in params:
         return [params[CALLS[name]]]
+    if name == SHARD_MAP and params.get("jaxpr") is not None:
+        return [params["jaxpr"]]
     if name in CHECKPOINTS:
         return [params["jaxpr"]]
     if name in CUSTOM and params.get(CUSTOM[name]) is not None:

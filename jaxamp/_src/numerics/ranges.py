@@ -113,10 +113,12 @@ class RangeReport:
     forward_only: str = ""
 
     def overflows(self, dtype: Any = "float16") -> list[LayerRange]:
-        """The layers whose values ``dtype`` cannot hold: whose largest magnitude rounds
-        to inf there (float16 holds up to 65504, and rounds values below 65520 to it),
-        or that were already inf or NaN."""
-        return [r for r in self.layers if _rounds_to_inf(r.max_abs, dtype) or r.nonfinite]
+        """The layers whose values ``dtype`` cannot hold (:meth:`LayerRange.overflows`):
+        whose largest magnitude rounds to inf there (float16 holds up to 65504, and
+        rounds values below 65520 to it), or that were already inf or NaN in a 16-bit
+        type. Values inf or NaN in float32 too (a ``-inf`` mask fill, ``log(0)``) are
+        not ``dtype``'s range at fault and do not count (:attr:`nonfinite` lists them)."""
+        return [r for r in self.layers if r.overflows(dtype)]
 
     def recommend(self, underflow_threshold: float = 1e-3) -> Recommendation:
         """Whether float16 with loss scaling is safe for this model and batch.

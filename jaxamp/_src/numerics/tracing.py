@@ -10,6 +10,8 @@ are there as Linen's are.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -59,32 +61,47 @@ def _nnx_module(x: Any) -> bool:
 
 
 def layer_scopes(model: Any) -> Any:
-    """Gives each submodule of an NNX ``model`` (the model included) a name scope: its
-    path, e.g. ``Model/encoder/layers/0``, so that its operations carry the layer's name
-    as Flax Linen's do. Changes the classes of the modules of ``model`` in place; call it
-    on a model made for the purpose (the numerics tools call it on a copy they merge)."""
+    """Gives each submodule of an NNX ``model`` (the model included) a name scope, so
+    that its operations carry the layer's path, e.g. ``Model/encoder/layers/0``, as Flax
+    Linen's do. A module called inside one of its ancestors' calls opens its path below
+    the ancestor's (``layers/0`` in ``Model/encoder``'s scope), the name scopes adding
+    up to the path once; called elsewhere it opens its whole path. Changes the classes
+    of the modules of ``model`` in place; call it on a model made for the purpose (the
+    numerics tools call it on a copy they merge)."""
     from flax import nnx
 
     from jaxamp._src.nnx_policy import _iter_modules
 
     root = type(model).__name__
     for path, module in list(_iter_modules(model)):
-        name = "/".join([root, *(str(p) for p in path)])
-        module.__class__ = _scoped_class(type(module), name)
+        module.__class__ = _scoped_class(type(module), (root, *(str(p) for p in path)))
     del nnx
     return model
 
 
-def _scoped_class(cls: type, name: str) -> type:
+# The path of the module whose call is being traced (its scope is open), innermost.
+_CALLING: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "jaxamp_layer_scope", default=None
+)
+
+
+def _scoped_class(cls: type, path: tuple[str, ...]) -> type:
     def __call__(self, *args, **kwargs):
         scoped = type(self)
+        # the scope to open: the path below the module being called, when that is an
+        # ancestor (its scope holds the path up to it), else the whole path
+        caller = _CALLING.get()
+        below = caller is not None and path[: len(caller)] == caller
+        name = "/".join(path[len(caller) :] if below else path)
         # the module's own class runs its call (jaxamp.nnx's policy wrappers look up the
         # class above their own), inside the scope
         self.__class__ = cls
+        token = _CALLING.set(path)
         try:
-            with jax.named_scope(name):
+            with jax.named_scope(name) if name else contextlib.nullcontext():
                 return cls.__call__(self, *args, **kwargs)
         finally:
+            _CALLING.reset(token)
             self.__class__ = scoped
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
