@@ -240,14 +240,14 @@ def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_train
     report = {"runs": [{"variant": "fp16", **record}]}
     md = "\n".join(in_compare.markdown(report))
     skipped = scales["overflowed"]
-    assert (
-        f"fp16: the first {len(skipped)} steps, at loss scales 65536 down to {skipped[-1]:g}, "
-        f"overflow (skipped, as training skips them); compared at {scales['used']:g}, the "
-        "first step the optimizer took" in md
+    said = (
+        f"the first {len(skipped)} steps, at loss scales 65536 down to {skipped[-1]:g}, "
+        "overflow (skipped, as training skips them)"
         if len(skipped) > 1
-        else "fp16: the first step at loss scale 65536 overflows (skipped, as training skips "
-        f"it); compared at {scales['used']:g}, the first step the optimizer took" in md
-    ), md
+        else "the first step at loss scale 65536 overflows (skipped, as training skips it)"
+    )
+    said += f"; compared at {scales['used']:g}, the first step the optimizer took."
+    assert f"fp16: on these examples, {said}" in md, md
     assert f"| fp16 (loss scale {scales['used']:g}) |" in md
 
 

@@ -170,7 +170,7 @@ def _loss_scale_lines(runs: list[dict[str, Any]]) -> list[str]:
             )
         else:
             what += f"; no step was taken: compared at {taken['initial']:g}, not finite."
-        lines += ["", f"{run['variant']}: {what}"]
+        lines += ["", f"{run['variant']}: on these examples, {what}"]
     return lines
 
 
