@@ -183,12 +183,13 @@ def _table(runs: list[dict[str, Any]], limit: int) -> list[str]:
     worst = sorted(rows, key=lambda k: -max(d["scale_error"] for d in rows[k].values()))
     near_zero = [k for k in rows if any(d["near_zero"] for d in rows[k].values())]
     header = ["layer", "pass", "note", *(_label(r) for r in runs)]
+    zeros = "none is ≈0 in fp32"
+    if near_zero:
+        examples = ", ".join(f"{k[0]} {k[1]}" for k in near_zero[:3])
+        zeros = f"{len(near_zero)} are ≈0 in fp32 (e.g. {examples})"
     lines = [
         "",
-        f"The {min(limit, len(worst))} rows that depart most, of {len(rows)}; "
-        f"{len(near_zero)} are ≈0 in fp32"
-        + (f" (e.g. {', '.join(f'{k[0]} {k[1]}' for k in near_zero[:3])})" if near_zero else "")
-        + ":",
+        f"The {min(limit, len(worst))} rows that depart most, of {len(rows)}; {zeros}:",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
