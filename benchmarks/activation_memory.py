@@ -3,7 +3,7 @@
     python -m benchmarks.activation_memory [--models resnet50,bert] [--out benchmarks/results/cpu]
 
 Backend-independent: JAX's figure is read from the jaxpr
-(``jaxamp.activation_bytes``: every residual ``jax.vjp`` keeps, except the
+(``jaxamp.ops.activation_bytes``: every residual ``jax.vjp`` keeps, except the
 function's own arguments), PyTorch's from ``torch.autograd.graph.saved_tensors_hooks``
 on the identical architecture (every tensor saved for backward, by storage,
 except parameters and inputs). Both in training mode (BatchNorm batch
@@ -90,7 +90,7 @@ def jax_bytes(model_name: str, batch: int, variant: str) -> dict[str, int]:
             logits.astype(jnp.float32), labels
         ).mean()
 
-    return jaxamp.activation_bytes(loss, variables["params"], by_dtype=True)
+    return jaxamp.ops.activation_bytes(loss, variables["params"], by_dtype=True)
 
 
 def torch_bytes(model_name: str, batch: int, variant: str) -> dict[str, int]:
@@ -236,7 +236,7 @@ def main(argv=None):
     text = table(records)
     print(text)
     if args.out:
-        from jaxamp._src.environment import environment
+        from jaxamp._src.compare.environment import environment
 
         write_results(
             args.out,

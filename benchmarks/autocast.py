@@ -14,7 +14,7 @@ Models: ResNet50 (10 classes) on 28x28x1 images, batch 16, and a 4-layer BERT
 (hidden 256, 4 heads, intermediate 1024) on sequences of 128 tokens, batch 4.
 Next to the times: the floating converts and the matmuls and convolutions of the
 lowered step, by operand dtype (``jaxamp.precision_report``), and the bytes of
-activations saved for the backward pass (``jaxamp.activation_bytes``). On a CPU, XLA
+activations saved for the backward pass (``jaxamp.ops.activation_bytes``). On a CPU, XLA
 computes 16-bit matmuls in float32: step times there say nothing about a GPU.
 """
 
@@ -98,7 +98,7 @@ def build(name: str, batch: int, seq_len: int = 128, image: int = 28):
     }
     steps = {variant: make_step(loss_fn) for variant, loss_fn in losses.items()}
     activations = {
-        variant: jaxamp.activation_bytes(lambda p, f=loss_fn: f(p, state)[0], params)
+        variant: jaxamp.ops.activation_bytes(lambda p, f=loss_fn: f(p, state)[0], params)
         for variant, loss_fn in losses.items()
     }
     return steps, activations, (params, state, tx.init(params))
@@ -113,7 +113,7 @@ def measure(name: str, batch: int, warmup: int, repeats: int) -> list[dict]:
         lowered = step.lower(*args)
         compiled[variant] = lowered.compile()
         compile_s = time.perf_counter() - start
-        report = jaxamp.PrecisionReport.from_lowered(lowered)
+        report = jaxamp.debug.PrecisionReport.from_lowered(lowered)
         records[variant] = {
             "model": name,
             "batch_size": batch,

@@ -44,7 +44,7 @@ def environment() -> dict[str, Any]:
         env["torch_threads"] = torch.get_num_threads()
     except ImportError:
         env["torch"] = None
-    from jaxamp._src.environment import environment as jaxamp_environment
+    from jaxamp._src.compare.environment import environment as jaxamp_environment
 
     shared = jaxamp_environment()  # CPU model and 16-bit flags, read from /proc/cpuinfo
     env["cpu_model"] = shared["cpu_model"]

@@ -14,7 +14,7 @@ import optax
 
 import jaxamp
 from benchmarks.specs import ModelSpec
-from jaxamp._src.variants import get_variant
+from jaxamp._src.compare.variants import get_variant
 
 # Program constructs that make the host wait for the device within a step on GPU:
 # conditionals and loops read their predicate on the host; callbacks run on it.
@@ -116,10 +116,10 @@ def build(
         start = time.perf_counter()
         compiled = lowered.compile()
         compile_s = time.perf_counter() - start
-        report = jaxamp.PrecisionReport.from_lowered(lowered)
+        report = jaxamp.debug.PrecisionReport.from_lowered(lowered)
         activation = None
         if measure_activations:
-            activation = jaxamp.activation_bytes(
+            activation = jaxamp.ops.activation_bytes(
                 lambda p: _loss_fn(spec, model, batch_stats, x, y, rng)(p)[0], params
             )
     analysis = compiled.memory_analysis()

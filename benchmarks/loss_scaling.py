@@ -39,7 +39,7 @@ from benchmarks.common import (
     time_alternating,
     write_results,
 )
-from jaxamp._src import loss_scaled as loss_scaled_module
+from jaxamp._src.optim import loss_scaled as loss_scaled_module
 from jaxamp.models import ResNet18
 
 
@@ -102,10 +102,10 @@ RECORDING = "loss_scaled, record_nonfinite"
 # the selects. Analysis variants, not ways to train: they never skip a step.
 ANALYSIS_CHECKS = {
     "loss_scaled": None,
-    "loss_scaled, elementwise check": lambda grads, inv_scale: jaxamp.all_finite(
+    "loss_scaled, elementwise check": lambda grads, inv_scale: jaxamp.optim.all_finite(
         jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
     ),
-    "loss_scaled, check one leaf": lambda grads, inv_scale: jaxamp.all_finite(
+    "loss_scaled, check one leaf": lambda grads, inv_scale: jaxamp.optim.all_finite(
         jax.tree.leaves(grads)[0]
     ),
     "loss_scaled, no check": lambda grads, inv_scale: jnp.asarray(True),

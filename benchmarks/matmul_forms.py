@@ -9,7 +9,7 @@ Times, side by side in one process (alternated, medians after warm-up):
 * a ``Dense`` layer's forward and backward (``jax.grad`` of both operands, a
   ``[batch, in] x [in, out]`` GEMM and its two transposes) in float32, in the
   dot-algorithm form and under jaxamp's matmul rule, in each form of
-  ``jaxamp/_src/matmul_forms.py``;
+  ``jaxamp/_src/ops/forms.py``;
 * a BERT-shaped encoder's gradient (2 layers, attention included) in float32 and
   under each form this backend runs.
 
@@ -37,7 +37,7 @@ from benchmarks.common import (
     write_results,
 )
 from jaxamp._src.backend import dot_algorithm
-from jaxamp._src.matmul import FORMS, amp_dot_general
+from jaxamp._src.ops.matmul import FORMS, amp_dot_general
 
 _FWD = (((1,), (0,)), ((), ()))
 _DW = (((0,), (0,)), ((), ()))
@@ -101,8 +101,8 @@ def _dense_steps(batch: int, features: int, dtype) -> dict[str, tuple]:
 def _model_steps(batch: int, length: int, width: int, dtype) -> tuple[dict[str, tuple], float]:
     """A BERT-shaped encoder's gradient step in float32 and under each form that runs here
     (the native form's bfloat16 attention gradients fail on XLA:CPU); and its FLOPs."""
-    from jaxamp._src.linen_policy import apply_policy
-    from jaxamp._src.matmul_forms import use_matmul_form
+    from jaxamp._src.flax_policy.linen import apply_policy
+    from jaxamp._src.ops.forms import use_matmul_form
     from jaxamp.models import BertClassifier, BertConfig
 
     config = BertConfig(

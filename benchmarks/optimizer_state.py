@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import jaxamp
 from benchmarks.common import markdown_table
-from jaxamp._src import data as data_lib
-from jaxamp._src.environment import describe_hardware, environment
+from jaxamp._src.compare import data as data_lib
+from jaxamp._src.compare.environment import describe_hardware, environment
 from jaxamp.models import GPT2Config, GPT2LMHeadModel
 
 ADAM = dict(learning_rate=1e-3)

@@ -30,8 +30,8 @@ from tqdm import tqdm
 from benchmarks import jax_bench
 from benchmarks.common import markdown_table, summarize, time_alternating
 from benchmarks.specs import get_spec
-from jaxamp._src.environment import describe_hardware, environment
-from jaxamp._src.variants import PRECISION_VARIANTS, VARIANTS
+from jaxamp._src.compare.environment import describe_hardware, environment
+from jaxamp._src.compare.variants import PRECISION_VARIANTS, VARIANTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,8 @@ from benchmarks.common import (
     time_alternating,
     write_results,
 )
-from jaxamp._src.autocast import autocast
-from jaxamp._src.autocast_rules import AUTOCAST_RULES
+from jaxamp._src.autocast.api import autocast
+from jaxamp._src.autocast.rules import AUTOCAST_RULES
 
 
 def _batch_norm_output(x):

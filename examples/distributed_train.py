@@ -145,10 +145,10 @@ def main(argv=None) -> dict:
         batch = jaxamp.shard_batch((x, y), mesh)
         params, opt_state, loss = step(params, opt_state, *batch)
         losses.append(float(loss))
-        scales.append(float(jaxamp.get_loss_scale(opt_state)))
+        scales.append(float(jaxamp.optim.get_loss_scale(opt_state)))
         if args.save_checkpoint and args.save_at is not None and i + 1 == args.save_at:
             save(args.save_checkpoint, params, opt_state, i + 1)
-    metrics = jaxamp.loss_scale_metrics(opt_state)
+    metrics = jaxamp.optim.loss_scale_metrics(opt_state)
     result = {
         "mode": args.mode,
         "devices": len(devices),

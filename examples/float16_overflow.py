@@ -8,7 +8,7 @@ grew past float16's range: one MLP's input projection is scaled up, as outlier
 features in large pretrained models are. The script then:
 
 1. trains it under ``mixed_float16`` with dynamic loss scaling: every step is
-   skipped and ``jaxamp.raise_if_stuck`` stops the run;
+   skipped and ``jaxamp.optim.raise_if_stuck`` stops the run;
 2. asks ``jaxamp.find_nonfinite`` which operation made the first inf;
 3. runs ``jaxamp.range_report`` on one batch (the values the float16 policy holds in
    16 bits, computed in float32 so that their size shows) and asks it to recommend;
@@ -88,15 +88,15 @@ def train(policy: str, steps: int, batch_size: int, say) -> dict:
         params, state, value = step(params, state, windows)
         losses.append(float(value))
         try:
-            jaxamp.raise_if_stuck(state, max_consecutive_skips=min(10, steps))
-        except jaxamp.LossScaleStuckError as error:
+            jaxamp.optim.raise_if_stuck(state, max_consecutive_skips=min(10, steps))
+        except jaxamp.optim.LossScaleStuckError as error:
             stuck = str(error)
             say(f"[{policy}] step {i + 1}: LossScaleStuckError: {stuck}")
             break
     skipped = int(state.skipped_steps)
     say(
         f"[{policy}] {len(losses)} steps, {skipped} skipped, loss scale "
-        f"{float(jaxamp.get_loss_scale(state)):g}, losses {losses[0]:.3f} -> {losses[-1]:.3f}"
+        f"{float(jaxamp.optim.get_loss_scale(state)):g}, losses {losses[0]:.3f} -> {losses[-1]:.3f}"
     )
     return {
         "losses": losses,
@@ -124,7 +124,7 @@ def main(argv=None, out=sys.stdout) -> dict:
     layer = "/".join(LARGE_LAYER)
     say(f"1. {CONFIG.num_layers}-layer byte GPT, {layer} kernel x{SCALE:g}, float16:")
     f16 = train("mixed_float16", args.steps, args.batch_size, say)
-    bad = jaxamp.nonfinite_gradients(f16["state"])
+    bad = jaxamp.optim.nonfinite_gradients(f16["state"])
     say(f"   non-finite gradients at the last skip: {len(bad)} leaves")
 
     say("\n2. jaxamp.find_nonfinite(loss, loss_scale=opt_state)(params, batch):")

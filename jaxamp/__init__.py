@@ -2,131 +2,119 @@
 
 Precision policies that apply to unmodified Flax models (``jaxamp.linen``,
 ``jaxamp.nnx``), op-level autocast for any JAX function (``jaxamp.autocast``),
-loss scaling as an optax transformation, and reports that show what precision
-a compiled program really runs in.
+loss scaling as an optax transformation (``jaxamp.loss_scaled``, more in
+``jaxamp.optim``), and the tools that show what precision a compiled program
+really runs in and where its infs come from (``jaxamp.debug``).
 """
 
-from jaxamp import linen, nnx
-from jaxamp._src.attention import dot_product_attention, softmax_float32
-from jaxamp._src.audit import PrecisionError, Problem, SensitiveOp
-from jaxamp._src.autocast import autocast, autocast_float32
-from jaxamp._src.autocast_rules import AUTOCAST_RULES, AutocastRules
-from jaxamp._src.backend import auto_policy, dot_algorithm
-from jaxamp._src.diagnostics import (
-    LossScaleStuckError,
-    loss_scale_metrics,
-    raise_if_stuck,
-    scale_history,
-    underflow_fraction,
-)
-from jaxamp._src.distributed import (
-    data_parallel_mesh,
-    fsdp_shardings,
-    reduce_gradients,
-    replicated,
-    shard_batch,
-)
-from jaxamp._src.loss_scale import DynamicLossScale, LossScaleState, NoOpLossScale, StaticLossScale
-from jaxamp._src.loss_scaled import (
-    LossScaledState,
-    all_finite,
-    loss_scaled,
-    nonfinite_gradients,
-)
-from jaxamp._src.master_weights import MASTER_WEIGHTS
-from jaxamp._src.matmul_forms import FORMS as MATMUL_FORMS
-from jaxamp._src.matmul_forms import MatmulForm, matmul_form, use_matmul_form
-from jaxamp._src.numerics.find_nonfinite import NonFinite, ValueRange, find_nonfinite
-from jaxamp._src.numerics.numerics_diff import LayerDiff, NumericsDiff, numerics_diff
-from jaxamp._src.numerics.range_report import (
-    LayerRange,
-    RangeReport,
-    Recommendation,
-    range_report,
-)
+from jaxamp import debug, linen, nnx, ops, optim
+from jaxamp._src.audit.report import precision_report
+from jaxamp._src.autocast.api import autocast, autocast_float32
+from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
+from jaxamp._src.backend import auto_policy
+from jaxamp._src.deprecated import deprecation_getattr
+from jaxamp._src.numerics.find_nonfinite import find_nonfinite
+from jaxamp._src.numerics.numerics_diff import numerics_diff
+from jaxamp._src.numerics.range_report import range_report
+from jaxamp._src.ops.attention import dot_product_attention, softmax_float32
+from jaxamp._src.ops.residuals import checkpoint_residuals
+from jaxamp._src.optim.gradients import scale_loss, value_and_grad
+from jaxamp._src.optim.loss_scaled import loss_scaled
+from jaxamp._src.optim.recipes import optimizer_recipe
+from jaxamp._src.optim.scales import DynamicLossScale, NoOpLossScale, StaticLossScale
+from jaxamp._src.optim.state_dtype import with_state_dtype
 from jaxamp._src.policy import PRESETS, Policy, cast_floating, get_policy
-from jaxamp._src.precision_report import MatmulOp, PrecisionReport, precision_report
-from jaxamp._src.residuals import activation_bytes, checkpoint_residuals, saved_residuals
-from jaxamp._src.rounding import stochastic_round
-from jaxamp._src.scale_loss import (
-    find_loss_scaled_state,
-    get_loss_scale,
-    scale_loss,
-    value_and_grad,
-)
-from jaxamp._src.state_dtype import (
-    OPTIMIZER_RECIPES,
-    StateDtypeState,
-    optimizer_recipe,
-    with_state_dtype,
-)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "AUTOCAST_RULES",
-    "MASTER_WEIGHTS",
-    "MATMUL_FORMS",
-    "OPTIMIZER_RECIPES",
     "PRESETS",
     "AutocastRules",
     "DynamicLossScale",
-    "LayerDiff",
-    "LayerRange",
-    "LossScaleState",
-    "LossScaleStuckError",
-    "LossScaledState",
-    "MatmulForm",
-    "MatmulOp",
     "NoOpLossScale",
-    "NonFinite",
-    "NumericsDiff",
     "Policy",
-    "PrecisionError",
-    "PrecisionReport",
-    "Problem",
-    "RangeReport",
-    "Recommendation",
-    "SensitiveOp",
-    "StateDtypeState",
     "StaticLossScale",
-    "ValueRange",
-    "activation_bytes",
-    "all_finite",
     "auto_policy",
     "autocast",
     "autocast_float32",
     "cast_floating",
     "checkpoint_residuals",
-    "data_parallel_mesh",
-    "dot_algorithm",
+    "debug",
     "dot_product_attention",
-    "find_loss_scaled_state",
     "find_nonfinite",
-    "fsdp_shardings",
-    "get_loss_scale",
     "get_policy",
     "linen",
-    "loss_scale_metrics",
     "loss_scaled",
-    "matmul_form",
     "nnx",
-    "nonfinite_gradients",
     "numerics_diff",
+    "ops",
+    "optim",
     "optimizer_recipe",
     "precision_report",
-    "raise_if_stuck",
     "range_report",
-    "reduce_gradients",
-    "replicated",
-    "saved_residuals",
-    "scale_history",
     "scale_loss",
-    "shard_batch",
     "softmax_float32",
-    "stochastic_round",
-    "underflow_fraction",
-    "use_matmul_form",
     "value_and_grad",
     "with_state_dtype",
 )
+
+# Top-level names of jaxamp 0.1 that moved into a namespace; served with a
+# DeprecationWarning until jaxamp 0.3.
+_MOVED = {
+    **{
+        name: f"jaxamp.optim:{name}"
+        for name in (
+            "MASTER_WEIGHTS",
+            "OPTIMIZER_RECIPES",
+            "LossScaleState",
+            "LossScaleStuckError",
+            "LossScaledState",
+            "StateDtypeState",
+            "all_finite",
+            "find_loss_scaled_state",
+            "get_loss_scale",
+            "loss_scale_metrics",
+            "nonfinite_gradients",
+            "raise_if_stuck",
+            "reduce_gradients",
+            "scale_history",
+            "stochastic_round",
+            "underflow_fraction",
+        )
+    },
+    **{
+        name: f"jaxamp.debug:{name}"
+        for name in (
+            "LayerDiff",
+            "LayerRange",
+            "MatmulOp",
+            "NonFinite",
+            "NumericsDiff",
+            "PrecisionError",
+            "PrecisionReport",
+            "Problem",
+            "RangeReport",
+            "Recommendation",
+            "SensitiveOp",
+            "ValueRange",
+        )
+    },
+    **{
+        name: f"jaxamp.ops:{name}"
+        for name in (
+            "MATMUL_FORMS",
+            "MatmulForm",
+            "activation_bytes",
+            "dot_algorithm",
+            "matmul_form",
+            "saved_residuals",
+            "use_matmul_form",
+        )
+    },
+    **{
+        name: f"jaxamp._src.deprecated:{name}"
+        for name in ("data_parallel_mesh", "fsdp_shardings", "replicated", "shard_batch")
+    },
+}
+__getattr__ = deprecation_getattr(__name__, _MOVED)

@@ -2,6 +2,6 @@
 
 import sys
 
-from jaxamp._src.cli import main
+from jaxamp._src.compare.cli import main
 
 sys.exit(main())

@@ -1,8 +1,14 @@
 """The models of jaxamp's reference experiments, as plain Flax Linen code."""
 
-from jaxamp._src.models.bert import BertClassifier, BertConfig, BertLayer
-from jaxamp._src.models.gpt2 import GPT2Block, GPT2Config, GPT2LMHeadModel
-from jaxamp._src.models.resnet import BasicBlock, BottleneckBlock, ResNet, ResNet18, ResNet50
+from jaxamp._src.compare.models.bert import BertClassifier, BertConfig, BertLayer
+from jaxamp._src.compare.models.gpt2 import GPT2Block, GPT2Config, GPT2LMHeadModel
+from jaxamp._src.compare.models.resnet import (
+    BasicBlock,
+    BottleneckBlock,
+    ResNet,
+    ResNet18,
+    ResNet50,
+)
 
 __all__ = (
     "BasicBlock",

@@ -108,9 +108,9 @@ CPU_KINDS = {
 
 @pytest.mark.parametrize("kind", CPU_KINDS)
 def test_auto_policy_says_why_naming_the_cpu(kind, monkeypatch):
-    from jaxamp._src import environment
+    from jaxamp._src import backend
 
-    monkeypatch.setattr(environment, "cpu_info", lambda: ("Test CPU 9000", CPU_KINDS[kind]))
+    monkeypatch.setattr(backend, "cpu_info", lambda: ("Test CPU 9000", CPU_KINDS[kind]))
     policy, reason = auto_policy(FakeDevice("cpu"), explain=True)
     assert policy == jaxamp.PRESETS["float32"]
     assert "Test CPU 9000" in reason

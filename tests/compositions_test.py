@@ -107,7 +107,7 @@ def _amp(wrapper, dtype, master_weights, state_dtype):
             old, new = before[1].inner_state, state.inner_state
             for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert int(state.skipped_steps) == 1 and float(jaxamp.get_loss_scale(state)) == 2.0**9
+    assert int(state.skipped_steps) == 1 and float(jaxamp.optim.get_loss_scale(state)) == 2.0**9
     assert {p.dtype for p in jax.tree.leaves(params)} == {jnp.dtype(dtype)}
     return params
 

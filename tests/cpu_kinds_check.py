@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 import jaxamp
-from jaxamp._src.matmul import DotGeneral
+from jaxamp._src.ops.matmul import DotGeneral
 from jaxamp.models import BertClassifier, BertConfig, GPT2Config, GPT2LMHeadModel
 
 IDS = jax.random.randint(jax.random.key(0), (2, 16), 1, 64)
@@ -117,7 +117,7 @@ def main() -> int:
     failed = 0
     for name, check in CHECKS.items():
         start = time.perf_counter()
-        record = {"check": name, "matmul_form": jaxamp.matmul_form().name}
+        record = {"check": name, "matmul_form": jaxamp.ops.matmul_form().name}
         try:
             record.update(check())
             ok = all(v for k, v in record.items() if isinstance(v, bool))

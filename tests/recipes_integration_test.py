@@ -29,10 +29,10 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec
 
 import jaxamp
-from jaxamp._src.loss_scaled import LossScaledState
-from jaxamp._src.state_dtype import StateDtypeState
+from jaxamp._src.optim.loss_scaled import LossScaledState
+from jaxamp._src.optim.state_dtype import StateDtypeState
 
-RECIPES = list(jaxamp.OPTIMIZER_RECIPES)
+RECIPES = list(jaxamp.optim.OPTIMIZER_RECIPES)
 # The fields of LossScaledState that a skipped step must leave exactly as they were
 # (the loss scale and the step and skip counters move; see _check_skip).
 KEPT = ("inner_state", "master_params", "compensation", "rounding_key")
@@ -199,7 +199,7 @@ def test_nnx_optimizer(name):
     model = jaxamp.nnx.apply_policy(NNXMLP(nnx.Rngs(1)), policy)
     assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {_param_dtype(name)}
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    _check_recipe_state(name, jaxamp.find_loss_scaled_state(optimizer))
+    _check_recipe_state(name, jaxamp.optim.find_loss_scaled_state(optimizer))
     opt_spec = _spec(nnx.state(optimizer))
     traces = []
 
@@ -220,19 +220,19 @@ def test_nnx_optimizer(name):
     assert len(traces) == 1
     assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {_param_dtype(name)}
     assert _spec(nnx.state(optimizer)) == opt_spec
-    assert int(jaxamp.find_loss_scaled_state(optimizer).skipped_steps) == 0
+    assert int(jaxamp.optim.find_loss_scaled_state(optimizer).skipped_steps) == 0
 
     params_before = _nnx_params(model)
-    state_before = jax.device_get(jaxamp.find_loss_scaled_state(optimizer))
+    state_before = jax.device_get(jaxamp.optim.find_loss_scaled_state(optimizer))
     train_step(model, optimizer, X, Y, True)
     assert len(traces) == 1
     _assert_bits_equal(_nnx_params(model), params_before, "params")
-    _check_skip(state_before, jax.device_get(jaxamp.find_loss_scaled_state(optimizer)))
+    _check_skip(state_before, jax.device_get(jaxamp.optim.find_loss_scaled_state(optimizer)))
     # the next clean step trains on: it moves the params and Adam's moments
     loss = float(train_step(model, optimizer, X, Y, False))
     assert loss < losses[0]
     assert _moved(_nnx_params(model), params_before)
-    state_after = jax.device_get(jaxamp.find_loss_scaled_state(optimizer))
+    state_after = jax.device_get(jaxamp.optim.find_loss_scaled_state(optimizer))
     assert _moved(state_after.inner_state, state_before.inner_state)
 
 

@@ -7,8 +7,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tiny_configs import TINY_BERT, TINY_GPT2  # noqa: E402
-
 from benchmarks import torch_models  # noqa: E402
 from jaxamp.models import (  # noqa: E402
     BasicBlock,
@@ -20,6 +18,7 @@ from jaxamp.models import (  # noqa: E402
     ResNet18,
     ResNet50,
 )
+from tests.tiny_configs import TINY_BERT, TINY_GPT2  # noqa: E402
 
 TOKENS = jnp.zeros((1, 8), jnp.int32)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from typing import Any
 
 import jax
@@ -14,8 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src import environment
 from jaxamp._src.policy import PRESETS, Policy
+
+# The /proc/cpuinfo flags of CPUs with 16-bit GEMM units, per dtype.
+CPU_16BIT_UNITS = {
+    "bfloat16": ("avx512_bf16", "amx_bf16"),
+    "float16": ("avx512_fp16", "amx_fp16"),
+}
+
 
 # NVIDIA compute capability from which bfloat16 tensor cores exist (Ampere).
 _BF16_MIN_CAPABILITY = 8.0
@@ -38,10 +45,39 @@ def _is_rocm(device: Any) -> bool:
     return "rocm" in version.lower()
 
 
+def cpu_info() -> tuple[str, set[str]]:
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def cpu_16bit_units(dtype: Any = "bfloat16") -> tuple[str, ...]:
+    """The flags of ``/proc/cpuinfo`` that give this CPU 16-bit GEMM units for ``dtype``.
+
+    Empty on a CPU without them (and off Linux). XLA:CPU runs bfloat16 GEMMs on
+    ``avx512_bf16``/``amx_bf16`` units; it has no float16 GEMM kernels, so the
+    float16 flags change nothing in what it runs.
+
+    Example:
+      >>> isinstance(cpu_16bit_units(), tuple)
+      True
+    """
+    flags = cpu_info()[1]
+    return tuple(f for f in CPU_16BIT_UNITS.get(np.dtype(dtype).name, ()) if f in flags)
+
+
 def _cpu_reason() -> str:
     """Why ``float32`` on this CPU, naming it (from /proc/cpuinfo)."""
-    model, flags = environment.cpu_info()
-    units = environment.cpu_16bit_units("bfloat16")
+    model, flags = cpu_info()
+    units = cpu_16bit_units("bfloat16")
     named = f"cpu: {model or 'unknown'} ({os.cpu_count()} cores)"
     if units:
         return (
@@ -138,7 +174,7 @@ def dot_algorithm(compute_dtype: Any, device: Any = None) -> lax.DotAlgorithmPre
     """The dot algorithm that makes 16-bit operands accumulate in float32, if the backend has it.
 
     jaxamp's layers and ``autocast`` no longer use it: they run the 16-bit
-    matmul rule (``jaxamp/_src/matmul.py``), whose float32-result GEMMs XLA:CPU
+    matmul rule (``jaxamp/_src/ops/matmul.py``), whose float32-result GEMMs XLA:CPU
     runs on its bf16 kernels where this algorithm runs no faster than float32.
     It stays for code that sets ``precision=`` itself.
 

@@ -11,15 +11,11 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
+from jaxamp._src.dtypes import JMP_DTYPE_NAMES, canonical_dtype, is_floating_array
+
 T = TypeVar("T")
 
-# Floating dtypes a policy may name, with their canonical spelling first.
-_FLOAT_DTYPES = {
-    np.dtype(jnp.float32): "float32",
-    np.dtype(jnp.bfloat16): "bfloat16",
-    np.dtype(jnp.float16): "float16",
-    np.dtype(jnp.float64): "float64",
-}
+
 _GRAMMAR_KEYS = {
     "p": "params",
     "params": "params",
@@ -30,74 +26,6 @@ _GRAMMAR_KEYS = {
     "r": "reduce",
     "reduce": "reduce",
 }
-
-
-# The dtype names of jmp's grammar; "half" is float16, or bfloat16 on TPU.
-_JMP_DTYPE_NAMES = (
-    "f32",
-    "float32",
-    "full",
-    "bf16",
-    "bfloat16",
-    "f16",
-    "float16",
-    "half",
-    "f64",
-    "float64",
-)
-
-
-def _dtype_names() -> list[str]:
-    return list(_JMP_DTYPE_NAMES)
-
-
-def _parse_dtype_name(name: str) -> np.dtype:
-    """Parses one of jmp's dtype names with jmp itself (a bare dtype is a policy in jmp)."""
-    if name not in _JMP_DTYPE_NAMES:
-        raise ValueError(name)
-    return np.dtype(jmp.get_policy(name).param_dtype)
-
-
-def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:
-    """Returns ``value`` as a floating ``numpy.dtype``.
-
-    Args:
-      value: a dtype, a scalar type such as ``jnp.bfloat16``, or a name from jmp's
-        grammar (``"bf16"``, ``"float32"``, ``"full"``, ``"half"``...).
-      what: how to call the value in an error message.
-
-    Returns:
-      The canonical ``numpy.dtype``.
-
-    Raises:
-      ValueError: if ``value`` names no floating dtype.
-    """
-    if isinstance(value, str):
-        try:
-            value = _parse_dtype_name(value.strip().lower())
-        except ValueError as e:
-            raise ValueError(
-                f"Unknown {what} {value!r}. Valid choices: {', '.join(_dtype_names())}."
-            ) from e
-    try:
-        dtype = np.dtype(value)
-    except TypeError as e:
-        raise ValueError(
-            f"Unknown {what} {value!r}. Valid choices: {', '.join(_FLOAT_DTYPES.values())}."
-        ) from e
-    if dtype not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"{what} must be a floating dtype, got {dtype.name!r}. "
-            f"Valid choices: {', '.join(_FLOAT_DTYPES.values())}."
-        )
-    return dtype
-
-
-def is_floating_array(x: Any) -> bool:
-    """Whether ``x`` is an array (or tracer) with a floating dtype; PRNG keys are not."""
-    return isinstance(x, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    )
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
@@ -223,14 +151,14 @@ PRESETS: dict[str, Policy] = {
 
 def _valid_choices() -> str:
     return (
-        f"presets {', '.join(PRESETS)}; dtype names {', '.join(_dtype_names())}; "
+        f"presets {', '.join(PRESETS)}; dtype names {', '.join(list(JMP_DTYPE_NAMES))}; "
         "or 'params=<dtype>,compute=<dtype>,output=<dtype>' (short keys p, c, o; "
         "optional reduce=<dtype> or r=<dtype>)"
     )
 
 
 def _unknown(spec: str, bad: str, why: str) -> ValueError:
-    candidates = list(PRESETS) + _dtype_names()
+    candidates = list(PRESETS) + list(JMP_DTYPE_NAMES)
     close = difflib.get_close_matches(bad, candidates, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ValueError(f"Invalid policy {spec!r}: {why}.{hint} Valid choices: {_valid_choices()}.")
@@ -298,7 +226,7 @@ def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
         return PRESETS[name]
     if "=" in name:
         return _parse_grammar(name)
-    if name in _JMP_DTYPE_NAMES:
-        dtype = _parse_dtype_name(name)
+    if name in JMP_DTYPE_NAMES:
+        dtype = canonical_dtype(name)
         return Policy(dtype, dtype, dtype)
     raise _unknown(spec, name, f"{spec!r} is neither a preset nor a dtype name")

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import POLICIES, check_model
 
 import jaxamp
+from tests.compat.harness import POLICIES, check_model
 
 hk = pytest.importorskip("haiku")
 

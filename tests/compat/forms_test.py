@@ -10,20 +10,20 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import POLICIES, check_model
-from transformers_test import MODELS as TRANSFORMERS
-from transformers_test import _loss_of
 
 import jaxamp
 from jaxamp.models import BertClassifier, BertConfig, GPT2Config, GPT2LMHeadModel
+from tests.compat.harness import POLICIES, check_model
+from tests.compat.transformers_test import MODELS as TRANSFORMERS
+from tests.compat.transformers_test import _loss_of
 
-FORMS = [f for f in jaxamp.MATMUL_FORMS if f != "native" or jax.default_backend() != "cpu"]
+FORMS = [f for f in jaxamp.ops.MATMUL_FORMS if f != "native" or jax.default_backend() != "cpu"]
 
 
 def _cases():
     """(policy, form) pairs; a policy's default form on this backend is what every other
     test of these models runs, so there it is ``slow`` (CI runs the other forms)."""
-    from jaxamp._src.matmul_forms import platform_form
+    from jaxamp._src.ops.forms import platform_form
 
     for policy in POLICIES:
         compute = jaxamp.get_policy(policy).compute_dtype
@@ -86,7 +86,7 @@ MODELS = {"jaxamp BERT": jaxamp_bert, "jaxamp GPT-2": jaxamp_gpt2, "BERT": trans
 @pytest.mark.parametrize("name", list(MODELS))
 def test_models_train_under_every_form(name, policy, form):
     amp_loss, fp32_loss, params, batch = MODELS[name](policy)
-    with jaxamp.use_matmul_form(form):
+    with jaxamp.ops.use_matmul_form(form):
         report = jaxamp.precision_report(jax.grad(amp_loss))(params, batch)
         gemms = [op for op in report.ops if op.contracts]
         assert gemms and {op.upcast for op in gemms} == {form == "upcast"}

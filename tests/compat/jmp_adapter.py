@@ -7,12 +7,12 @@ Only names and call shapes are translated here; every rule comes from jaxamp:
   ``cast_to_half`` are jaxamp's ``"half"``/``"full"`` policies;
 * a jmp loss scale is an object that carries its state. jaxamp splits that in
   two: a frozen configuration (``jaxamp.DynamicLossScale`` ...) and a
-  ``jaxamp.LossScaleState`` of arrays, moved by ``config.adjust(state, finite)``.
+  ``jaxamp.optim.LossScaleState`` of arrays, moved by ``config.adjust(state, finite)``.
   The classes below hold both and call ``adjust``; ``scale``/``unscale``
   multiply by the scale in jaxamp's state (jaxamp has no tree-level
   scale/unscale of its own: ``jaxamp.scale_loss`` reads the scale from a
   ``loss_scaled`` optimizer state, whose ``update`` unscales the gradients);
-* ``all_finite`` is ``jaxamp.all_finite``.
+* ``all_finite`` is ``jaxamp.optim.all_finite``.
 
 Left out, because jaxamp has no equivalent (jmp's tests of them fail, and
 ``jmp_test.py`` marks them): ``select_tree`` (``jaxamp.loss_scaled`` keeps or
@@ -69,7 +69,7 @@ dtype_to_names = {
 
 # Loss scales ------------------------------------------------------------------------
 
-all_finite = jaxamp.all_finite
+all_finite = jaxamp.optim.all_finite
 
 
 def _times(tree: T, factor: jax.Array) -> T:
@@ -145,7 +145,7 @@ class DynamicLossScale:
     """
 
     config: jaxamp.DynamicLossScale
-    state: jaxamp.LossScaleState
+    state: jaxamp.optim.LossScaleState
 
     def __init__(
         self,
@@ -170,7 +170,7 @@ class DynamicLossScale:
     def _of(cls, config: jaxamp.DynamicLossScale, state: Any) -> DynamicLossScale:
         self = object.__new__(cls)
         object.__setattr__(self, "config", config)
-        object.__setattr__(self, "state", jaxamp.LossScaleState(*state))
+        object.__setattr__(self, "state", jaxamp.optim.LossScaleState(*state))
         return self
 
     def tree_flatten(self) -> tuple[tuple[jax.Array, ...], jaxamp.DynamicLossScale]:

@@ -17,7 +17,7 @@ import unittest
 
 import jmp
 import pytest
-from jmp_tests import loss_scale_test, policy_test
+from tests.compat.jmp_tests import loss_scale_test, policy_test
 
 import jaxamp
 

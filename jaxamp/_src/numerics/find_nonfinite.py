@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._src.numerics import tracing, walk
+from jaxamp._src.numerics import evaluator, tracing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ValueRange:
         dtype = np.dtype(a.dtype).name if not hasattr(x, "dtype") else str(x.dtype)
         if a.dtype.kind == "c":
             a = np.abs(a)
-        floating = walk.is_floating(a)  # bfloat16 too, which numpy does not call "f"
+        floating = evaluator.is_floating(a)  # bfloat16 too, which numpy does not call "f"
         if floating:
             a = a.astype(np.float64)
         ok = np.isfinite(a) if floating else np.ones(a.shape, bool)
@@ -101,7 +101,7 @@ class NonFinite:
 
     def __str__(self) -> str:
         where = self.layer or "(no layer)"
-        if walk.LOSS_SCALE_SCOPE in self.name_stack:
+        if evaluator.LOSS_SCALE_SCOPE in self.name_stack:
             where = "the loss times the loss scale"
         loop = f", loop iteration {list(self.iteration)}" if self.iteration else ""
         lines = [
@@ -199,7 +199,7 @@ def find_nonfinite(
             forward_only = NON_SCALAR
             traced = tracing.trace(fun, argnums, args, kwargs, grad=False)
         origins = _Origins(forward_only)
-        result = walk.run(
+        result = evaluator.run(
             traced.jaxpr,
             traced.args,
             lambda *_: None,
@@ -234,7 +234,7 @@ def constant(tags: Sequence[Any], inputs: Sequence[Any], bad: Sequence[bool]) ->
     make an inf or a NaN of finite ones (a loss scale of 65536 cast to float16 does)."""
     if not all(t is CONSTANT for t in tags):
         return False
-    return not any(bad) or not all(walk.finite(i) for i in inputs)
+    return not any(bad) or not all(evaluator.finite(i) for i in inputs)
 
 
 def carried(tags: Sequence[Any]) -> frozenset:
@@ -250,7 +250,7 @@ def merge_tags(tags: Sequence[Any]) -> Any:
 
 
 class _Origins:
-    """A :class:`walk.Tagger` that follows every inf and NaN to the operations that
+    """A :class:`evaluator.Tagger` that follows every inf and NaN to the operations that
     made it. A value's tag is ``CONSTANT`` (from constants alone), ``None`` (finite,
     or not followed), or the set of the faults (indices in ``faults``) its non-finite
     elements come from."""
@@ -262,8 +262,8 @@ class _Origins:
         self.faults: list[NonFinite] = []
         self.strict: list[bool] = []  # made from finite inputs (else: fed a constant)
 
-    def op(self, site: walk.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
-        bad = [not walk.finite(o) for o in outputs]
+    def op(self, site: evaluator.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
+        bad = [not evaluator.finite(o) for o in outputs]
         if constant(tags, inputs, bad):
             return [CONSTANT] * len(outputs), False
         if not any(bad):
@@ -271,7 +271,7 @@ class _Origins:
         came_from = carried(tags)
         if came_from:  # an earlier fault's inf or NaN, carried on
             return [came_from if b else None for b in bad], False
-        index, strict = len(self.faults), all(walk.finite(i) for i in inputs)
+        index, strict = len(self.faults), all(evaluator.finite(i) for i in inputs)
         self.faults.append(self._fault(site, inputs, outputs[bad.index(True)]))
         self.strict.append(strict)
         # The forward pass runs first: its first fault made from finite inputs is the
@@ -284,7 +284,7 @@ class _Origins:
     def merge(self, tags: Sequence[Any]) -> Any:
         return merge_tags(tags)
 
-    def _fault(self, site: walk.Site, inputs, output) -> NonFinite:
+    def _fault(self, site: evaluator.Site, inputs, output) -> NonFinite:
         return NonFinite(
             phase=site.phase,
             layer=site.layer,
@@ -317,7 +317,7 @@ def _scale_of(loss_scale: Any) -> float | None:
     ):
         value = float(loss_scale)
     else:
-        from jaxamp._src.scale_loss import get_loss_scale
+        from jaxamp._src.optim.gradients import get_loss_scale
 
         value = float(get_loss_scale(loss_scale))
     if not (np.isfinite(value) and value > 0):
@@ -329,7 +329,7 @@ def _first_nonfinite_argument(args: Sequence[Any], kwargs: dict[str, Any]) -> No
     leaves = jax.tree_util.tree_flatten_with_path(tuple(args))[0]
     leaves += jax.tree_util.tree_flatten_with_path(kwargs)[0]
     for path, leaf in leaves:
-        if hasattr(leaf, "dtype") and not walk.finite(leaf):
+        if hasattr(leaf, "dtype") and not evaluator.finite(leaf):
             where = jax.tree_util.keystr(path)
             return NonFinite("input", where, "", "", (), ValueRange.of(leaf), name_stack=where)
     return None

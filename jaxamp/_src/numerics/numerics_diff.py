@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._src.numerics import tracing, walk
+from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import _scale_of
 from jaxamp._src.policy import Policy
 
@@ -170,16 +170,16 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
     order of its operations inside a layer may differ between the two programs."""
     last: dict[str, Any] = {}
 
-    def visit(site: walk.Site, inputs, outputs) -> None:
+    def visit(site: evaluator.Site, inputs, outputs) -> None:
         if site.primitive == "convert_element_type" or site.phase != "forward":
             return  # a cast of a value is not a new value of the layer
-        if walk.LOSS_SCALE_SCOPE in site.name_stack:
+        if evaluator.LOSS_SCALE_SCOPE in site.name_stack:
             return  # the loss times the scale: not a value of the model
-        floating = [o for o in outputs if walk.is_floating(o)]
+        floating = [o for o in outputs if evaluator.is_floating(o)]
         if floating:
             last[site.layer] = floating[-1]
 
-    outs, _ = walk.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
+    outs, _ = evaluator.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
     return last, outs
 
 
@@ -265,7 +265,7 @@ def numerics_diff(
     if callable(policy) and not isinstance(policy, (Policy, str)):
         amp_fun = policy
     else:
-        from jaxamp._src.autocast import autocast
+        from jaxamp._src.autocast.api import autocast
 
         amp_fun = autocast(fun, policy)
 

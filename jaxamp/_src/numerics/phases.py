@@ -17,7 +17,7 @@ from typing import Any
 
 import jax.extend as jex
 
-from jaxamp._src.autocast_interpreter import _open
+from jaxamp._src.jaxprs import open_jaxpr
 
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 CHECKPOINTS = ("checkpoint", "remat2")
@@ -75,7 +75,7 @@ def primal_equations(jaxpr: Any, needed: Sequence[bool]) -> tuple[set[int], list
         if offset:
             reads[0] = True
         for closed in inners:
-            inner, _ = _open(closed)
+            inner, _ = open_jaxpr(closed)
             ids, inner_reads = primal_equations(inner, flags)
             found |= ids
             for i, r in enumerate(inner_reads):
@@ -87,7 +87,7 @@ def primal_equations(jaxpr: Any, needed: Sequence[bool]) -> tuple[set[int], list
 def _scan_primal(eqn: Any, needed: Sequence[bool]) -> tuple[set[int], list[bool]]:
     """:func:`primal_equations` of a scan's body: a carry the next iteration reads to
     compute a needed value is needed too, until nothing more is (a fixed point)."""
-    body, _ = _open(eqn.params["jaxpr"])
+    body, _ = open_jaxpr(eqn.params["jaxpr"])
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
     out_needed = list(needed)
     while True:
@@ -103,7 +103,7 @@ def _all_equations(eqn: Any) -> set[int]:
     for value in eqn.params.values():
         for closed in value if isinstance(value, (tuple, list)) else [value]:
             if isinstance(closed, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
-                for inner in _open(closed)[0].eqns:
+                for inner in open_jaxpr(closed)[0].eqns:
                     found |= _all_equations(inner)
     return found
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src.numerics import tracing, walk
+from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
     NON_SCALAR,
@@ -45,7 +45,7 @@ class _Accumulator:
         """Counts the values of ``x``; ``wide``: its infs and NaNs were made in float32."""
         raw = np.asarray(x)
         a = np.abs(raw.astype(np.float64)).ravel()
-        if walk.is_floating(raw):
+        if evaluator.is_floating(raw):
             # a value at exactly its dtype's largest magnitude is a sentinel, not data: the
             # -finfo.max an attention mask fills in, which follows the compute dtype
             a = a[a != float(jnp.finfo(raw.dtype).max)]
@@ -83,7 +83,7 @@ _WIDE, _NARROW = "float32", "16-bit"  # where an inf or a NaN was first made
 
 
 class _Measure:
-    """A :class:`walk.Tagger` that adds each value counted (``counted(sixteen_bit)``) to
+    """A :class:`evaluator.Tagger` that adds each value counted (``counted(sixteen_bit)``) to
     its (layer, phase) statistics, and follows each inf and NaN to the operation that
     made it: one whose output is held in float32 (or computed there, for a policy),
     which float16 is not the cause of, or in 16 bits. A value's tag is the set of
@@ -96,8 +96,8 @@ class _Measure:
         self.stats: dict[tuple[str, str], _Accumulator] = {}
         self.nonfinite: list[tuple[str, str]] = []  # (layer, phase), in the order made
 
-    def op(self, site: walk.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
-        bad = [not walk.finite(o) for o in outputs]
+    def op(self, site: evaluator.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
+        bad = [not evaluator.finite(o) for o in outputs]
         if constant(tags, inputs, bad):
             out_tags = [CONSTANT] * len(outputs)
         elif not any(bad):
@@ -105,7 +105,7 @@ class _Measure:
         else:
             came_from = carried(tags) or self._made(site, inputs, outputs, bad)
             out_tags = [came_from if b else None for b in bad]
-        if walk.LOSS_SCALE_SCOPE not in site.name_stack:  # the loss times the scale: not
+        if evaluator.LOSS_SCALE_SCOPE not in site.name_stack:  # the loss times the scale: not
             self._count(site, outputs, out_tags)  # a value of the model
         return out_tags, False
 
@@ -113,7 +113,7 @@ class _Measure:
         return merge_tags(tags)
 
     @staticmethod
-    def _made(site: walk.Site, inputs, outputs, bad) -> frozenset:
+    def _made(site: evaluator.Site, inputs, outputs, bad) -> frozenset:
         """Where an operation that makes a new inf or NaN makes it. In float32 when its
         output is held there; when, made of finite 16-bit inputs, it is not finite
         computed in float32 either (``log(0)``); or when fed an inf or NaN constant
@@ -123,21 +123,21 @@ class _Measure:
         ``-inf`` meant."""
         if all(_wide(o) for o, b in zip(outputs, bad, strict=True) if b):
             return frozenset({_WIDE})
-        fed = [i for i in inputs if not walk.finite(i)]
+        fed = [i for i in inputs if not evaluator.finite(i)]
         if fed:
             meant = not any(_float16(i) for i in fed)
             return frozenset({_WIDE if meant else _NARROW})
         if site.eqn is not None:
             with contextlib.suppress(Exception):
-                wide = walk.in_float32(site, inputs)
-                if all(not walk.finite(w) for w, b in zip(wide, bad, strict=True) if b):
+                wide = evaluator.in_float32(site, inputs)
+                if all(not evaluator.finite(w) for w, b in zip(wide, bad, strict=True) if b):
                     return frozenset({_WIDE})
         return frozenset({_NARROW})
 
-    def _count(self, site: walk.Site, outputs, tags) -> None:
+    def _count(self, site: evaluator.Site, outputs, tags) -> None:
         key = (site.layer, site.phase)
         for out, sixteen, tag in zip(outputs, site.sixteen_bit, tags, strict=True):
-            if walk.is_floating(out) and self.counted(sixteen):
+            if evaluator.is_floating(out) and self.counted(sixteen):
                 # a constant's inf or NaN is meant unless float16 may have rounded it
                 made = tag if isinstance(tag, frozenset) else {_NARROW if _float16(out) else _WIDE}
                 wide = made == {_WIDE}
@@ -219,7 +219,7 @@ def range_report(
     scale = _scale_of(loss_scale)
     target, described = fun, None
     if isinstance(policy, (Policy, str)):
-        from jaxamp._src.autocast import autocast
+        from jaxamp._src.autocast.api import autocast
 
         target, described = autocast(fun, policy), str(get_policy(policy))
     elif policy is not None:
@@ -239,7 +239,7 @@ def range_report(
             forward_only = NON_SCALAR
             traced = tracing.trace(target, argnums, args, kwargs, grad=False)
         measured = _Measure(counted=lambda sixteen: sixteen or described is None)
-        walk.run(
+        evaluator.run(
             traced.jaxpr,
             traced.args,
             lambda *_: None,

@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-_SIXTEEN_BIT = ("float16", "bfloat16")
+from jaxamp._src.dtypes import SIXTEEN_BIT_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +292,6 @@ def _names(rows: Sequence[LayerRange]) -> str:
 
 def _dtype(dtype: Any) -> Any:
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in _SIXTEEN_BIT:
-        raise ValueError(f"dtype must be one of {', '.join(_SIXTEEN_BIT)}, got {dtype!r}.")
+    if name not in SIXTEEN_BIT_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(SIXTEEN_BIT_NAMES)}, got {dtype!r}.")
     return jnp.dtype(name)

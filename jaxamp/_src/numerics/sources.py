@@ -18,7 +18,7 @@ from typing import Any
 
 import jax.extend as jex
 
-from jaxamp._src.autocast_interpreter import _open
+from jaxamp._src.jaxprs import open_jaxpr
 
 _LIBRARY = (os.sep + "site-packages" + os.sep, os.sep + "jaxamp" + os.sep + "_src" + os.sep)
 _MODELS = os.sep + "jaxamp" + os.sep + "_src" + os.sep + "models" + os.sep  # model code
@@ -134,7 +134,7 @@ def custom_vjp_rules(jaxpr: Any) -> dict[Any, str]:
     """Per call site (see :func:`_bwd_call_site`), where the backward rule of each
     ``custom_vjp_call`` of ``jaxpr`` (a forward program, searched through) is."""
     found: dict[Any, str] = {}
-    for eqn in _equations(_open(jaxpr)[0]):
+    for eqn in _equations(open_jaxpr(jaxpr)[0]):
         if eqn.primitive.name != "custom_vjp_call" or "bwd" not in eqn.params:
             continue
         frames = _raw_frames(getattr(eqn.source_info, "traceback", None))
@@ -153,7 +153,7 @@ def _equations(jaxpr: Any) -> Iterator[Any]:
         for value in eqn.params.values():
             for closed in value if isinstance(value, (tuple, list)) else [value]:
                 if isinstance(closed, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
-                    yield from _equations(_open(closed)[0])
+                    yield from _equations(open_jaxpr(closed)[0])
 
 
 def _rule_location(bwd: Any) -> str:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._src.numerics import sources
-from jaxamp._src.numerics.walk import LOSS_SCALE_SCOPE, is_floating
+from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
 
 
 class NotALoss(TypeError):
@@ -70,7 +70,7 @@ def layer_scopes(model: Any) -> Any:
     numerics tools call it on a copy they merge)."""
     from flax import nnx
 
-    from jaxamp._src.nnx_policy import _iter_modules
+    from jaxamp._src.flax_policy.nnx import _iter_modules
 
     root = type(model).__name__
     for path, module in list(_iter_modules(model)):

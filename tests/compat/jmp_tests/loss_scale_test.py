@@ -28,7 +28,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-import jmp_adapter as jmp  # jaxamp change; upstream: from jmp._src import loss_scale as jmp
+from tests.compat import jmp_adapter as jmp  # jaxamp change; upstream: from jmp._src import loss_scale as jmp
 import numpy as np
 
 

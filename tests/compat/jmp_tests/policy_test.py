@@ -29,7 +29,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
-import jmp_adapter as jmp  # jaxamp change; upstream: from jmp._src import policy as jmp
+from tests.compat import jmp_adapter as jmp  # jaxamp change; upstream: from jmp._src import policy as jmp
 import numpy as np
 
 HALF_DTYPES = (np.float16, jnp.float16, jnp.bfloat16)

@@ -1,0 +1,579 @@
+"""Seeing precision: every matmul and convolution of a program, with its dtypes.
+
+A policy is a promise; the program is the proof. :func:`precision_report`
+lowers a function and lists each ``dot_general`` and ``convolution`` with its
+operand, result and (where the program states it) accumulation dtypes, whether
+it belongs to the forward or the backward pass, and the layer it came from,
+and counts the converts between floating types.
+
+Read the lowered StableHLO: it is what JAX asked for, on any backend. The
+compiled program (``compiled=True``) shows what the backend runs instead: on GPU
+and TPU its kernels (cuBLAS and cuDNN calls included); on CPU, XLA turns 16-bit
+convolutions and dots into float32 ones, computes bfloat16 elementwise math
+(``exp``, ``log``...) in float32, and runs 16-bit reductions in float32 while
+rounding each partial result to the 16-bit type. The compiled report lists the
+sensitive operations as the compiled program computes them, so it says what the
+backend really does, not what AMP asked for.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxamp._src.audit.checks import (
+    PrecisionError,
+    SensitiveOp,
+    canonical_dtype_name,
+    combined_primitive,
+    direction,
+    find_problems,
+    is_cumulative,
+    read_lowered,
+    short_name,
+)
+from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES
+
+_LOC_DEF = re.compile(r'^#loc(\d+) = loc\("([^"]*)"')
+_LOC_USE = re.compile(r"loc\(#loc(\d+)\)\s*$")
+_SIGNATURE = re.compile(r":\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<out>tensor<[^>]*>)")
+_SAME_TYPE = re.compile(r"stablehlo\.convert\s+%\S+\s*:\s*tensor<")
+_TENSOR = re.compile(r"tensor<([^>,]*)")
+_SHLO_OP = re.compile(r"=\s*stablehlo\.(dot_general|dot|convolution|convert)\b")
+_ALGORITHM = re.compile(r"accumulation_type\s*=\s*(\w+)")
+_HLO_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^)]*\)|\S+)\s+"
+    r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<rest>.*)$"
+)
+_HLO_OPERAND = re.compile(r"([a-zA-Z0-9]+)\[([\d,]*)\]")
+_HLO_REFERENCE = re.compile(r"%([\w.\-]+)")
+_HLO_ALGORITHM = re.compile(r"algorithm=dot_(\w+)|ALG_DOT_(\w+)")
+_HLO_NAME = re.compile(r'op_name="([^"]*)"')
+_HLO_MATMUL_TARGETS = ("cublas", "cudnn$conv", "__cudnn$conv", "gemm")
+_HLO_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*->.*\{\s*$")
+_HLO_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+_HLO_WINDOW = re.compile(r"window=\{([^}]*)\}")
+# HLO opcode -> the JAX primitive it computes, for the numerically sensitive ones.
+_HLO_ELEMENTWISE = {
+    "exponential": "exp",
+    "exponential-minus-one": "expm1",
+    "log": "log",
+    "log-plus-one": "log1p",
+    "logistic": "logistic",
+    "rsqrt": "rsqrt",
+    "sqrt": "sqrt",
+    "power": "pow",
+    "tan": "tan",
+    "erf": "erf",
+}
+# HLO opcodes that combine values with their ``to_apply`` computation -> family.
+_HLO_FAMILIES = {
+    "reduce": "reduce",
+    "reduce-window": "reduce_window",
+    "scatter": "scatter",
+    "all-reduce": "all_reduce",
+    "all-reduce-start": "all_reduce",
+    "reduce-scatter": "reduce_scatter",
+}
+# Instructions of a ``to_apply`` computation that move or round values, not combine them.
+_HLO_NOT_COMBINING = frozenset({"parameter", "constant", "convert", "bitcast", "copy"})
+_FLOAT_BYTES = {
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+
+
+def _dtype_name(hlo_type: str) -> str:
+    return HLO_DTYPE_NAMES.get(hlo_type, hlo_type)
+
+
+def _tensor_type(text: str) -> tuple[tuple[int, ...], str]:
+    """``'4x3xbf16'`` -> ``((4, 3), 'bfloat16')``."""
+    parts = text.strip().split("x")
+    shape = tuple(int(p) for p in parts[:-1] if p.isdigit())
+    return shape, _dtype_name(parts[-1])
+
+
+_direction = direction
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulOp:
+    """One matmul or convolution in a program.
+
+    Attributes:
+      kind: ``"dot_general"`` or ``"convolution"`` (``"custom-call"`` for a
+        cuBLAS/cuDNN call in a compiled GPU program).
+      lhs_dtype: dtype of the left operand (numpy name, e.g. ``"bfloat16"``).
+      rhs_dtype: dtype of the right operand.
+      result_dtype: dtype of the result.
+      accumulation_dtype: the accumulation dtype where the program states it (a
+        dot algorithm, or a result wider than the operands), else ``None``.
+      lhs_shape: shape of the left operand.
+      rhs_shape: shape of the right operand.
+      name: the source name JAX recorded (e.g. ``jit(step)/jvp(ResNet)/Conv_0/...``).
+      direction: ``"forward"``, ``"backward"`` or ``"unknown"``.
+      executions: how many times it runs per call of the program (a ``scan``'s
+        length and repeated calls of a nested ``jit`` multiply), ``None`` inside
+        a loop of unknown trip count or where the report was read from text.
+      contracts: whether it sums over a contracting dimension (an einsum such as
+        ``"...hqk,h->...hqk"`` only multiplies).
+      upcast: whether the program converts both 16-bit operands to float32 for a
+        float32 GEMM (jaxamp's ``upcast`` matmul form, for backends without 16-bit
+        GEMM kernels); ``lhs_dtype`` and ``rhs_dtype`` then name the 16-bit dtype
+        the values come in, and ``accumulation_dtype`` is float32.
+    """
+
+    kind: str
+    lhs_dtype: str
+    rhs_dtype: str
+    result_dtype: str
+    accumulation_dtype: str | None
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    name: str = ""
+    direction: str = "unknown"
+    executions: int | None = None
+    contracts: bool = True
+    upcast: bool = False
+
+    @property
+    def layer(self) -> str:
+        """The layer path, e.g. ``"ResNet/Conv_0"``."""
+        return short_name(self.name)
+
+    @property
+    def operand_dtype(self) -> str:
+        """The operands' dtype, or ``"lhs/rhs"`` when they differ."""
+        if self.lhs_dtype == self.rhs_dtype:
+            return self.lhs_dtype
+        return f"{self.lhs_dtype}/{self.rhs_dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """The matmuls, convolutions and converts of one program.
+
+    Each operation of the program is listed once, with ``executions``: how many
+    times it runs per call. The report also lists the numerically sensitive
+    operations (``sensitive``) and can be audited with :meth:`problems` and
+    :meth:`check`.
+
+    Attributes:
+      ops: every matmul and convolution, in program order.
+      converts: number of converts from one floating type to another (in the program).
+      source: ``"stablehlo"`` (lowered) or ``"hlo"`` (compiled).
+      sensitive: the exponentials, logarithms, square roots, ``erf``, reductions,
+        pooling sums, cumulative sums, scatter-adds and all-reduces
+        (:class:`jaxamp.debug.SensitiveOp`), read from the lowered program or, for a
+        compiled report, from the compiled HLO in the dtype it computes them in
+        (their ``executions`` then unknown).
+    """
+
+    ops: tuple[MatmulOp, ...]
+    converts: int
+    source: str
+    sensitive: tuple[SensitiveOp, ...] = ()
+
+    @classmethod
+    def from_text(cls, text: str) -> PrecisionReport:
+        """Parses lowered StableHLO text or compiled HLO text."""
+        if "stablehlo." in text or "func.func" in text:
+            return _parse_stablehlo(text)
+        return _parse_hlo(text)
+
+    @classmethod
+    def from_lowered(cls, lowered: Any, compiled: bool = False) -> PrecisionReport:
+        """Reads a ``jax.stages.Lowered``: its StableHLO, or its compiled HLO."""
+        if compiled:
+            return _parse_hlo(lowered.compile().as_text())
+        matmuls, sensitive, converts = read_lowered(lowered.compiler_ir("stablehlo"))
+        ops = tuple(MatmulOp(**fields) for fields in matmuls)
+        for op in ops:
+            if op.accumulation_dtype is None:
+                wider = _wider(op.lhs_dtype, op.rhs_dtype, op.result_dtype)
+                object.__setattr__(op, "accumulation_dtype", wider)
+        return cls(ops, converts, "stablehlo", tuple(sensitive))
+
+    def problems(self, compute_dtype: Any = None, *, ignore: Sequence[str] = ()) -> list:
+        """The precision problems of the program, each naming its primitive, dtype and layer.
+
+        * a sensitive operation (``exp``, ``log``, ``sqrt``, ``erf``, sums, products,
+          cumulative sums...) computed in a 16-bit type (max and min are exact in
+          any dtype and are not problems);
+        * where ``compute_dtype`` is a 16-bit dtype, a matmul or convolution on
+          float32 operands (the silent upcast of ``x @ self.param(...)``);
+        * a matmul or convolution on 16-bit operands with a 16-bit result and no
+          wider accumulation stated.
+
+        Args:
+          compute_dtype: the policy's compute dtype, or ``None`` not to look for
+            float32 matmuls.
+          ignore: layer path patterns (globs, as in ``apply_policy``'s overrides,
+            e.g. ``"head"``) whose problems are expected, such as a layer kept
+            in float32 on purpose.
+
+        Returns:
+          A list of :class:`jaxamp.debug.Problem`; empty when the program is clean.
+        """
+        return find_problems(self, compute_dtype, tuple(ignore))
+
+    def check(self, compute_dtype: Any = None, *, ignore: Sequence[str] = ()) -> PrecisionReport:
+        """Raises :class:`jaxamp.debug.PrecisionError` listing :meth:`problems`; returns ``self``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> import jaxamp
+          >>> x = jnp.ones((4, 8), jnp.bfloat16)
+          >>> jaxamp.precision_report(jax.nn.softmax)(x).check()
+          Traceback (most recent call last):
+          ...
+          jaxamp.debug.PrecisionError: 1 precision problem(s):
+            - exp computed in bfloat16 at <top level> (forward, runs 1x)
+          >>> report = jaxamp.precision_report(jaxamp.autocast(jax.nn.softmax))(x).check()
+          >>> sorted({(op.primitive, op.dtype) for op in report.sensitive})
+          [('exp', 'float32'), ('reduce_max', 'float32'), ('reduce_sum', 'float32')]
+        """
+        problems = self.problems(compute_dtype, ignore=ignore)
+        if problems:
+            raise PrecisionError(problems)
+        return self
+
+    def executed(self, operand_dtype: str | None = None) -> int | None:
+        """Matmuls and convolutions run per call (``None`` if a loop's trip count is
+        unknown), optionally only those with both operands in ``operand_dtype``."""
+        total = 0
+        for op in self.ops:
+            if operand_dtype is None or op.operand_dtype == _canonical(operand_dtype):
+                if op.executions is None:
+                    return None
+                total += op.executions
+        return total
+
+    def count(self, operand_dtype: str | None = None, kind: str | None = None) -> int:
+        """Number of ops, optionally with both operands in ``operand_dtype``, of ``kind``."""
+        return sum(
+            1
+            for op in self.ops
+            if (operand_dtype is None or op.operand_dtype == _canonical(operand_dtype))
+            and (kind is None or op.kind == kind)
+        )
+
+    def all_operands_in(self, dtype: Any) -> bool:
+        """Whether there is at least one op and every op's operands are in ``dtype``."""
+        return bool(self.ops) and self.count(dtype) == len(self.ops)
+
+    def by_dtype(self) -> dict[str, int]:
+        """``{operand dtype: number of ops}``."""
+        return dict(collections.Counter(op.operand_dtype for op in self.ops))
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly summary."""
+        return {
+            "source": self.source,
+            "matmuls": len(self.ops),
+            "by_operand_dtype": self.by_dtype(),
+            "accumulation": dict(
+                collections.Counter(str(op.accumulation_dtype) for op in self.ops)
+            ),
+            "converts": self.converts,
+            "executed": self.executed(),
+            "sensitive": dict(
+                collections.Counter(f"{op.primitive}:{op.dtype}" for op in self.sensitive)
+            ),
+        }
+
+    def __str__(self) -> str:
+        header = ("kind", "pass", "operands", "result", "accumulate", "runs", "lhs shape", "layer")
+        rows = [header] + [
+            (
+                op.kind,
+                op.direction,
+                op.operand_dtype,
+                op.result_dtype,
+                op.accumulation_dtype or "backend",
+                "?" if op.executions is None else op.executions,
+                "x".join(map(str, op.lhs_shape)),
+                _short_name(op.name),
+            )
+            for op in self.ops
+        ]
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        lines.append(
+            f"{len(self.ops)} matmuls/convolutions by operand dtype {self.by_dtype()}; "
+            f"{self.converts} floating converts ({self.source})"
+        )
+        if self.sensitive:
+            counts = collections.Counter(f"{op.primitive} {op.dtype}" for op in self.sensitive)
+            lines.append(
+                "sensitive operations: " + ", ".join(f"{k} x{n}" for k, n in counts.items())
+            )
+        return "\n".join(lines)
+
+
+_canonical = canonical_dtype_name
+
+
+_short_name = short_name
+
+
+def _parse_stablehlo(text: str) -> PrecisionReport:
+    locations = {m.group(1): m.group(2) for m in map(_LOC_DEF.match, text.splitlines()) if m}
+    ops, converts = [], 0
+    for line in text.splitlines():
+        match = _SHLO_OP.search(line)
+        if not match:
+            continue
+        kind = match.group(1)
+        signature = _SIGNATURE.search(line)
+        if kind == "convert":
+            if signature:
+                (_, src), (_, dst) = (
+                    _tensor_type(_TENSOR.search(signature.group("ins")).group(1)),
+                    _tensor_type(_TENSOR.search(signature.group("out")).group(1)),
+                )
+                converts += src != dst and src in FLOAT_NAMES and dst in FLOAT_NAMES
+            continue
+        if not signature:
+            continue
+        operands = [_tensor_type(t) for t in _TENSOR.findall(signature.group("ins"))]
+        if len(operands) < 2:
+            continue
+        (lhs_shape, lhs), (rhs_shape, rhs) = operands[:2]
+        _, result = _tensor_type(_TENSOR.search(signature.group("out")).group(1))
+        algorithm = _ALGORITHM.search(line)
+        accumulation = _dtype_name(algorithm.group(1)) if algorithm else _wider(lhs, rhs, result)
+        loc = _LOC_USE.search(line)
+        name = locations.get(loc.group(1), "") if loc else ""
+        kind = "dot_general" if kind in ("dot", "dot_general") else kind
+        ops.append(
+            MatmulOp(
+                kind, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, _direction(name)
+            )
+        )
+    return PrecisionReport(tuple(ops), int(converts), "stablehlo")
+
+
+def _wider(lhs: str, rhs: str, result: str) -> str | None:
+    """The accumulation dtype a result wider than its operands states, else ``None``."""
+    sizes = _FLOAT_BYTES
+    if result in sizes and lhs in sizes and sizes[result] > max(sizes[lhs], sizes.get(rhs, 0)):
+        return result
+    return None
+
+
+def _algorithm_accumulation(match: re.Match) -> str:
+    """``dot_bf16_bf16_f32`` / ``ALG_DOT_BF16_BF16_F32_X3`` -> ``float32``."""
+    parts = [
+        p
+        for p in next(g for g in match.groups() if g).lower().split("_")
+        if not re.fullmatch(r"x\d+", p)
+    ]
+    return _dtype_name(parts[-1])
+
+
+def _hlo_operands(operands: str, types: dict[str, tuple[str, tuple[int, ...]]]):
+    """Operand ``(dtype, shape)`` pairs, from inline types or from their definitions."""
+    inline = [
+        (_dtype_name(t), tuple(int(d) for d in dims.split(",") if d))
+        for t, dims in _HLO_OPERAND.findall(operands)
+    ]
+    if inline:
+        return inline
+    return [types[name] for name in _HLO_REFERENCE.findall(operands) if name in types]
+
+
+def _hlo_types(instructions: list[re.Match]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{instruction name: (dtype, shape)}`` (a tuple's first element)."""
+    types = {}
+    for match in instructions:
+        first = _HLO_OPERAND.search(match.group("type"))
+        if first:
+            types[match.group("name")] = (
+                _dtype_name(first.group(1)),
+                tuple(int(d) for d in first.group(2).split(",") if d),
+            )
+    return types
+
+
+def _hlo_computations(text: str) -> dict[str, list[re.Match]]:
+    """``{computation name: its instructions}`` of an HLO module's text."""
+    computations: dict[str, list[re.Match]] = {}
+    current: list[re.Match] = []
+    for line in text.splitlines():
+        header = _HLO_COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group("name"), [])
+        elif (match := _HLO_INSTR.match(line)) is not None:
+            current.append(match)
+    return computations
+
+
+def _hlo_name(rest: str) -> str:
+    """The source name of an instruction (its ``op_name`` metadata), else ``""``."""
+    match = _HLO_NAME.search(rest)
+    return match.group(1) if match else ""
+
+
+def _hlo_matmul(match: re.Match, operands: list, result: str) -> MatmulOp | None:
+    """The :class:`MatmulOp` of a ``dot``, ``convolution`` or cuBLAS/cuDNN call."""
+    op, rest = match.group("op"), match.group("rest")
+    is_library_call = op == "custom-call" and any(t in rest for t in _HLO_MATMUL_TARGETS)
+    if (op not in ("dot", "convolution") and not is_library_call) or len(operands) < 2:
+        return None
+    (lhs, lhs_shape), (rhs, rhs_shape) = operands[:2]
+    algorithm = _HLO_ALGORITHM.search(rest)
+    accumulation = _algorithm_accumulation(algorithm) if algorithm else _wider(lhs, rhs, result)
+    name = _hlo_name(rest)
+    return MatmulOp(
+        op, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, _direction(name)
+    )
+
+
+def _narrowest(dtypes: list[str]) -> str | None:
+    """The narrowest floating dtype of ``dtypes`` (``None`` when there is none)."""
+    floats = [d for d in dtypes if d in _FLOAT_BYTES]
+    return min(floats, key=_FLOAT_BYTES.__getitem__) if floats else None
+
+
+def _hlo_combiner(computation: list[re.Match], types: dict) -> tuple[str | None, str | None]:
+    """``(combiner, narrowest dtype)`` of a ``to_apply`` computation.
+
+    The combiner is its one combining instruction (``add``, ``maximum``...), ``None``
+    when it has several. The dtype is the narrowest floating type its values take:
+    XLA:CPU runs a bfloat16 sum in float32 but rounds each partial sum to bfloat16
+    (``convert`` to bfloat16 and back), which accumulates in bfloat16.
+    """
+    combining = {m.group("op") for m in computation} - _HLO_NOT_COMBINING
+    combiner = next(iter(combining)) if len(combining) == 1 else None
+    dtypes = [types.get(m.group("name"), ("",))[0] for m in computation]
+    return combiner, _narrowest(dtypes)
+
+
+def _hlo_window(rest: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple]:
+    """``(size, stride, padding)`` of ``window={size=1x8 stride=1x1 pad=0_0x7_0}``."""
+    window = _HLO_WINDOW.search(rest)
+    parts = window.group(1).split() if window else []
+    fields = dict(part.split("=", 1) for part in parts if "=" in part)
+    size = tuple(int(v) for v in fields.get("size", "").split("x") if v)
+    stride = tuple(int(v) for v in fields.get("stride", "").split("x") if v) or (1,) * len(size)
+    pads = [p.split("_") for p in fields.get("pad", "").split("x") if p]
+    padding = tuple((int(lo), int(hi)) for lo, hi in pads) or ((0, 0),) * len(size)
+    return size, stride, padding
+
+
+def _hlo_family(op: str, rest: str, shape: tuple[int, ...], result_shape: tuple) -> str | None:
+    """The family of a combining instruction; ``None`` for one that only copies (a
+    reduction over size-1 dimensions, a window of one element)."""
+    family = _HLO_FAMILIES.get(op)
+    if family == "reduce" and math.prod(shape) == math.prod(result_shape):
+        return None
+    if family == "reduce_window":
+        size, stride, padding = _hlo_window(rest)
+        if math.prod(size) == 1:
+            return None
+        return "cumulative" if is_cumulative(shape, size, stride, padding) else family
+    return family
+
+
+def _hlo_sensitive(
+    match: re.Match, operands: list, types: dict, computations: dict
+) -> SensitiveOp | None:
+    """The :class:`SensitiveOp` of an HLO instruction, or ``None``.
+
+    An elementwise operation computes in its operand's dtype; a reduction, window,
+    scatter or all-reduce in the narrowest of its operand's dtype and the dtype its
+    ``to_apply`` computation rounds to.
+    """
+    op, rest = match.group("op"), match.group("rest")
+    if not operands:
+        return None
+    dtype, shape = operands[0]
+    primitive = _HLO_ELEMENTWISE.get(op)
+    if primitive is None:
+        result_shape = types.get(match.group("name"), ("", ()))[1]
+        family = _hlo_family(op, rest, shape, result_shape)
+        applied = _HLO_TO_APPLY.search(rest)
+        if family is None or applied is None:
+            return None
+        combiner, rounded = _hlo_combiner(computations.get(applied.group(1), []), types)
+        primitive = combined_primitive(family, combiner)
+        dtype = _narrowest([dtype, rounded or dtype])
+    if primitive is None or dtype not in FLOAT_NAMES:
+        return None
+    name = _hlo_name(rest)
+    return SensitiveOp(primitive, dtype, shape, name, _direction(name), executions=None)
+
+
+def _parse_hlo(text: str) -> PrecisionReport:
+    """The report of compiled HLO text: its matmuls, converts and sensitive operations
+    (``executions`` unknown: the text's loops are not followed)."""
+    computations = _hlo_computations(text)
+    instructions = [m for m in map(_HLO_INSTR.match, text.splitlines()) if m]
+    types = _hlo_types(instructions)
+    ops, sensitive, converts = [], [], 0
+    for match in instructions:
+        operands = _hlo_operands(match.group("operands"), types)
+        result = types.get(match.group("name"), ("unknown", ()))[0]
+        if match.group("op") == "convert":
+            if operands and operands[0][0] != result:
+                converts += operands[0][0] in FLOAT_NAMES and result in FLOAT_NAMES
+            continue
+        matmul = _hlo_matmul(match, operands, result)
+        if matmul is not None:
+            ops.append(matmul)
+        elif (found := _hlo_sensitive(match, operands, types, computations)) is not None:
+            sensitive.append(found)
+    return PrecisionReport(tuple(ops), int(converts), "hlo", tuple(sensitive))
+
+
+def precision_report(
+    fun: Callable[..., Any],
+    *,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    compiled: bool = False,
+) -> Callable[..., PrecisionReport]:
+    """Returns a function that lowers ``fun`` for the given arguments and reports its matmuls.
+
+    Used like ``jax.make_jaxpr``: ``precision_report(step)(params, batch)``.
+
+    Args:
+      fun: a function, or an already ``jax.jit``-ed one (its ``lower`` is used).
+      static_argnums: static positional arguments, as for ``jax.jit``.
+      static_argnames: static keyword arguments, as for ``jax.jit``.
+      compiled: report the compiled HLO instead of the lowered StableHLO: what the
+        backend runs (on CPU, XLA computes 16-bit matmuls and bfloat16
+        elementwise math in float32; see the module docs).
+
+    Returns:
+      A function taking ``fun``'s arguments and returning a :class:`PrecisionReport`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.ones((2, 2), jnp.bfloat16)
+      >>> report = precision_report(jnp.matmul)(x, x)
+      >>> report.all_operands_in("bfloat16"), report.count("float32")
+      (True, 0)
+    """
+    jitted = (
+        fun
+        if hasattr(fun, "lower")
+        else jax.jit(fun, static_argnums=static_argnums, static_argnames=static_argnames)
+    )
+
+    def report(*args: Any, **kwargs: Any) -> PrecisionReport:
+        return PrecisionReport.from_lowered(jitted.lower(*args, **kwargs), compiled=compiled)
+
+    return report

@@ -1,0 +1,305 @@
+"""Op-level automatic mixed precision for any JAX function, like ``torch.autocast``.
+
+:func:`autocast` wraps a function. Each call traces it with ``jax.make_jaxpr``
+on its arrays in their own dtypes, then evaluates the traced program with an
+interpreter (the "custom Jaxpr interpreter" pattern of the JAX docs) that
+binds every primitive again, with its inputs cast by the rules of
+:class:`jaxamp.AutocastRules`:
+
+=========  ==========================================  ===================================
+rule       primitives (``jaxamp.AUTOCAST_RULES``)      inputs
+=========  ==========================================  ===================================
+compute    ``dot_general``, ``conv_general_dilated``   floating operands -> compute dtype
+float32    exp, log, log1p, expm1, pow, rsqrt, sqrt,    floating inputs -> float32
+           square, erf, logistic, reduce_sum/max/min/
+           prod, cumsum...
+promote    add, mul, max, select_n, reshape, gather,    shared dtypes -> widest arrival
+           concatenate... (elementwise, shapes)
+traced     everything else                              floating inputs -> traced dtypes
+=========  ==========================================  ===================================
+
+Matmuls and convolutions on a 16-bit compute dtype run under the 16-bit matmul
+rule (``jaxamp/_src/ops/matmul.py``): 16-bit operands, float32 accumulation in the
+forward and both backward GEMMs, float32 weight gradients. A matmul left as
+traced (not in the ``compute`` set, as under ``apply_policy``) whose traced
+operands are 16-bit runs under the rule too, in its traced dtype. A 16-bit value
+broadcast into a larger one gets its gradient summed in float32. Softmax,
+log-softmax, logsumexp, normalisation and the losses built from them run in
+float32 because their reductions and exponentials do. Integer and boolean
+values are never cast. The outputs come back in the dtypes they had in the
+traced program, so a float32 model returns float32 logits and BatchNorm's
+running statistics stay float32.
+
+Because the interpreter binds primitives on whatever values arrive, ``jit``,
+``grad``, ``vmap`` and ``shard_map`` applied outside the wrapped function
+transform the mixed-precision program. Inside it:
+
+* nested ``jax.jit`` calls are inlined and their bodies follow the rules;
+* ``jax.checkpoint``, ``lax.cond``, ``lax.while_loop``, ``lax.scan`` and
+  ``jax.shard_map`` are rebuilt with their public APIs around the transformed
+  bodies; loop carries and branch outputs are cast to their traced dtypes at the
+  end of each body or branch, so they type-check;
+* functions with custom derivatives (``jax.custom_jvp``/``custom_vjp``, such as
+  ``jax.nn.relu`` and ``jax.nn.softplus``) and any other higher-order
+  primitive run as traced: their rules were written for those dtypes;
+* :func:`autocast_float32` marks a function to be evaluated exactly as traced.
+
+Known limits: decisions ``fun`` makes in Python from dtypes (``if x.dtype ==
+...``) are made once, at the traced dtypes; nested ``jit`` calls lose their own
+shardings and donation when inlined; each call traces ``fun`` again, so call the
+wrapped function under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
+from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
+from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
+from jaxamp._src.policy import Policy, get_policy
+
+
+def autocast(
+    fun: Callable[..., Any],
+    policy: str | Policy = "mixed_bfloat16",
+    *,
+    rules: AutocastRules | None = None,
+    residuals: str = "compute_dtype",
+) -> Callable[..., Any]:
+    """Runs any JAX function with op-level mixed precision, like ``torch.autocast``.
+
+    Each call traces ``fun`` on its arrays in their own dtypes, then evaluates
+    the traced program with matmuls and convolutions on compute-dtype operands,
+    numerically sensitive primitives in float32 and everything else in the dtype
+    that arrives (see the module docs and :class:`AutocastRules`). Arguments
+    that are not arrays (Python numbers, strings, callables) are held static.
+    Floating outputs come back in the dtypes they had in the traced program.
+
+    Args:
+      fun: the function, e.g. a Flax ``model.apply`` or an Equinox module.
+      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
+        its ``compute_dtype`` is the matmuls' operand dtype.
+      rules: the rule table; :data:`jaxamp.AUTOCAST_RULES` when ``None``.
+      residuals: what the backward pass may keep when the compute dtype is 16-bit,
+        as in :func:`jaxamp.linen.apply_policy`: ``"compute_dtype"`` (16-bit
+        activations and float32 statistics; float32 temporaries are recomputed),
+        ``"dots"`` or ``"all"`` (JAX's default: fewer converts, more memory).
+        See :func:`jaxamp.checkpoint_residuals`.
+
+    Returns:
+      A function with ``fun``'s signature.
+
+    Raises:
+      TypeError: if ``fun`` is not callable or ``rules`` is not an ``AutocastRules``.
+      ValueError: if ``policy`` names no policy or ``residuals`` no mode.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxamp
+      >>> def layer(w, x):
+      ...     return jax.nn.log_softmax(x @ w)
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> report = jaxamp.precision_report(autocast(layer, "mixed_bfloat16"))(w, x)
+      >>> [(op.lhs_dtype, op.rhs_dtype, op.result_dtype) for op in report.ops]
+      [('bfloat16', 'bfloat16', 'float32')]
+      >>> jax.jit(autocast(layer))(w, x).dtype
+      dtype('float32')
+    """
+    if not callable(fun):
+        raise TypeError(f"autocast expects a callable, got {type(fun).__name__}: {fun!r}.")
+    policy = get_policy(policy)
+    rules = AUTOCAST_RULES if rules is None else rules
+    if not isinstance(rules, AutocastRules):
+        raise TypeError(
+            f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
+            "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
+        )
+    return interpreted(fun, (policy, rules), residuals)
+
+
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX graph node that holds state: a module, any other
+    ``nnx.Pytree`` (``nnx.Optimizer``, ``nnx.Rngs``), a registered graph-node type or
+    an ``nnx.Variable``. A bare ``jax.Ref`` (a graph leaf to NNX) is left to JAX."""
+    if isinstance(x, nnx.Variable):
+        return True
+    return nnx.graph.is_graph_node(x) and not nnx.graph.is_node_leaf(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GraphNodes:
+    """The NNX graph nodes among the leaves of a pytree, split off so that a trace is pure.
+
+    Attributes:
+      treedef: the pytree's structure, with every graph node as one leaf.
+      where: the positions of the graph nodes among its leaves.
+      nodes: the graph nodes, in that order (the caller's objects).
+      graphdef: their joint ``nnx.split`` graph definition; nodes that share
+        variables or submodules share them again when merged.
+    """
+
+    treedef: Any
+    where: frozenset[int]
+    nodes: list[Any]
+    graphdef: Any
+
+    def merge(self, state: Any, others: list[Any]) -> tuple[Any, list[Any]]:
+        """The pytree rebuilt from ``state`` (fresh graph nodes) and the ``others`` leaves.
+
+        Returns:
+          ``(tree, merged)``: the pytree and its fresh graph nodes.
+        """
+        merged = nnx.merge(self.graphdef, state)
+        merged_iter, others_iter = iter(merged), iter(others)
+        size = len(self.where) + len(others)
+        leaves = [next(merged_iter) if i in self.where else next(others_iter) for i in range(size)]
+        return jax.tree.unflatten(self.treedef, leaves), merged
+
+    def update(self, new_state: Any) -> None:
+        """Writes the variables a call changed (``None``: none did) back into the nodes."""
+        if new_state is not None:
+            nnx.update(self.nodes, new_state)
+
+
+def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, Any, list[Any]]:
+    """Splits the NNX graph nodes of ``tree`` (see :func:`is_graph_node`) into their state.
+
+    Returns:
+      ``(nodes, state, others)``: the :class:`_GraphNodes`, the state of all the nodes
+      (one ``nnx.State``, each variable once) and the other leaves of ``tree``.
+    """
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_graph_node)
+    where = frozenset(i for i, leaf in enumerate(leaves) if is_graph_node(leaf))
+    nodes = [leaves[i] for i in sorted(where)]
+    graphdef, state = nnx.split(nodes)
+    others = [leaf for i, leaf in enumerate(leaves) if i not in where]
+    return _GraphNodes(treedef, where, nodes, graphdef), state, others
+
+
+def _state_values(state: Any) -> dict[Any, tuple[Any, ...]]:
+    """``{path: the variable's leaves}`` of an NNX state, taken now (variables mutate)."""
+    return {path: tuple(jax.tree.leaves(v)) for path, v in nnx.to_flat_state(state)}
+
+
+def _changed_state(before: dict[Any, tuple[Any, ...]], merged: Any) -> Any:
+    """The variables of ``merged`` whose values are not those of ``before`` (by identity:
+    an unchanged variable still holds its input tracer), or ``None`` when none changed.
+    Only these are written back, so a module whose call mutates nothing is left untouched."""
+    changed = []
+    for path, variable in nnx.to_flat_state(nnx.state(merged)):
+        previous = before.get(path, ())
+        leaves = jax.tree.leaves(variable)
+        same = len(leaves) == len(previous) and all(
+            a is b for a, b in zip(leaves, previous, strict=True)
+        )
+        if not same:
+            changed.append((path, variable))
+    return nnx.from_flat_state(changed) if changed else None
+
+
+def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any] | None]:
+    """``(callee, method)``: a method bound to an NNX graph node as the node (split like
+    an argument) and its function; anything else as ``(fun, None)``."""
+    if inspect.ismethod(fun) and is_graph_node(fun.__self__):
+        return fun.__self__, fun.__func__
+    return fun, None
+
+
+def interpreted(
+    fun: Callable[..., Any], config: tuple[Policy, AutocastRules], residuals: str
+) -> Callable[..., Any]:
+    """``fun`` evaluated by the autocast interpreter with ``config``'s policy and rules.
+
+    Shared by :func:`autocast` and the policies' ``apply``. Non-array arguments are
+    held static. NNX graph nodes (``fun`` itself, the object of a bound method, and
+    the modules, ``nnx.Optimizer``, ``nnx.Rngs``, other ``nnx.Pytree`` objects and
+    ``nnx.Variable`` leaves anywhere in the arguments' pytrees) are split together
+    into their state, so the traced program is pure and references they share stay
+    shared; the variables the call changes (BatchNorm statistics, RNG counts, an
+    optimizer's step and moments) are put back into them afterwards, as a call
+    outside the interpreter would.
+    """
+    policy, _ = config
+    validate_residuals(residuals)
+    if policy.compute_dtype.itemsize >= 4:
+        residuals = "all"
+    callee, method = _callee_and_method(fun)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        nodes, state, others = _split_graph_nodes((callee, args, kwargs))
+        arrays, rebuild_inputs = partition_arrays((state, others))
+        rebuild_outputs = []
+
+        def traced(*arrays):
+            state, others = rebuild_inputs(arrays)
+            before = _state_values(state)
+            (call_callee, call_args, call_kwargs), merged = nodes.merge(state, others)
+            if method is None:
+                out = call_callee(*call_args, **call_kwargs)
+            else:
+                out = method(call_callee, *call_args, **call_kwargs)
+            out_arrays, rebuild = partition_arrays((out, _changed_state(before, merged)))
+            rebuild_outputs.append(rebuild)
+            return out_arrays
+
+        closed = jax.make_jaxpr(traced)(*arrays)
+        evaluate = checkpoint_residuals(
+            lambda consts, arrays: cast_to_traced(
+                eval_jaxpr(closed.jaxpr, consts, arrays, config), closed.jaxpr.outvars
+            ),
+            residuals,
+        )
+        out, new_state = rebuild_outputs[0](evaluate(closed.consts, arrays))
+        nodes.update(new_state)
+        return out
+
+    return wrapped
+
+
+def autocast_float32(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks ``fun`` to be evaluated exactly as traced inside :func:`autocast`.
+
+    The calls ``fun`` makes run under ``jax.named_scope("jaxamp_float32")``;
+    :func:`autocast` casts the inputs of every primitive in that scope back to
+    their traced dtypes, so a function traced in float32 (a sensitive matmul, a
+    loss) runs in float32. Outside :func:`autocast` it only names a scope.
+
+    Args:
+      fun: the function to keep as traced.
+
+    Returns:
+      ``fun``, wrapped.
+
+    Raises:
+      TypeError: if ``fun`` is not callable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxamp
+      >>> @autocast_float32
+      ... def head(w, x):
+      ...     return x @ w
+      >>> f = autocast(lambda w, x: head(w, x @ w), "mixed_bfloat16")
+      >>> report = jaxamp.precision_report(f)(jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> [op.lhs_dtype for op in report.ops]
+      ['bfloat16', 'float32']
+    """
+    if not callable(fun):
+        raise TypeError(f"autocast_float32 expects a callable, got {type(fun).__name__}: {fun!r}.")
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(FLOAT32_SCOPE):
+            return fun(*args, **kwargs)
+
+    return wrapped

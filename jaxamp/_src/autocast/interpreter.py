@@ -1,0 +1,657 @@
+"""The interpreter behind :func:`jaxamp.autocast`.
+
+It evaluates a traced program equation by equation, the way
+``jax.core.eval_jaxpr`` does (the "custom Jaxpr interpreter" pattern of the JAX
+docs), binding each primitive again on inputs cast by the rule its name has in
+:class:`jaxamp.AutocastRules`. Calls (nested ``jit``) are inlined; ``checkpoint``,
+``cond``, ``while``, ``scan`` and ``shard_map`` are rebuilt with their public
+APIs around interpreted bodies. The JAX internals it needs are kept in one
+section, with the versions they differ between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._src.autocast.rules import AutocastRules, _names
+from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
+from jaxamp._src.jaxprs import (
+    bind,
+    eqn_context,
+    in_backward_pass,
+    in_float32_scope,
+    open_jaxpr,
+)
+from jaxamp._src.ops.matmul import amp_conv_from_params, amp_dot_general
+from jaxamp._src.policy import Policy
+
+# --- The interpreter --------------------------------------------------------------------------
+
+
+class _Env:
+    """Values of one jaxpr's variables, and the casts made of them (each made once)."""
+
+    def __init__(
+        self,
+        config: tuple[Policy, AutocastRules],
+        parent: _Env | None = None,
+        wide: dict[int, tuple[Any, Any]] | None = None,
+    ):
+        self.policy, self.rules = config
+        self.config = config
+        self.values: dict[Any, Any] = {} if parent is None else parent.values
+        self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
+        # ``id(narrow value): (narrow value, wider value)`` for each narrowing convert the
+        # program made: shared with the calls evaluated inside (their values are the same
+        # objects), so a table cast in one function and gathered in another is found.
+        self.wide: dict[int, tuple[Any, Any]] = (
+            parent.wide if parent is not None else {} if wide is None else wide
+        )
+
+    def remember_wide(self, narrow: Any, wide: Any) -> None:
+        self.wide[id(narrow)] = (narrow, wide)
+
+    def wide_of(self, atom: Any) -> Any:
+        """The wider value ``atom``'s value was narrowed from, or ``None``."""
+        if isinstance(atom, jex.core.Literal):
+            return None
+        value = self.values.get(atom)
+        entry = self.wide.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else None
+
+    def read(self, atom: Any) -> Any:
+        return atom.val if isinstance(atom, jex.core.Literal) else self.values[atom]
+
+    def dtype(self, atom: Any) -> Any:
+        if isinstance(atom, jex.core.Literal):
+            return atom.aval.dtype
+        return getattr(self.values[atom], "dtype", None)
+
+    def read_as(self, atom: Any, dtype: Any) -> Any:
+        """``atom``'s value, cast to ``dtype`` if it is floating and in another dtype."""
+        value = self.read(atom)
+        current = self.dtype(atom)
+        if dtype is None or not is_floating(current) or np.dtype(current) == np.dtype(dtype):
+            return value
+        if isinstance(atom, jex.core.Literal):  # a constant: cast it here, no convert emitted
+            return np.asarray(value, dtype=dtype)
+        key = (atom, np.dtype(dtype).name)
+        if key not in self.casts:
+            self.casts[key] = lax.convert_element_type(value, dtype)
+        return self.casts[key]
+
+
+def _traced_dtype(atom: Any) -> Any:
+    return getattr(atom.aval, "dtype", None)
+
+
+def cast_to_traced(values: Sequence[Any], atoms: Sequence[Any]) -> list[Any]:
+    """Casts floating ``values`` to the dtypes ``atoms`` had in the traced program."""
+    out = []
+    for value, atom in zip(values, atoms, strict=True):
+        dtype = _traced_dtype(atom)
+        current = getattr(value, "dtype", None)
+        if is_floating(dtype) and is_floating(current) and np.dtype(current) != np.dtype(dtype):
+            value = lax.convert_element_type(value, dtype)
+        out.append(value)
+    return out
+
+
+def _planned_inputs(eqn: Any, env: _Env, wanted: Sequence[Any] | None = None) -> list[Any]:
+    """Input values: each floating input in its ``wanted`` dtype (``None``: as it arrives),
+    then inputs that shared a floating dtype in the trace promoted to the widest of them
+    (to float32 where a constant among them is too large for that dtype)."""
+    atoms = eqn.invars
+    dtypes = [
+        (w if w is not None and is_floating(env.dtype(a)) else env.dtype(a))
+        for a, w in zip(atoms, wanted or [None] * len(atoms), strict=True)
+    ]
+    groups: dict[Any, list[int]] = {}
+    for i, atom in enumerate(atoms):
+        if is_floating(_traced_dtype(atom)) and is_floating(dtypes[i]):
+            groups.setdefault(np.dtype(_traced_dtype(atom)), []).append(i)
+    for members in groups.values():
+        if len({np.dtype(dtypes[i]) for i in members}) < 2:
+            continue
+        strong = [i for i in members if not _is_weak(atoms[i])]
+        target = functools.reduce(jnp.promote_types, [dtypes[i] for i in strong or members])
+        if any(_overflows(env.read(atoms[i]), target) for i in members if _is_weak(atoms[i])):
+            target = np.dtype(jnp.promote_types(target, FLOAT32))
+        for i in members:
+            dtypes[i] = target
+    return [env.read_as(a, d) for a, d in zip(atoms, dtypes, strict=True)]
+
+
+def _overflows(value: Any, dtype: Any) -> bool:
+    """Whether a constant (a Python scalar in the traced program) is finite but too large
+    for ``dtype``: ``1e30`` in float16 would become ``inf`` (and ``inf * 0`` a NaN)."""
+    if not isinstance(value, (int, float, np.ndarray, np.generic)) or not is_floating(dtype):
+        return False
+    value = np.asarray(value)
+    if value.dtype.kind not in "fiu" or value.size > 16:
+        return False
+    finite = np.isfinite(value.astype(np.float64))
+    return bool(np.any(finite & (np.abs(value.astype(np.float64)) > jnp.finfo(dtype).max)))
+
+
+def _is_weak(atom: Any) -> bool:
+    """Literals and weakly typed values (Python scalars) follow the other inputs' dtype."""
+    return isinstance(atom, jex.core.Literal) or bool(getattr(atom.aval, "weak_type", False))
+
+
+def _as_traced(eqn: Any, env: _Env) -> list[Any]:
+    return bind(eqn, [env.read_as(a, _traced_dtype(a)) for a in eqn.invars])
+
+
+def _promote(eqn: Any, env: _Env) -> list[Any]:
+    return bind(eqn, _planned_inputs(eqn, env))
+
+
+# Reductions whose result must equal one of the elements that flow on (their JVP finds
+# the maximum by comparing): they read the 16-bit value, which they reduce exactly.
+_CHOOSERS = _names("reduce_max_p", "reduce_min_p", "argmax_p", "argmin_p")
+
+
+def _wide(env: _Env, atom: Any, value: Any, primitive: str = "") -> Any:
+    """``value``, or the wider value of the same dtype a narrowing convert made ``atom`` from."""
+    if primitive in _CHOOSERS:
+        return value
+    wide = env.wide_of(atom)
+    if wide is None:
+        return value
+    return wide if np.dtype(wide.dtype) == np.dtype(getattr(value, "dtype", wide.dtype)) else value
+
+
+def _float32(eqn: Any, env: _Env) -> list[Any]:
+    """A sensitive primitive: floating inputs narrower than float32 are cast up. An input
+    the program narrowed from float32 just before (``jnp.linalg.norm`` returns its
+    float32 sum in float16 before the square root) is read as the float32 value."""
+    wanted = [
+        FLOAT32 if is_floating(env.dtype(a)) and np.dtype(env.dtype(a)).itemsize < 4 else None
+        for a in eqn.invars
+    ]
+    name = eqn.primitive.name
+    planned = _planned_inputs(eqn, env, wanted)
+    values = [_wide(env, a, v, name) for a, v in zip(eqn.invars, planned, strict=True)]
+    if eqn.primitive is lax.scatter_add_p:  # its combiner is typed: build it again
+        p = eqn.params
+        return [
+            lax.scatter_add(
+                *values,
+                p["dimension_numbers"],
+                indices_are_sorted=p["indices_are_sorted"],
+                unique_indices=p["unique_indices"],
+                mode=p["mode"],
+            )
+        ]
+    return bind(eqn, values)
+
+
+def _contracts(eqn: Any) -> bool:
+    """Whether a ``dot_general`` sums over a contracting dimension (an outer product such
+    as rotary embeddings' ``positions x frequencies`` does not: nothing to accumulate, and
+    rounding its operands to 16 bits would only lose precision)."""
+    if eqn.primitive is not lax.dot_general_p:
+        return True
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    return bool(lhs_contract)
+
+
+def _wide_operand(env: _Env, atom: Any, compute: Any) -> Any:
+    """A matmul operand: the float32 value the program narrowed to ``compute``, if it did."""
+    wide = env.wide_of(atom)
+    if wide is not None and np.dtype(env.dtype(atom)) == np.dtype(compute):
+        return wide
+    return env.read(atom)
+
+
+def _is_vector_dot(eqn: Any) -> bool:
+    """A ``dot_general`` with no free dimension on either side (``jnp.dot`` of two vectors,
+    ``jnp.vdot``): PyTorch's autocast promotes these to the widest operand dtype."""
+    if eqn.primitive is not lax.dot_general_p:
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (a.aval.ndim for a in eqn.invars[:2])
+    return len(lc) + len(lb) == lhs and len(rc) + len(rb) == rhs
+
+
+def _compute(eqn: Any, env: _Env) -> list[Any]:
+    """A matmul or convolution on compute-dtype operands, with a compute-dtype result.
+
+    A 16-bit compute dtype runs it under the matmul rule (:mod:`jaxamp._src.ops.matmul`),
+    which casts the operands itself, so a float32 weight's 16-bit copy is not
+    saved for the backward pass and its gradient comes out in float32. A vector dot
+    takes the widest dtype its operands arrive in instead.
+    """
+    if not all(is_floating(_traced_dtype(a)) for a in eqn.invars[:2]) or not _contracts(eqn):
+        return _promote(eqn, env)  # integer matmuls and outer products are left alone
+    compute = env.policy.compute_dtype
+    if _is_vector_dot(eqn):
+        compute = np.dtype(functools.reduce(jnp.promote_types, [env.dtype(a) for a in eqn.invars]))
+    params = dict(eqn.params)
+    if np.dtype(compute).itemsize == 2:
+        # An operand the program narrowed just before (a kernel cast to the compute dtype,
+        # as Flax's ConvTranspose does) is read as the wider value: the rule casts it
+        # itself, so its gradient comes out of the GEMM in float32, never rounded.
+        lhs, rhs = (_wide_operand(env, a, compute) for a in eqn.invars)
+        if eqn.primitive is lax.dot_general_p:
+            dims = params["dimension_numbers"]
+            # A result the traced program asked to be wider than its operands (16-bit
+            # operands, float32 logits) stays that wide; other results are 16-bit.
+            preferred = params.get("preferred_element_type")
+            traced = _traced_dtype(eqn.invars[0])
+            wider = is_floating(preferred) and np.dtype(preferred).itemsize > max(
+                compute.itemsize, np.dtype(traced).itemsize
+            )
+            if not wider and in_backward_pass(eqn):
+                # A gradient the function takes itself: its GEMMs keep their traced (float32)
+                # result, so a float32 weight's gradient is not rounded to 16 bits.
+                preferred = _traced_dtype(eqn.outvars[0])
+                wider = is_floating(preferred) and np.dtype(preferred).itemsize > compute.itemsize
+            return [
+                amp_dot_general(
+                    lhs,
+                    rhs,
+                    dims,
+                    params.get("precision"),
+                    preferred if wider else None,
+                    compute_dtype=compute,
+                    out_sharding=params.get("out_sharding"),
+                )
+            ]
+        return [amp_conv_from_params(lhs, rhs, params, compute)]
+    if is_floating(params.get("preferred_element_type")):
+        params["preferred_element_type"] = None
+    return bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
+
+
+def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:
+    """A matmul left as traced. One traced on 16-bit operands still accumulates in float32:
+    it runs under the matmul rule in its traced dtype (a model's own ``jnp.einsum`` on
+    16-bit activations, such as attention written out by hand), its result in the traced
+    dtype (float32 where it asked for it), and its backward GEMMs on 16-bit operands too.
+    The rule chooses its own dot algorithm, which also works around JAX asking XLA:CPU
+    for one it rejects (``jax.nn.dot_product_attention`` in float16 states
+    ``F16_F16_F32``, and fails to compile under ``jit`` on CPU). Others run as traced."""
+    lhs_dtype, rhs_dtype = (_traced_dtype(a) for a in eqn.invars[:2])
+    out_dtype = _traced_dtype(eqn.outvars[0])
+    if not (
+        is_16bit(lhs_dtype)
+        and np.dtype(rhs_dtype) == np.dtype(lhs_dtype)
+        and is_floating(out_dtype)
+    ):
+        return _as_traced(eqn, env)
+    policy = dataclasses.replace(env.policy, compute_dtype=np.dtype(lhs_dtype))
+    return cast_to_traced(_compute(eqn, _Env((policy, env.rules), env)), eqn.outvars)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _broadcast(x: Any, shape: tuple[int, ...], dims: tuple[int, ...]):
+    return lax.broadcast_in_dim(x, shape, dims)
+
+
+@_broadcast.defjvp
+def _broadcast_jvp(shape, dims, primals, tangents):
+    """The tangent is broadcast in float32, so the transpose JAX derives from it (the
+    backward pass) sums the cotangent in float32 and rounds the sum once."""
+    (x,), (t,) = primals, tangents
+    t32 = lax.broadcast_in_dim(t.astype(FLOAT32), shape, dims)
+    return lax.broadcast_in_dim(x, shape, dims), t32.astype(t.dtype)
+
+
+def broadcast_summing_in_float32(x: Any, shape: Sequence[int], dims: Sequence[int]) -> Any:
+    """``lax.broadcast_in_dim(x, shape, dims)`` whose gradient is summed in float32.
+
+    JAX's transpose of a broadcast sums in the cotangent's dtype: 16 bits for a bias
+    or a positional embedding added to 16-bit activations. Forward mode (``jax.jvp``)
+    goes through it too."""
+    return _broadcast(x, tuple(shape), tuple(int(d) for d in dims))
+
+
+def _needs_float32_sum(
+    x: Any, atom: Any, out_shape: Sequence[Any], dims: Sequence[int] | None = None
+) -> bool:
+    """A 16-bit value (not a constant) whose values an operation repeats to fill
+    ``out_shape`` (``x``'s dimension ``k`` going to ``dims[k]``; the same dimension for an
+    elementwise operation). Dimensions may be symbolic (``jax.export``): a symbolic one is
+    taken to be more than 1."""
+    if isinstance(atom, jex.core.Literal) or not is_16bit(getattr(x, "dtype", None)):
+        return False
+    shape = np.shape(x)
+    if len(shape) > len(out_shape):
+        return False
+    dims = range(len(shape)) if dims is None else dims
+    one = lambda d: isinstance(d, int) and d == 1
+    new = set(range(len(out_shape))) - set(dims)
+    return any(not one(out_shape[i]) for i in new) or any(
+        one(n) and not one(out_shape[d]) for n, d in zip(shape, dims, strict=True)
+    )
+
+
+def _broadcast_in_dim(eqn: Any, env: _Env) -> list[Any]:
+    """``broadcast_in_dim`` of a 16-bit value: its gradient is summed in float32."""
+    (x,) = _planned_inputs(eqn, env) if len(eqn.invars) == 1 else (None,)
+    out_shape = eqn.outvars[0].aval.shape
+    if x is None or eqn.params.get("sharding") is not None:
+        return _promote(eqn, env)
+    dims = eqn.params["broadcast_dimensions"]
+    if not _needs_float32_sum(x, eqn.invars[0], out_shape, dims):
+        return _promote(eqn, env)
+    return [broadcast_summing_in_float32(x, out_shape, eqn.params["broadcast_dimensions"])]
+
+
+# Elementwise primitives that take operands of different shapes (size-1 dimensions
+# broadcast): their transpose sums the broadcast dimensions in the cotangent's dtype.
+_IMPLICIT_BROADCAST = _names("add_p", "sub_p", "mul_p", "div_p", "max_p", "min_p", "atan2_p")
+
+
+def _elementwise(eqn: Any, env: _Env) -> list[Any]:
+    """An elementwise primitive; 16-bit operands it broadcasts are broadcast first, by
+    :func:`broadcast_summing_in_float32`, so their gradients are summed in float32."""
+    values = _planned_inputs(eqn, env)
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    values = [
+        broadcast_summing_in_float32(v, out_shape, range(len(out_shape)))
+        if _needs_float32_sum(v, a, out_shape) and np.ndim(v) == len(out_shape)
+        else v
+        for v, a in zip(values, eqn.invars, strict=True)
+    ]
+    return bind(eqn, values)
+
+
+def _convert(eqn: Any, env: _Env) -> list[Any]:
+    """``convert_element_type``: skipped when the value already has the new dtype (and
+    the convert does not change weak typing: one that makes a weakly typed value strong
+    is kept, or the output would promote differently in the caller)."""
+    (atom,) = eqn.invars
+    current = env.dtype(atom)
+    new_dtype = eqn.params.get("new_dtype")
+    if (
+        not isinstance(atom, jex.core.Literal)
+        and is_floating(current)
+        and np.dtype(current) == np.dtype(new_dtype)
+        and not eqn.params.get("weak_type", False)
+        and not getattr(atom.aval, "weak_type", False)
+        and eqn.params.get("sharding") is None
+    ):
+        return [env.read(atom)]
+    (out,) = bind(eqn, [env.read(atom)])
+    if (
+        is_floating(current)
+        and is_floating(new_dtype)
+        and np.dtype(new_dtype).itemsize < np.dtype(current).itemsize
+    ):
+        env.remember_wide(out, env.read(atom))
+    return [out]
+
+
+_MATMULS = frozenset({lax.dot_general_p.name, lax.conv_general_dilated_p.name})
+_RULES = {"compute": _compute, "float32": _float32, "promote": _promote, "traced": _as_traced}
+
+
+def eval_jaxpr(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    config: tuple,
+    wide: dict[int, tuple[Any, Any]] | None = None,
+) -> list[Any]:
+    """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs.
+
+    ``wide`` (internal) is the caller's record of narrowing converts, for calls
+    evaluated inline."""
+    env = _Env(config, wide=wide)
+    env.values.update(zip(jaxpr.constvars, consts, strict=True))
+    env.values.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        with eqn_context(eqn):
+            outs = _eval_eqn(eqn, env)
+        env.values.update(zip(eqn.outvars, outs, strict=True))
+    return [env.read(v) for v in jaxpr.outvars]
+
+
+def _gather(eqn: Any, env: _Env) -> list[Any]:
+    """``gather``, whose gradient is a scatter-add (a sum, where indices repeat).
+
+    From a table the program cast to 16 bits just before (an embedding layer that casts
+    its float32 table, then looks rows up), the rows are gathered from the float32 table
+    and cast, so the table's gradient is summed in float32. From a 16-bit value where
+    the program had a wider one (a loss's ``take_along_axis`` of logits a 16-bit matmul
+    made, under autocast), the gather runs in the traced dtype, for the same reason."""
+    table = eqn.invars[0]
+    wide = env.wide_of(table)
+    if wide is not None:
+        narrow = env.dtype(table)
+        values = [wide, *(env.read(a) for a in eqn.invars[1:])]
+        return [out.astype(narrow) for out in bind(eqn, values)]
+    traced, arrived = _traced_dtype(table), env.dtype(table)
+    if (
+        is_floating(traced)
+        and is_floating(arrived)
+        and (np.dtype(arrived).itemsize < np.dtype(traced).itemsize)
+    ):
+        return bind(eqn, [env.read_as(table, traced), *(env.read(a) for a in eqn.invars[1:])])
+    return _promote(eqn, env)
+
+
+def _is_float32_form(eqn: Any) -> bool:
+    """Elementwise forms that PyTorch's autocast runs in float32 (its ``pow`` and ``rdiv``):
+    a square ``x * x`` (norms, distances and variances written out overflow float16 at
+    256) and a constant divided by a tensor (``1 / x``)."""
+    name, atoms = eqn.primitive.name, eqn.invars
+    if name == "mul" and len(atoms) == 2:
+        return not isinstance(atoms[0], jex.core.Literal) and atoms[0] is atoms[1]
+    if name == "div" and len(atoms) == 2:
+        return _is_weak(atoms[0]) and not _is_weak(atoms[1])
+    return False
+
+
+def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
+    if in_float32_scope(eqn):
+        return _as_traced(eqn, env)
+    name = eqn.primitive.name
+    if name in _HIGHER_ORDER:
+        return _HIGHER_ORDER[name](eqn, env)
+    if name == "convert_element_type":
+        return _convert(eqn, env)
+    rule = env.rules.rule_for(name)
+    if rule == "promote" and _is_float32_form(eqn):
+        return _float32(eqn, env)
+    if rule == "promote" and name == "gather":
+        return _gather(eqn, env)
+    if rule == "traced" and name in _MATMULS:
+        return _traced_matmul(eqn, env)
+    if rule == "promote" and name == "broadcast_in_dim":
+        return _broadcast_in_dim(eqn, env)
+    if rule == "promote" and name in _IMPLICIT_BROADCAST:
+        return _elementwise(eqn, env)
+    return _RULES[rule](eqn, env)
+
+
+# --- Higher-order primitives ------------------------------------------------------------------
+
+
+def _inline(key: str) -> Callable[[Any, _Env], list[Any]]:
+    """A call (``jit``, ``closed_call``): its body is evaluated in place, with the rules."""
+
+    def evaluate(eqn, env):
+        if key not in eqn.params:
+            return _as_traced(eqn, env)
+        jaxpr, consts = open_jaxpr(eqn.params[key])
+        args = [env.read(a) for a in eqn.invars]
+        return eval_jaxpr(jaxpr, consts, args, env.config, env.wide)
+
+    return evaluate
+
+
+def _checkpoint(eqn: Any, env: _Env) -> list[Any]:
+    jaxpr, consts = open_jaxpr(eqn.params["jaxpr"])
+
+    def body(*args):
+        return eval_jaxpr(jaxpr, consts, args, env.config)
+
+    remat = jax.checkpoint(
+        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+    )
+    return list(remat(*[env.read(a) for a in eqn.invars]))
+
+
+def _closed_body(closed: Any, config: tuple, cast_outputs: int | None = None):
+    """A function evaluating a ``ClosedJaxpr`` with the rules; its first ``cast_outputs``
+    outputs (all when ``None``) are cast to their traced dtypes."""
+    jaxpr, consts = open_jaxpr(closed)
+    n = len(jaxpr.outvars) if cast_outputs is None else cast_outputs
+
+    def body(*args):
+        outs = eval_jaxpr(jaxpr, consts, args, config)
+        return cast_to_traced(outs[:n], jaxpr.outvars[:n]) + outs[n:]
+
+    return body
+
+
+def _cond(eqn: Any, env: _Env) -> list[Any]:
+    index, *operands = (env.read(a) for a in eqn.invars)
+    branches = [_closed_body(b, env.config) for b in eqn.params["branches"]]
+    return list(lax.switch(index, branches, *operands))
+
+
+def _while(eqn: Any, env: _Env) -> list[Any]:
+    p = eqn.params
+    values = [env.read(a) for a in eqn.invars]
+    n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = values[:n_cond], values[n_cond : n_cond + n_body]
+    init = cast_to_traced(values[n_cond + n_body :], eqn.outvars)
+    cond = _closed_body(p["cond_jaxpr"], env.config, cast_outputs=0)
+    body = _closed_body(p["body_jaxpr"], env.config)
+    return list(
+        lax.while_loop(
+            lambda carry: cond(*cond_consts, *carry)[0],
+            lambda carry: body(*body_consts, *carry),
+            init,
+        )
+    )
+
+
+def _scan(eqn: Any, env: _Env) -> list[Any]:
+    p = eqn.params
+    values = [env.read(a) for a in eqn.invars]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = values[:n_consts]
+    init = cast_to_traced(values[n_consts : n_consts + n_carry], eqn.outvars[:n_carry])
+    body = _closed_body(p["jaxpr"], env.config, cast_outputs=n_carry)
+
+    def step(carry, xs):
+        outs = body(*consts, *carry, *xs)
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(
+        step,
+        init,
+        values[n_consts + n_carry :],
+        length=p["length"],
+        reverse=p.get("reverse", False),
+        unroll=p.get("unroll", 1),
+    )
+    return [*carry, *ys]
+
+
+def _shard_map(eqn: Any, env: _Env) -> list[Any]:
+    p = eqn.params
+    axis_names = p.get("newly_manual_axes", p.get("manual_axes"))
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None or axis_names is None or not {"in_specs", "out_specs"} <= set(p):
+        return _as_traced(eqn, env)  # another version's parameters: run it as traced
+    jaxpr, consts = open_jaxpr(p["jaxpr"])
+
+    def body(*args):
+        return tuple(eval_jaxpr(jaxpr, consts, args, env.config))
+
+    mapped = shard_map(
+        body,
+        mesh=p["mesh"],
+        in_specs=tuple(p["in_specs"]),
+        out_specs=tuple(p["out_specs"]),
+        axis_names=frozenset(axis_names),
+        check_vma=p.get("check_vma", True),
+    )
+    return list(mapped(*[env.read(a) for a in eqn.invars]))
+
+
+def _zero_tangent(y: Any) -> Any:
+    """A zero tangent for ``y``: ``float0`` zeros for an integer or boolean output."""
+    if is_floating(getattr(y, "dtype", None)) or jnp.issubdtype(y.dtype, jnp.complexfloating):
+        return jnp.zeros_like(y)
+    return np.zeros(np.shape(y), jax.dtypes.float0)
+
+
+def _tangent_like(t: Any, y: Any) -> Any:
+    """The rule's tangent in ``y``'s dtype; a ``float0`` tangent (of an integer output) as is."""
+    if is_floating(getattr(y, "dtype", None)) and is_floating(getattr(t, "dtype", None)):
+        return t.astype(y.dtype)
+    return t
+
+
+def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
+    """A ``jax.custom_jvp`` function (``relu``, ``logaddexp`` and so ``softplus``, ``mish``):
+    rebuilt with ``jax.custom_jvp`` around its body and its JVP rule, both evaluated with
+    the rules, so that the exponentials and logarithms inside run in float32 and a
+    16-bit value passes through ``relu`` without a cast. Its outputs take the dtypes the
+    evaluated body gives them, and the JVP's primal and tangent outputs are cast to
+    those. The JVP rule's jaxpr comes from the equation's ``jvp_jaxpr_fun`` (a
+    JAX-internal parameter); with other parameters (another JAX version) the function
+    runs as traced."""
+    p = eqn.params
+    if not {"call_jaxpr", "jvp_jaxpr_fun", "num_consts"} <= set(p):
+        return _as_traced(eqn, env)
+    n_consts, jvp_jaxpr_fun = p["num_consts"], p["jvp_jaxpr_fun"]
+    body, body_consts = open_jaxpr(p["call_jaxpr"])
+    values = [env.read(a) for a in eqn.invars]
+
+    def primal(consts, args):
+        return eval_jaxpr(body, body_consts, [*consts, *args], env.config)
+
+    @jax.custom_jvp
+    def call(consts, args):
+        return primal(consts, args)
+
+    @call.defjvp
+    def call_jvp(primals, tangents):
+        consts, args = primals
+        dtypes = [y.dtype for y in jax.eval_shape(primal, consts, args)]
+        jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
+        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], env.config)
+        n = len(out_zeros)
+        primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
+        nonzero = iter(outs[n:])
+        tangents_out = [
+            _zero_tangent(y) if zero else _tangent_like(next(nonzero), y)
+            for y, zero in zip(primals_out, out_zeros, strict=True)
+        ]
+        return primals_out, tangents_out
+
+    return list(call(tuple(values[:n_consts]), tuple(values[n_consts:])))
+
+
+# Keyed by name: primitive objects and their module paths move between JAX versions.
+_HIGHER_ORDER: dict[str, Callable[[Any, _Env], list[Any]]] = {
+    "jit": _inline("jaxpr"),
+    "pjit": _inline("jaxpr"),
+    "closed_call": _inline("call_jaxpr"),
+    "core_call": _inline("call_jaxpr"),
+    "checkpoint": _checkpoint,
+    "remat2": _checkpoint,
+    "cond": _cond,
+    "while": _while,
+    "scan": _scan,
+    "shard_map": _shard_map,
+    "custom_jvp_call": _custom_jvp,
+}

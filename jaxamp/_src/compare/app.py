@@ -1,0 +1,553 @@
+"""``jaxamp compare``: train one model under several precision variants, side by side.
+
+Every variant starts from the same initial parameters and sees the same
+batches in the same order. The variants' training steps are interleaved, one
+step of each per batch, so that machine noise falls on all of them alike and
+their speed ratio is measured side by side in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from jaxamp._src.backend import auto_policy
+from jaxamp._src.compare import data as data_lib
+from jaxamp._src.compare import numerics_checks
+from jaxamp._src.compare.environment import environment
+from jaxamp._src.compare.models.bert import BertClassifier, BertConfig
+from jaxamp._src.compare.models.resnet import ResNet18, ResNet50
+from jaxamp._src.compare.stats import choose_model, merge_seeds
+from jaxamp._src.compare.variants import Variant, default_variants, get_variant
+from jaxamp._src.flax_policy.linen import apply_policy
+from jaxamp._src.ops.residuals import activation_bytes
+from jaxamp._src.optim.diagnostics import underflow_fraction
+from jaxamp._src.optim.gradients import value_and_grad
+from jaxamp._src.optim.opt_state import find_loss_scaled_state
+from jaxamp._src.policy import cast_floating
+
+MODELS = ("auto", "resnet50", "resnet18", "bert")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+    """What ``jaxamp compare`` runs; the defaults finish in minutes on a 2-core CPU.
+
+    Attributes:
+      model: ``"resnet50"`` (FashionMNIST, 28x28x1), ``"resnet18"``, ``"bert"`` (IMDB),
+        or ``"auto"``: the model that shows AMP on this machine (see
+        :func:`jaxamp._src.compare.stats.choose_model`).
+      variants: variant names, or ``None`` for :func:`jaxamp.default_variants`.
+      epochs: passes over the training examples.
+      batch_size: examples per step.
+      train_examples: training examples used (``None``: all).
+      test_examples: test examples evaluated (``None``: all).
+      learning_rate: Adam's learning rate (``None``: 1e-3 for ResNets, 1e-4 for BERT).
+      seed: initialisation, shuffling and dropout seed (of the first run).
+      seeds: runs with seeds ``seed, seed + 1, ...``; test accuracy is reported
+        with its spread over them and read against that noise.
+      data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see :func:`jaxamp.data.load_dataset`).
+      data_dir: tensorflow-datasets data directory.
+      bn_recalibration: before evaluation, run this many training batches through the
+        model in training mode at the final weights, so that BatchNorm's running
+        statistics (a moving average that lags behind fast-changing weights in a short
+        run) describe the final model; 0 evaluates with the statistics as trained.
+      numerics: before training, the per-layer divergence of each variant from float32
+        at the initial weights (``jaxamp.numerics_diff``, on 4 examples of the first
+        batch; a loss-scaled variant at the scale of the first step its optimizer takes
+        on them, steps that overflow skipped as in training, and recorded as
+        ``divergence_loss_scale``) and, when a variant computes in float16, a float16
+        range check of the float32 model (``jaxamp.range_report``); during training,
+        the first non-finite layer of a variant whose loss stops being finite
+        (``jaxamp.find_nonfinite``).
+        Each is evaluated one primitive at a time, outside the timed steps.
+      width: channels of a ResNet's first stage (64 as published).
+      layers: BERT layers.
+      hidden: BERT hidden size.
+      heads: BERT attention heads.
+      seq_len: BERT sequence length.
+      vocab_size: BERT vocabulary (hashing tokenizer) size.
+    """
+
+    model: str = "auto"
+    variants: tuple[str, ...] | None = None
+    epochs: int = 3
+    batch_size: int = 32
+    train_examples: int | None = None
+    test_examples: int | None = 1000
+    learning_rate: float | None = None
+    seed: int = 0
+    seeds: int = 1
+    data: str = "auto"
+    data_dir: str | None = None
+    bn_recalibration: int = 20
+    numerics: bool = True
+    width: int = 64
+    layers: int = 12
+    hidden: int = 768
+    heads: int = 12
+    seq_len: int = 128
+    vocab_size: int = 30522
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"Unknown model {self.model!r}. Valid choices: {', '.join(MODELS)}.")
+        names = ("epochs", "batch_size", "width", "layers", "hidden", "heads", "seq_len", "seeds")
+        for name in names:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}).")
+        for name in self.variants or ():
+            get_variant(name)
+        if self.data not in data_lib.DATA_SOURCES:
+            raise ValueError(
+                f"Unknown data source {self.data!r}. Valid choices: "
+                f"{', '.join(data_lib.DATA_SOURCES)}."
+            )
+
+
+@dataclasses.dataclass
+class _Task:
+    """A model and how to feed it: the parts that differ between ResNet and BERT."""
+
+    module: Any
+    has_batch_stats: bool
+    learning_rate: float
+
+    def apply(self, model, params, state, x, train: bool, rng):
+        if self.has_batch_stats:
+            variables = {"params": params, "batch_stats": state}
+            if not train:
+                return model.apply(variables, x, train=False), state
+            logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
+            return logits, updates["batch_stats"]
+        logits = model.apply(
+            {"params": params},
+            x,
+            attention_mask=(x > 0).astype(jnp.int32),
+            train=train,
+            rngs={"dropout": rng} if train else {},
+        )
+        return logits, state
+
+
+def _task(config: CompareConfig, num_classes: int) -> _Task:
+    if config.model == "bert":
+        bert = BertConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden,
+            num_layers=config.layers,
+            num_heads=config.heads,
+            intermediate_size=4 * config.hidden,
+            max_position=max(512, config.seq_len),
+            num_classes=num_classes,
+        )
+        return _Task(BertClassifier(bert), False, config.learning_rate or 1e-4)
+    factory = ResNet50 if config.model == "resnet50" else ResNet18
+    return _Task(factory(num_classes, width=config.width), True, config.learning_rate or 1e-3)
+
+
+def _eval_batch(batch_size: int) -> int:
+    return max(batch_size, 256)
+
+
+def classification_metrics(
+    labels: np.ndarray, predictions: np.ndarray, num_classes: int
+) -> dict[str, float]:
+    """Accuracy and macro-averaged precision, recall and F1.
+
+    Example:
+      >>> m = classification_metrics(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]), 2)
+      >>> round(m["accuracy"], 2), round(m["precision"], 3), round(m["recall"], 2)
+      (0.75, 0.833, 0.75)
+    """
+    confusion = np.zeros((num_classes, num_classes), np.int64)
+    np.add.at(confusion, (labels, predictions), 1)
+    tp = np.diag(confusion).astype(np.float64)
+    predicted, actual = confusion.sum(0), confusion.sum(1)
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+    return {
+        "accuracy": float(tp.sum() / max(len(labels), 1)),
+        "precision": float(precision.mean()),
+        "recall": float(recall.mean()),
+        "f1": float(f1.mean()),
+    }
+
+
+class _Run:
+    """One variant: its model, optimizer, compiled steps and everything measured."""
+
+    def __init__(
+        self,
+        variant: Variant,
+        task: _Task,
+        variables: dict,
+        config: CompareConfig,
+        sample: tuple[Any, Any],
+    ):
+        self.variant, self.task = variant, task
+        self.model = apply_policy(task.module, variant.policy)
+        self.tx = variant.optimizer(optax.adam(task.learning_rate))
+        self.params = variant.policy.cast_to_param(variables["params"])
+        self.state = variables.get("batch_stats", {})
+        self.opt_state = self.tx.init(self.params)
+        self.bytes_per_param = _bytes_per_param(self.params, self.opt_state)
+        self.key = jax.random.key(config.seed + 1)
+        self.losses: list[Any] = []
+        self.scales: list[Any] = []
+        self.step_times: list[float] = []
+        self.epoch_times: list[float] = []
+        self.underflow: list[dict[str, float]] = []
+        self.diagnose = config.numerics
+        self.first_nonfinite: dict[str, Any] | None = None
+        self.divergence: list[dict[str, Any]] | None = None
+        self.divergence_loss_scale: dict[str, Any] | None = None
+        with variant.tracing():
+            start = time.perf_counter()
+            self.step = (
+                jax.jit(self._step)
+                .lower(self.params, self.state, self.opt_state, *sample, 0)
+                .compile()
+            )
+            self.compile_s = time.perf_counter() - start
+            eval_x = jnp.repeat(sample[0][:1], _eval_batch(config.batch_size), axis=0)
+            self.predict = (
+                jax.jit(lambda p, s, x: self.task.apply(self.model, p, s, x, False, None)[0])
+                .lower(self.params, self.state, eval_x)
+                .compile()
+            )
+            self.update_statistics = jax.jit(
+                lambda p, s, x: self.task.apply(self.model, p, s, x, True, self.key)[1]
+            )
+            self.activation_bytes = activation_bytes(
+                lambda p: self._loss(p, self.state, *sample, self.key)[0], self.params
+            )
+
+    def _loss(self, params, state, x, y, rng):
+        logits, new_state = self.task.apply(self.model, params, state, x, True, rng)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+        return loss.mean(), new_state
+
+    def _grads(self, params, state, opt_state, x, y, step):
+        rng = jax.random.fold_in(self.key, step)
+        loss = lambda p: self._loss(p, state, x, y, rng)
+        if self.variant.dynamic_loss_scaling:
+            return value_and_grad(loss, has_aux=True)(params, opt_state=opt_state)
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    def _step(self, params, state, opt_state, x, y, step):
+        (loss, state), grads = self._grads(params, state, opt_state, x, y, step)
+        # What float16 would flush to zero, without and with this step's loss scale: two
+        # reductions over the gradients, well under 1% of a ResNet50 step.
+        scale = self.scale_of(opt_state)
+        true_grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+        underflow = (
+            underflow_fraction(true_grads),
+            underflow_fraction(jax.tree.map(lambda g: g * scale, true_grads)),
+        )
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), state, opt_state, loss, underflow
+
+    def scale_of(self, opt_state):
+        if self.variant.dynamic_loss_scaling:
+            return find_loss_scaled_state(opt_state).loss_scale.scale
+        return jnp.float32(1.0)
+
+    def loss_fn(self, rng) -> Callable[..., Any]:
+        """The training loss of float32 ``params`` (cast to the policy's param dtype),
+        traced as this variant's step traces it: for the numerics tools."""
+
+        def loss(params, state, x, y):
+            with self.variant.tracing():
+                return self._loss(self.variant.policy.cast_to_param(params), state, x, y, rng)[0]
+
+        return loss
+
+    def train_step(self, x, y, step: int) -> None:
+        before = (self.params, self.state, self.opt_state)
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.step(self.params, self.state, self.opt_state, x, y, step))
+        self.step_times.append(time.perf_counter() - start)
+        self.params, self.state, self.opt_state, loss, (unscaled, scaled) = out
+        if self.diagnose and self.first_nonfinite is None and not np.isfinite(float(loss)):
+            self._diagnose(before, x, y, step)
+        self.losses.append(loss)
+        self.scales.append(self.scale_of(self.opt_state))
+        self.underflow.append({"step": step, "unscaled": unscaled, "scaled": scaled})
+
+    def _diagnose(self, before, x, y, step: int) -> None:
+        """Finds where the step that made a non-finite loss first went non-finite."""
+        params, state, opt_state = before
+        rng = jax.random.fold_in(self.key, step)
+        scale = float(self.scale_of(opt_state)) if self.variant.dynamic_loss_scaling else None
+        params = cast_floating(params, jnp.float32)
+        fault = numerics_checks.first_nonfinite(
+            self.loss_fn(rng), params, state, x, y, loss_scale=scale
+        )
+        self.first_nonfinite = {"step": step, **(fault or _NOT_REPRODUCED)}
+
+    def recalibrate(self, batches: list[tuple[Any, Any]]) -> None:
+        """Recomputes BatchNorm running statistics at the final weights, and records how far
+        they moved (the largest change relative to the statistic's size)."""
+        before = self.state
+        with self.variant.tracing():
+            for x, _ in batches:
+                self.state = self.update_statistics(self.params, self.state, x)
+        changes = [
+            float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
+            for a, b in zip(jax.tree.leaves(self.state), jax.tree.leaves(before), strict=True)
+        ]
+        self.recalibration_change = max(changes, default=0.0)
+
+    def evaluate(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, float]:
+        predictions = []
+        x = dataset.test_x
+        for start in range(0, len(x), batch_size):
+            chunk = x[start : start + batch_size]
+            padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk), 0)])
+            logits = self.predict(self.params, self.state, padded)
+            predictions.append(np.asarray(jnp.argmax(logits, -1))[: len(chunk)])
+        return classification_metrics(
+            dataset.test_y, np.concatenate(predictions), dataset.num_classes
+        )
+
+    def record(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, Any]:
+        metrics = self.evaluate(dataset, _eval_batch(batch_size))
+        median = statistics.median(self.step_times)
+        memory = self.step.memory_analysis()
+        skipped, final_scale = 0, None
+        if self.variant.dynamic_loss_scaling or self.variant.optimizer_recipe:
+            state = find_loss_scaled_state(self.opt_state)
+            skipped = int(state.skipped_steps)
+        if self.variant.dynamic_loss_scaling:
+            final_scale = float(state.loss_scale.scale)
+        return {
+            "variant": self.variant.name,
+            "description": self.variant.description,
+            "policy": str(self.variant.policy),
+            "compile_s": self.compile_s,
+            "step_time_median_s": median,
+            "step_time_min_s": min(self.step_times),
+            "step_time_max_s": max(self.step_times),
+            "epoch_time_s": statistics.mean(self.epoch_times),
+            "examples_per_s": batch_size / median,
+            "temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+            "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+            "activation_bytes": self.activation_bytes,
+            "final_loss": float(self.losses[-1]),
+            "test_accuracy": metrics["accuracy"],
+            "precision": metrics["precision"],
+            "recall": metrics["recall"],
+            "f1": metrics["f1"],
+            "skipped_steps": skipped,
+            "final_loss_scale": final_scale,
+            "bn_recalibration_change": getattr(self, "recalibration_change", None),
+            "bytes_per_param": self.bytes_per_param,
+            "divergence": self.divergence,
+            "divergence_loss_scale": self.divergence_loss_scale,
+            "first_nonfinite": self.first_nonfinite,
+            "losses": [float(v) for v in self.losses],
+            "loss_scales": [float(v) for v in self.scales] if final_scale is not None else None,
+            "underflow": [{k: float(v) for k, v in u.items()} for u in self.underflow],
+        }
+
+
+_NOT_REPRODUCED = {
+    "phase": None,
+    "layer": "",
+    "primitive": "",
+    "source": "",
+    "description": "find_nonfinite found every value finite when it reran the step",
+}
+
+
+def _numerics_before_training(runs, task, variables, sample, config, log) -> dict | None:
+    """Per-layer divergence of each variant from float32 at the initial weights, and
+    the float16 range check when a variant computes in float16 (``config.numerics``)."""
+    if not config.numerics:
+        return None
+    rng = jax.random.key(config.seed + 2)
+    x, y = (v[: min(4, len(v))] for v in sample)
+    params = variables["params"]
+    state = variables.get("batch_stats", {})
+
+    def reference(params, state, x, y):  # the unmodified model in true float32
+        with jax.default_matmul_precision("highest"):
+            logits, _ = task.apply(task.module, params, state, x, True, rng)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+            return loss.mean()
+
+    for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
+        scale = None
+        if run.variant.dynamic_loss_scaling:  # where the optimizer takes its first step
+            taken = numerics_checks.first_step_taken(
+                _step_on(run, rng, params, state, x, y), run.opt_state, run.scale_of
+            )
+            run.divergence_loss_scale = taken
+            scale = taken["initial"] if taken["used"] is None else taken["used"]
+        run.divergence = numerics_checks.divergence(
+            reference, run.loss_fn(rng), params, state, x, y, loss_scale=scale
+        )
+    float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
+    if not float16:
+        return None
+    check = numerics_checks.float16_check(reference, float16[0].loss_fn(rng), params, state, x, y)
+    if check["dtype"] != "float16":
+        log(f"float16 range check (before training): {check['reason']}")
+    return check
+
+
+def _step_on(run: _Run, rng, params, state, x, y) -> Callable[[Any], tuple[Any, Any, Any]]:
+    """``run``'s training step on the divergence's examples, its params left as they are:
+    ``opt_state -> (loss finite, step taken, opt_state after)``, jitted; the optimizer's
+    own finiteness check and loss-scale rule decide."""
+    loss = run.loss_fn(rng)
+
+    @jax.jit
+    def step(opt_state, params, run_params, state, x, y):
+        value, grads = value_and_grad(loss)(params, state, x, y, opt_state=opt_state)
+        _, opt_state = run.tx.update(grads, opt_state, run_params)
+        return jnp.isfinite(value), find_loss_scaled_state(opt_state).last_finite, opt_state
+
+    return lambda opt_state: step(opt_state, params, run.params, state, x, y)
+
+
+def _bytes_per_param(params: Any, opt_state: Any) -> float:
+    """Bytes of the params and the optimizer state (master, compensation, moments) per
+    parameter, read from the arrays: 12 for float32 Adam, 14 with bfloat16 params and a
+    float32 master."""
+    count = sum(x.size for x in jax.tree.leaves(params))
+    size = sum(x.nbytes for x in jax.tree.leaves((params, opt_state)))
+    return size / max(count, 1)
+
+
+def compare(
+    config: CompareConfig,
+    log: Callable[[str], None] = print,
+    dataset: data_lib.Dataset | None = None,
+) -> dict[str, Any]:
+    """Runs the comparison and returns the report (``runs``: one record per variant).
+
+    Args:
+      config: what to run; ``model="auto"`` is resolved first (the report's
+        ``model_choice`` says to what, and why).
+      log: where to say which model runs, and that the dataset fell back to the
+        embedded one.
+      dataset: a :class:`jaxamp.data.Dataset` to use instead of the model's own
+        (NHWC float32 images for ResNets, int32 token ids for BERT).
+
+    Returns:
+      The report: ``config``, ``model``, ``model_choice``, ``dataset``, ``steps``,
+      ``seeds``, ``environment`` and ``runs``, one record per variant (test accuracy
+      as the mean over seeds, with its spread and a verdict against fp32).
+    """
+    config, reason = choose_model(config)
+    if reason.startswith("auto"):
+        log(reason)
+    policy, why = auto_policy(explain=True)
+    log(f"auto_policy picks {policy}: {why}")
+    note = None
+    if dataset is None:
+        kind = "text" if config.model == "bert" else "images"
+        tokenizer = data_lib.HashingTokenizer(config.vocab_size, config.seq_len)
+        dataset, note = data_lib.load_dataset(kind, config.data, config.data_dir, tokenizer)
+        if note:
+            log(note)
+    dataset = dataset.subset(config.train_examples, config.test_examples)
+    per_seed = []
+    for i in range(config.seeds):
+        if config.seeds > 1:
+            log(f"seed {config.seed + i} ({i + 1} of {config.seeds})")
+        seeded = dataclasses.replace(config, seed=config.seed + i)
+        per_seed.append(_compare_once(seeded, dataset, log))
+    report = merge_seeds(per_seed)
+    report["config"] = dataclasses.asdict(config)
+    report["model_choice"] = reason
+    report["auto_policy"] = {"policy": str(policy), "reason": why}
+    report["dataset"]["note"] = note
+    return report
+
+
+def _compare_once(
+    config: CompareConfig, dataset: data_lib.Dataset, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """One seed: every variant trained side by side."""
+    steps_per_epoch = len(dataset.train_x) // config.batch_size
+    if steps_per_epoch < 1:
+        raise ValueError(
+            f"batch_size {config.batch_size} exceeds the {len(dataset.train_x)} training examples."
+        )
+    names = list(config.variants or default_variants())
+    task = _task(config, dataset.num_classes)
+    sample = jax.device_put(
+        (dataset.train_x[: config.batch_size], dataset.train_y[: config.batch_size])
+    )
+    variables = task.module.init(jax.random.key(config.seed), sample[0][:1])
+    runs = []
+    for name in tqdm(names, desc="compile", unit="variant"):
+        runs.append(_Run(get_variant(name), task, variables, config, sample))
+    float16 = _numerics_before_training(runs, task, variables, sample, config, log)
+
+    total = config.epochs * steps_per_epoch
+    with tqdm(total=total, desc="train", unit="step") as bar:
+        for epoch in range(config.epochs):
+            epoch_time = dict.fromkeys(names, 0.0)
+            for i, (x, y) in enumerate(
+                data_lib.batches(
+                    dataset.train_x, dataset.train_y, config.batch_size, config.seed, epoch
+                )
+            ):
+                step = epoch * steps_per_epoch + i
+                for run in runs:
+                    run.train_step(x, y, step)
+                    epoch_time[run.variant.name] += run.step_times[-1]
+                bar.update(1)
+                bar.set_postfix(
+                    epoch=f"{epoch + 1}/{config.epochs}",
+                    **{r.variant.name: f"{float(r.losses[-1]):.3f}" for r in runs},
+                )
+            for run in runs:
+                run.epoch_times.append(epoch_time[run.variant.name])
+
+    if task.has_batch_stats and config.bn_recalibration:
+        calibration = list(
+            data_lib.batches(
+                dataset.train_x, dataset.train_y, config.batch_size, config.seed, config.epochs
+            )
+        )
+        calibration = (calibration * config.bn_recalibration)[: config.bn_recalibration]
+        for run in tqdm(runs, desc="BatchNorm statistics", unit="variant"):
+            run.recalibrate(calibration)
+    records = [run.record(dataset, config.batch_size) for run in runs]
+    baseline = next((r for r in records if r["variant"] == "fp32"), records[0])
+    for r in records:
+        r["speedup_vs_fp32"] = baseline["step_time_median_s"] / r["step_time_median_s"]
+    return {
+        "config": dataclasses.asdict(config),
+        "model": config.model,
+        "dataset": {
+            "name": dataset.name,
+            "source": dataset.source,
+            "note": None,
+            "train_examples": len(dataset.train_x),
+            "test_examples": len(dataset.test_x),
+            "classes": list(dataset.class_names),
+        },
+        "steps": total,
+        "environment": environment(),
+        "float16_check": float16,
+        "runs": records,
+    }

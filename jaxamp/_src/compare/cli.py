@@ -1,0 +1,155 @@
+"""The ``jaxamp`` command line: ``jaxamp compare`` (also ``python -m jaxamp compare``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxamp._src.compare.app import MODELS, CompareConfig
+from jaxamp._src.compare.data import DATA_SOURCES
+from jaxamp._src.compare.variants import VARIANTS
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def _count_or_all(value: str) -> int | None:
+    return None if value == "all" else _positive(value)
+
+
+def _variants(value: str) -> tuple[str, ...]:
+    names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant(s) {', '.join(unknown) or repr(value)}; "
+            f"valid choices: {', '.join(VARIANTS)}"
+        )
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxamp", description="Automatic mixed precision for JAX."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    compare = commands.add_parser(
+        "compare",
+        help="train one model in FP32 and mixed precision, side by side",
+        description="Train the same model from the same initialisation on the same data "
+        "order under several precision variants and compare time, memory and accuracy.",
+    )
+    defaults = CompareConfig()
+    compare.add_argument(
+        "--model",
+        choices=MODELS,
+        default=defaults.model,
+        help="resnet50/resnet18 on FashionMNIST, bert on IMDB; auto: the model that shows "
+        "AMP on this machine (a BERT-shaped transformer on a CPU with bf16 units, else "
+        "ResNet50) (default %(default)s)",
+    )
+    compare.add_argument(
+        "--variants",
+        type=_variants,
+        default=None,
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: fp32 against "
+        "the variant auto_policy picks; bf16 and fp16 on a CPU)",
+    )
+    compare.add_argument("--epochs", type=_positive, default=defaults.epochs)
+    compare.add_argument("--batch-size", type=_positive, default=defaults.batch_size)
+    compare.add_argument(
+        "--train-examples",
+        type=_count_or_all,
+        default=defaults.train_examples,
+        help="training examples to use, or 'all' (default %(default)s)",
+    )
+    compare.add_argument(
+        "--test-examples",
+        type=_count_or_all,
+        default=defaults.test_examples,
+        help="test examples to evaluate, or 'all' (default %(default)s)",
+    )
+    compare.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="Adam learning rate (default 1e-3 for ResNets, 1e-4 for BERT)",
+    )
+    compare.add_argument("--seed", type=int, default=defaults.seed)
+    compare.add_argument(
+        "--seeds",
+        type=_positive,
+        default=defaults.seeds,
+        help="runs with seeds seed, seed+1, ...: accuracy is reported with its spread and "
+        "read against it (default %(default)s)",
+    )
+    compare.add_argument(
+        "--data",
+        choices=DATA_SOURCES,
+        default=defaults.data,
+        help="tfds: real dataset only; embedded: offline fallback only; auto: "
+        "tfds, else the fallback (default)",
+    )
+    compare.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
+    compare.add_argument(
+        "--bn-recalibration",
+        type=int,
+        default=defaults.bn_recalibration,
+        help="training batches that refresh BatchNorm statistics at the final "
+        "weights before evaluation; 0 to evaluate as trained "
+        "(default %(default)s)",
+    )
+    compare.add_argument(
+        "--no-numerics",
+        dest="numerics",
+        action="store_false",
+        help="skip the per-layer divergence from fp32, the float16 range check and the "
+        "search for the first non-finite layer of a diverging run",
+    )
+    compare.add_argument(
+        "--width",
+        type=_positive,
+        default=defaults.width,
+        help="ResNet first-stage channels (default %(default)s)",
+    )
+    for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
+        compare.add_argument(
+            f"--{name}",
+            type=_positive,
+            default=getattr(defaults, name.replace("-", "_")),
+            help=f"BERT {name} (default %(default)s)",
+        )
+    compare.add_argument(
+        "--out", default=None, help="folder for report.json, report.md and PNG plots"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "compare":
+        from jaxamp._src.compare.app import compare
+        from jaxamp._src.compare.report import format_table, write_report
+
+        fields = {k: v for k, v in vars(args).items() if k not in ("command", "out")}
+        try:
+            config = CompareConfig(**fields)
+        except ValueError as e:
+            print(f"jaxamp compare: error: {e}", file=sys.stderr)
+            return 2
+        report = compare(config)
+        print()
+        print(format_table(report))
+        print(f"\ndata: {report['dataset']['source']}")
+        if args.out:
+            paths = write_report(report, args.out)
+            print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""The comparison's report: a table on the terminal, ``report.json``, ``report.md`` and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxamp._src.compare import numerics_checks
+from jaxamp._src.compare.environment import describe_hardware
+
+# (record key, header, format)
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("variant", "variant", "{}"),
+    ("compile_s", "compile s", "{:.1f}"),
+    ("step_time_median_s", "step ms", "{:.1f}"),
+    ("epoch_time_s", "epoch s", "{:.1f}"),
+    ("examples_per_s", "examples/s", "{:.0f}"),
+    ("speedup_vs_fp32", "speed-up", "{:.2f}x"),
+    ("temp_bytes", "compiled temp MB", "{:.0f}"),
+    ("activation_bytes", "activations MB", "{:.1f}"),
+    ("bytes_per_param", "bytes/param", "{:.2f}"),
+    ("final_loss", "final loss", "{:.4f}"),
+    ("test_accuracy", "test acc", "{:.4f}"),
+    ("test_accuracy_sd", "sd over seeds", "{:.4f}"),
+    ("accuracy_vs_fp32", "vs fp32", "{:+.4f}"),
+    ("accuracy_noise", "noise (2 SE)", "{:.4f}"),
+    ("accuracy_verdict", "accuracy", "{}"),
+    ("precision", "precision", "{:.4f}"),
+    ("recall", "recall", "{:.4f}"),
+    ("f1", "F1", "{:.4f}"),
+    ("skipped_steps", "skipped", "{}"),
+    ("final_loss_scale", "loss scale", "{:g}"),
+)
+_SCALED = {"step_time_median_s": 1e3, "temp_bytes": 1e-6, "activation_bytes": 1e-6}
+
+
+def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
+    value = record.get(key)
+    if value is None:
+        return "-"
+    return fmt.format(value * _SCALED.get(key, 1))
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    """Header and one row per variant, formatted."""
+    rows = [[header for _, header, _ in COLUMNS]]
+    rows += [[_cell(r, k, f) for k, _, f in COLUMNS] for r in report["runs"]]
+    return rows
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The side-by-side table for the terminal."""
+    rows = table_rows(report)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """``report.md``: what ran, on what, and the table."""
+    env, data, config = report["environment"], report["dataset"], report["config"]
+    rows = table_rows(report)
+    lines = [
+        f"# jaxamp compare: {report['model']}",
+        "",
+        f"- Hardware: {describe_hardware(env)}; backend {env['backend']}; "
+        f"jax {env['jax']}, flax {env['flax']}, optax {env['optax']}; {env['date']}",
+        f"- Data: {data['source']}; {data['train_examples']} training and "
+        f"{data['test_examples']} test examples",
+        f"- Training: {report['steps']} steps of batch {config['batch_size']} "
+        f"({config['epochs']} epochs), Adam, same initialisation and batch order for every "
+        "variant; the variants' steps interleaved",
+    ]
+    if report.get("model_choice"):
+        lines.append(f"- Model: {report['model_choice']}")
+    if report.get("auto_policy"):
+        picked = report["auto_policy"]
+        lines.append(f"- `jaxamp.auto_policy()` picks `{picked['policy']}`: {picked['reason']}")
+    seeds = report.get("seeds") or [config.get("seed", 0)]
+    lines.append(
+        f"- Seeds: {', '.join(str(x) for x in seeds)}. Test accuracy is the mean over seeds; a "
+        "difference from fp32 is called one only outside the noise: two standard errors of "
+        "the difference, from the seeds' spread"
+        + (
+            "; final loss, precision, recall, F1, memory and the curves are the first seed's."
+            if len(seeds) > 1
+            else " when there are several, here from the test set's sampling error alone "
+            "(one seed: the seed-to-seed spread, often larger, is not in it)."
+        )
+    )
+    if config.get("bn_recalibration") and report["model"].startswith("resnet"):
+        lines.append(
+            "- Evaluation: BatchNorm statistics recomputed on "
+            f"{config['bn_recalibration']} training batches at the final weights"
+        )
+    if data.get("note"):
+        lines.append(f"- Note: {data['note']}")
+    lines += [
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "---|" * len(rows[0]),
+        *("| " + " | ".join(r) + " |" for r in rows[1:]),
+        "",
+        "Step time is the median over all steps, compile time excluded. Compiled temp is "
+        "XLA's temporary buffer size for the training step; activations are the bytes saved "
+        "for the backward pass, read from the jaxpr (see `jaxamp.ops.activation_bytes`); "
+        "bytes/param "
+        "counts the params and the optimizer state (master, compensation, moments) per "
+        "parameter, read from the arrays.",
+    ]
+    lines += numerics_checks.markdown(report)
+    if env["backend"] == "cpu" and env.get("cpu_bf16_units"):
+        lines.append(
+            "This CPU has bf16 GEMM units: bfloat16 matmuls run on them (jaxamp's matmul rule "
+            "lays the GEMMs out for them); float16 matmuls and all 16-bit convolutions are "
+            "computed in float32 by XLA:CPU, so they gain no time here."
+        )
+    elif env["backend"] == "cpu":
+        lines.append(
+            "This CPU lists no bf16 units: XLA computes 16-bit matmuls and convolutions in "
+            "float32, so neither time nor compiled memory shows what mixed precision buys on "
+            "a GPU."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plots(report: dict[str, Any], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, paths = report["runs"], []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        paths.append(out / name)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        ax.plot(r["losses"], label=r["variant"])
+    ax.set(xlabel="step", ylabel="training loss", title=f"{report['model']}: loss")
+    ax.legend()
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    scaled = [r for r in runs if r.get("loss_scales")]
+    for r in scaled:
+        ax.plot(r["loss_scales"], label=r["variant"])
+    ax.set(xlabel="step", ylabel="loss scale", yscale="log", title="dynamic loss scale")
+    if scaled:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no loss-scaled variant", ha="center", transform=ax.transAxes)
+    save(fig, "loss_scale.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        steps = [u["step"] for u in r["underflow"]]
+        ax.plot(
+            steps, [100 * u["unscaled"] for u in r["underflow"]], label=f"{r['variant']}: unscaled"
+        )
+        if r.get("loss_scales"):
+            ax.plot(
+                steps,
+                [100 * u["scaled"] for u in r["underflow"]],
+                linestyle="--",
+                label=f"{r['variant']}: after loss scaling",
+            )
+    ax.set(
+        xlabel="step",
+        ylabel="% of gradient elements",
+        title="gradients below 2$^{-24}$ (zero in float16)",
+    )
+    ax.legend()
+    save(fig, "underflow.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["variant"] for r in runs]
+    ax.bar(names, [1e3 * r["step_time_median_s"] for r in runs], color="tab:blue")
+    for i, r in enumerate(runs):
+        ax.annotate(
+            f"{r['speedup_vs_fp32']:.2f}x",
+            (i, 1e3 * r["step_time_median_s"]),
+            ha="center",
+            va="bottom",
+        )
+    ax.set(
+        ylabel="median step time (ms)",
+        title=f"time per step on {describe_hardware(report['environment'])}",
+    )
+    save(fig, "time.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, r in enumerate(runs):
+        seeds = r.get("test_accuracy_seeds") or [r["test_accuracy"]]
+        ax.scatter([i] * len(seeds), seeds, color="tab:gray", s=12, zorder=3)
+        ax.errorbar(
+            i,
+            r["test_accuracy"],
+            yerr=r.get("accuracy_noise") or 0,
+            fmt="o",
+            color="tab:blue",
+            capsize=6,
+            zorder=4,
+        )
+        ax.annotate(
+            r.get("accuracy_verdict", ""),
+            (i, r["test_accuracy"]),
+            textcoords="offset points",
+            xytext=(8, 0),
+            va="center",
+        )
+    ax.set_xticks(range(len(runs)), [r["variant"] for r in runs])
+    ax.set(
+        ylabel="test accuracy",
+        title="accuracy: each seed (grey), mean and noise vs fp32 (blue)",
+    )
+    save(fig, "accuracy.png")
+    numerics_checks.plot(report, out, save)
+    return paths
+
+
+def write_report(report: dict[str, Any], out: str | Path) -> list[Path]:
+    """Writes ``report.json``, ``report.md`` and the PNG plots into ``out``; returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(format_markdown(report))
+    return [out / "report.json", out / "report.md", *_plots(report, out)]

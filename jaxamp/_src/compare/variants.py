@@ -1,0 +1,152 @@
+"""The precision recipes jaxamp compares, named the same everywhere.
+
+=========  =========  ====================  ======================  ============
+name       params     compute               matmul precision        loss scaling
+=========  =========  ====================  ======================  ============
+``fp32``   float32    float32               ``highest`` (true FP32)  none
+``tf32``   float32    float32               ``default`` (TF32 on     none
+                                            Ampere+, FP32 on CPU)
+``bf16``   float32    bfloat16, f32 accum.  default                 none
+``fp16``   float32    float16, f32 accum.   default                 dynamic
+=========  =========  ====================  ======================  ============
+
+And the optimizer-state recipes of :data:`jaxamp.optim.OPTIMIZER_RECIPES` with
+bfloat16 params and compute (no loss scaling; non-finite steps still skipped),
+each named as the recipe is:
+
+=======================  ================================================  ==============
+name                     how updates reach the bfloat16 params             bytes / param
+=======================  ================================================  ==============
+``bf16_float32_master``  float32 master, float32 Adam moments              2 + 4 + 8
+``bf16_kahan``           bfloat16 Kahan compensation, float32 moments      2 + 2 + 8
+``bf16_stochastic``      stochastic rounding, bfloat16 moments, no master  2 + 0 + 4
+``bf16_naive``           rounded to nearest, float32 moments, no master    2 + 0 + 8
+=======================  ================================================  ==============
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+import optax
+
+from jaxamp._src.backend import auto_policy
+from jaxamp._src.optim.loss_scaled import loss_scaled
+from jaxamp._src.optim.recipes import OPTIMIZER_RECIPES, optimizer_recipe
+from jaxamp._src.optim.scales import DynamicLossScale, NoOpLossScale
+from jaxamp._src.policy import PRESETS, Policy, get_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A precision recipe: policy, matmul precision for float32 inputs, loss scaling.
+
+    Attributes:
+      name: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
+      policy: the :class:`jaxamp.Policy` applied to the model.
+      matmul_precision: ``jax.default_matmul_precision`` while tracing (affects
+        float32 matmuls only), or ``None`` for JAX's default.
+      dynamic_loss_scaling: wrap the optimizer in ``jaxamp.loss_scaled``.
+      description: one line for reports.
+      optimizer_recipe: a key of :data:`jaxamp.optim.OPTIMIZER_RECIPES` whose optimizer
+        wraps the inner one (its policy is ``policy``), or ``None``.
+    """
+
+    name: str
+    policy: Policy
+    matmul_precision: str | None
+    dynamic_loss_scaling: bool
+    description: str
+    optimizer_recipe: str | None = None
+
+    def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``inner``, wrapped in dynamic loss scaling or the optimizer-state recipe."""
+        if self.optimizer_recipe is not None:
+            return optimizer_recipe(self.optimizer_recipe, inner, loss_scale=NoOpLossScale())[1]
+        if self.dynamic_loss_scaling:
+            return loss_scaled(inner, DynamicLossScale())
+        return inner
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Context to trace and compile this variant's functions in."""
+        if self.matmul_precision is None:
+            yield
+        else:
+            with jax.default_matmul_precision(self.matmul_precision):
+                yield
+
+
+VARIANTS: dict[str, Variant] = {
+    "fp32": Variant(
+        "fp32",
+        PRESETS["float32"],
+        "highest",
+        False,
+        "float32, highest matmul precision (true FP32)",
+    ),
+    "tf32": Variant(
+        "tf32",
+        PRESETS["float32"],
+        None,
+        False,
+        "float32, default matmul precision (TF32 on Ampere and newer)",
+    ),
+    "bf16": Variant(
+        "bf16",
+        PRESETS["mixed_bfloat16"],
+        None,
+        False,
+        "mixed_bfloat16: float32 params, bfloat16 compute",
+    ),
+    "fp16": Variant(
+        "fp16", PRESETS["mixed_float16"], None, True, "mixed_float16 with dynamic loss scaling"
+    ),
+}
+# The precision recipes of the table above; the benchmark suite's default variants.
+PRECISION_VARIANTS = tuple(VARIANTS)
+_RECIPE_DESCRIPTIONS = {
+    "bf16_float32_master": "bfloat16 params and compute, float32 master, float32 Adam moments",
+    "bf16_kahan": "bfloat16 params and compute, bfloat16 Kahan compensation, float32 moments",
+    "bf16_stochastic": "bfloat16 params, compute and Adam moments, stochastic rounding",
+    "bf16_naive": "bfloat16 params and compute rounded to nearest, no master (the baseline)",
+}
+for _name, _description in _RECIPE_DESCRIPTIONS.items():
+    VARIANTS[_name] = Variant(
+        _name, get_policy(OPTIMIZER_RECIPES[_name][0]), None, False, _description, _name
+    )
+
+
+def get_variant(name: str) -> Variant:
+    """The :class:`Variant` called ``name``.
+
+    Raises:
+      ValueError: for an unknown name, listing the valid ones.
+    """
+    try:
+        return VARIANTS[name.strip().lower()]
+    except KeyError as e:
+        raise ValueError(f"Unknown variant {name!r}. Valid choices: {', '.join(VARIANTS)}.") from e
+
+
+def default_variants(device=None) -> list[str]:
+    """``fp32`` against the variant :func:`jaxamp.auto_policy` picks.
+
+    On a CPU, where ``auto_policy`` picks float32, ``bf16`` and ``fp16`` (with
+    dynamic loss scaling, so that there is a loss-scale history to show) are
+    compared with ``fp32``.
+
+    Example:
+      >>> default_variants()[0]
+      'fp32'
+    """
+    device = device or jax.devices()[0]
+    picked = auto_policy(device)
+    if picked == PRESETS["mixed_bfloat16"]:
+        return ["fp32", "bf16"]
+    if picked == PRESETS["mixed_float16"]:
+        return ["fp32", "fp16"]
+    return ["fp32", "bf16", "fp16"]

@@ -1,0 +1,162 @@
+"""The one dtype vocabulary: names, predicates and upcasts shared by every module.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> is_16bit(jnp.bfloat16), is_16bit(jnp.float32), is_16bit(jnp.int16)
+  (True, False, False)
+  >>> canonical_dtype("bf16")
+  dtype(bfloat16)
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+
+from jaxamp._src.errors import invalid_choice
+
+T = TypeVar("T")
+
+FLOAT32 = np.dtype(np.float32)
+
+# Floating dtypes a policy may name, with their canonical spelling.
+POLICY_DTYPES = {
+    np.dtype(jnp.float32): "float32",
+    np.dtype(jnp.bfloat16): "bfloat16",
+    np.dtype(jnp.float16): "float16",
+    np.dtype(jnp.float64): "float64",
+}
+
+# The dtype names of jmp's grammar; "half" is float16, or bfloat16 on TPU.
+JMP_DTYPE_NAMES = (
+    "f32",
+    "float32",
+    "full",
+    "bf16",
+    "bfloat16",
+    "f16",
+    "float16",
+    "half",
+    "f64",
+    "float64",
+)
+
+# StableHLO / HLO element type names -> numpy names.
+HLO_DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "f32": "float32",
+    "f64": "float64",
+    "f8E4M3FN": "float8_e4m3fn",
+    "f8E5M2": "float8_e5m2",
+    "f8e4m3fn": "float8_e4m3fn",
+    "f8e5m2": "float8_e5m2",
+    "i1": "bool",
+    "pred": "bool",
+    "i8": "int8",
+    "s8": "int8",
+    "i32": "int32",
+    "s32": "int32",
+    "ui32": "uint32",
+    "u32": "uint32",
+    "i64": "int64",
+    "s64": "int64",
+}
+
+SIXTEEN_BIT_NAMES = ("bfloat16", "float16")
+
+# The numpy names of the floating element types a lowered program may hold.
+FLOAT_NAMES = frozenset(
+    {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
+)
+
+
+def is_floating(dtype: Any) -> bool:
+    """Whether ``dtype`` is a real floating dtype (bfloat16 included; ``None`` is not)."""
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_inexact(dtype: Any) -> bool:
+    """Whether ``dtype`` is floating or complex (what optax updates)."""
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def is_16bit(dtype: Any) -> bool:
+    """Whether ``dtype`` is a 16-bit floating dtype (bfloat16 or float16)."""
+    return is_floating(dtype) and np.dtype(dtype).itemsize == 2
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is an array or a tracer (not a Python number, not ``None``)."""
+    return isinstance(x, (np.ndarray, np.generic, jax.Array))
+
+
+def is_floating_array(x: Any) -> bool:
+    """Whether ``x`` is an array (or tracer) with a floating dtype; PRNG keys are not."""
+    return is_array(x) and is_floating(x.dtype)
+
+
+def is_inexact_array(x: Any) -> bool:
+    """Whether ``x`` is an array (or tracer) with a floating or complex dtype."""
+    return is_array(x) and is_inexact(x.dtype)
+
+
+def is_16bit_array(x: Any) -> bool:
+    """Whether ``x`` is an array (or tracer) of a floating dtype narrower than float32."""
+    return is_floating_array(x) and x.dtype.itemsize < 4
+
+
+def upcast(x: Any) -> Any:
+    """``x`` in float32 if it is a floating array narrower than float32, else ``x`` itself.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> upcast(jnp.ones(2, jnp.bfloat16)).dtype, upcast(jnp.ones(2, jnp.int32)).dtype
+      (dtype('float32'), dtype('int32'))
+    """
+    return x.astype(FLOAT32) if is_16bit_array(x) else x
+
+
+def upcast_tree(tree: T) -> T:
+    """Every floating leaf of ``tree`` narrower than float32, in float32."""
+    return jax.tree.map(upcast, tree)
+
+
+def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:
+    """Returns ``value`` as a floating ``numpy.dtype``.
+
+    Args:
+      value: a dtype, a scalar type such as ``jnp.bfloat16``, or a name from jmp's
+        grammar (``"bf16"``, ``"float32"``, ``"full"``, ``"half"``...).
+      what: how to call the value in an error message.
+
+    Returns:
+      The canonical ``numpy.dtype``.
+
+    Raises:
+      ValueError: if ``value`` names no floating dtype.
+
+    Example:
+      >>> canonical_dtype("f16")
+      dtype('float16')
+    """
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name not in JMP_DTYPE_NAMES:
+            raise invalid_choice(what, value, JMP_DTYPE_NAMES)
+        # jmp parses its own names (a bare dtype is a policy in jmp).
+        return np.dtype(jmp.get_policy(name).param_dtype)
+    try:
+        dtype = np.dtype(value)
+    except TypeError as e:
+        raise invalid_choice(what, value, POLICY_DTYPES.values()) from e
+    if dtype not in POLICY_DTYPES:
+        raise ValueError(
+            f"{what} must be a floating dtype, got {dtype.name!r}. "
+            f"Valid choices: {', '.join(POLICY_DTYPES.values())}."
+        )
+    return dtype

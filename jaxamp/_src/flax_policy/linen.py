@@ -1,0 +1,302 @@
+"""Applying a policy to an unmodified Flax Linen model."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+from flax.core import lift
+
+from jaxamp._src.autocast.api import interpreted
+from jaxamp._src.autocast.rules import AutocastRules, policy_rules
+from jaxamp._src.backend import auto_policy
+from jaxamp._src.flax_policy import plan as layer_plan
+from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.ops.residuals import validate_residuals
+from jaxamp._src.policy import Policy, cast_floating, get_policy
+
+
+@contextlib.contextmanager
+def _temporarily_set(module: nn.Module, attributes: tuple[tuple[str, Any], ...]) -> Iterator[None]:
+    """Sets attributes of a (frozen) module for the duration of one method call."""
+    saved = [(name, getattr(module, name)) for name, _ in attributes]
+    try:
+        for name, value in attributes:
+            object.__setattr__(module, name, value)
+        yield
+    finally:
+        for name, value in reversed(saved):
+            object.__setattr__(module, name, value)
+
+
+def _module_chain(module: nn.Module) -> Iterator[tuple[tuple[str, ...], nn.Module]]:
+    """``(path, module)`` from ``module`` up to the root, for bound modules."""
+    while isinstance(module, nn.Module):
+        scope = module.scope
+        yield (tuple(scope.path) if scope is not None else ()), module
+        module = module.parent
+
+
+def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
+    """A Flax core transformation (like ``flax.core.lift.checkpoint``): ``fn`` evaluated by
+    the autocast interpreter with ``config``, its variables and RNGs lifted through it."""
+
+    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+        def pure(variable_groups, rng_groups, *args, **kwargs):
+            scope = scope_fn(variable_groups, rng_groups)
+            return fn(scope, *args, **kwargs), repack_fn(scope)
+
+        return interpreted(pure, config, residuals)(variable_groups, rng_groups, *args, **kwargs)
+
+    lifted = lift.pack(inner, (True,), (True,), (True,), name="jaxamp_policy", enable_kwargs=True)
+    return lifted(scope, *args, **kwargs)
+
+
+_TARGET = "jaxamp_policy"  # the name of the lifted call, in the program's layer names
+
+
+def _without_policy_modules(capture: Any) -> Any:
+    """A ``capture_intermediates`` filter that leaves out the policy's own calls, so the
+    captured intermediates are the wrapped module's, as without the policy."""
+    if not capture:
+        return capture
+    if capture is True:
+        keep = lambda module, method_name: method_name == "__call__"
+    else:
+        keep = capture
+
+    def capture_filter(module, method_name):
+        return (
+            not isinstance(module, PolicyModule)
+            and method_name != _TARGET
+            and keep(module, method_name)
+        )
+
+    return capture_filter
+
+
+def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...]):
+    """The method interceptor that gives each layer its settings (see ``layer_plan.plan_layer``)."""
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if isinstance(module, PolicyModule):
+            return next_fun(*args, **kwargs)
+        policy = layer_plan.resolve_policy(root, overrides, _module_chain(module))
+        plan = layer_plan.plan_layer(module, policy, context.method_name)
+        scope = layer_plan.as_traced_scope(root, policy, FLOAT32_SCOPE)
+        if not plan or layer_plan.has_complex((args, kwargs)):
+            with scope:
+                return next_fun(*args, **kwargs)
+        with scope, _temporarily_set(module, plan.attributes):
+            if plan.matmul is not None:
+                out = layer_plan.run_unhooked(module, plan, *args, **kwargs)
+            else:
+                out = next_fun(*args, **kwargs)
+        if plan.cast_output_to is not None:
+            out = cast_floating(out, plan.cast_output_to)
+        return out
+
+    return intercept
+
+
+class PolicyModule(nn.Module):
+    """A Linen module under a precision policy; itself a Linen module.
+
+    Made by :func:`jaxamp.linen.apply_policy`. It shares its scope with the wrapped
+    module, so ``init`` and ``apply`` take the same arguments as the wrapped
+    module's and return variables of the same structure: checkpoints,
+    ``TrainState.create(apply_fn=model.apply, ...)`` and ``method=`` keep working,
+    and so do ``bind``, ``tabulate``, ``lazy_init`` and use as a submodule of
+    another Linen module (its variables then sit where the bare module's would).
+    The wrapped module's methods (``model.encode``, ``method="encode"``) run
+    under the policy; its other attributes (config fields) are read through.
+
+    Attributes:
+      module: the unmodified Linen module.
+      policy: the policy applied to it.
+      overrides: ``(key, Policy)`` pairs, as given to ``apply_policy``.
+      residuals: what the backward pass may save (see ``apply_policy``).
+      rules: the rule table ``apply`` evaluates the model with (see ``apply_policy``).
+    """
+
+    module: nn.Module
+    policy: Policy
+    overrides: tuple[tuple[Any, Policy], ...] = ()
+    residuals: str = "compute_dtype"
+    rules: AutocastRules | None = None
+
+    def setup(self):
+        nn.share_scope(self, self.module)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if name.startswith("_") or module is None or not hasattr(module, name):
+                raise
+            if callable(getattr(type(module), name, None)):
+                return functools.partial(self._run, name)  # its method, under the policy
+            return getattr(module, name)  # a field of the wrapped module
+
+    def __call__(self, *args, **kwargs):
+        return self._run("__call__", *args, **kwargs)
+
+    @nn.nowrap
+    def _run(self, method: Any, *args, **kwargs):
+        """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
+        args, kwargs = self.policy.cast_to_compute((args, kwargs))
+        interceptor = _interceptor(self.policy, self.overrides)
+
+        def target(mdl, *args, **kwargs):
+            inner = mdl.module
+            fn = getattr(type(inner), method) if isinstance(method, str) else method
+            with nn.intercept_methods(interceptor):
+                return fn(inner, *args, **kwargs)
+
+        target.__name__ = _TARGET
+
+        if self.is_initializing():  # creating params: the layers' settings are all it needs
+            out = target(self, *args, **kwargs)
+        else:
+            config = (self.policy, policy_rules(self.rules))
+            out = nn.transforms.lift_direct_transform(
+                functools.partial(_lifted_policy, config=config, residuals=self.residuals),
+                (target,),
+                self,
+                *args,
+                multi_scope=True,
+                **kwargs,
+            )
+        return self.policy.cast_to_output(out)
+
+    @nn.nowrap
+    def _method(self, method: Any) -> Any:
+        """``method`` of ``init``/``apply``, for the wrapped module, as a method of this one."""
+        if method is None or getattr(method, "_jaxamp_policy_method", False):
+            return method
+        if isinstance(method, str) and method in type(self).__dict__:
+            return method
+
+        def run(self, *args, **kwargs):
+            return self._run(method, *args, **kwargs)
+
+        run._jaxamp_policy_method = True
+        return run
+
+    @nn.nowrap
+    def init_with_output(self, rngs, *args, method=None, **kwargs):
+        """Like ``nn.Module.init_with_output``; params in each layer's ``param_dtype``."""
+        return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
+
+    @nn.nowrap
+    def init(self, rngs, *args, method=None, **kwargs):
+        """Like ``nn.Module.init``; params are created in each layer's ``param_dtype``."""
+        return super().init(rngs, *args, method=self._method(method), **kwargs)
+
+    @nn.nowrap
+    def apply(self, variables, *args, method=None, **kwargs):
+        """Like ``nn.Module.apply``, with the policy; outputs come back in ``output_dtype``.
+
+        Floating inputs are cast to the compute dtype (integer inputs such as token
+        ids are left alone) and the output (not the updated mutable collections) to
+        the output dtype. Params are used in the dtypes they come in: ``init``
+        creates each layer's in its own ``param_dtype`` (overrides included), and
+        each layer casts them to its compute dtype, so a float32 layer under a
+        16-bit root computes with its float32 weights.
+        """
+        if "capture_intermediates" in kwargs:
+            kwargs["capture_intermediates"] = _without_policy_modules(
+                kwargs["capture_intermediates"]
+            )
+        return super().apply(variables, *args, method=self._method(method), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"PolicyModule({type(self.module).__name__}, policy='{self.policy}')"
+
+
+def apply_policy(
+    module: nn.Module,
+    policy: str | Policy | None = None,
+    *,
+    overrides: Mapping[Any, Any] | None = None,
+    residuals: str = "compute_dtype",
+    rules: AutocastRules | None = None,
+) -> PolicyModule:
+    """Runs an unmodified Linen module under a precision policy.
+
+    Every layer that follows Flax's conventions (``Dense``, ``DenseGeneral``,
+    ``Einsum``, ``Conv``, ``ConvTranspose``, ``Embed``, the attention and
+    normalisation layers, and your own modules that have ``dtype``/``param_dtype``
+    fields) runs with ``dtype=compute_dtype`` and creates its params in
+    ``param_dtype``; matmuls and convolutions run under jaxamp's 16-bit matmul rule
+    (16-bit operands, float32 accumulation, forward and backward, float32 weight
+    gradients; see ``jaxamp/_src/ops/matmul.py``), attention's softmax and normalisation
+    statistics are computed in float32, ``batch_stats`` stay float32.
+
+    ``apply`` then evaluates the model with the rule table of :func:`jaxamp.autocast`
+    (its ``float32`` and ``promote`` sets): wherever the model calls them itself,
+    numerically sensitive primitives (the exponentials and sums of a softmax
+    written out or called from ``jax.nn``/``flax.linen`` directly, ``logsumexp``,
+    ``erf``, losses) run in float32, a matmul the model writes on 16-bit values
+    accumulates in float32, and a 16-bit value broadcast into an activation
+    (a bias, a positional embedding) gets its gradient summed in float32.
+    A matmul a custom module writes on a float32 param (``x @ self.param(...)``)
+    runs as written, in float32: :func:`jaxamp.precision_report`'s ``problems``
+    flags it, and :func:`jaxamp.autocast` casts such code.
+
+    The policy is applied while the returned object's ``init``/``apply`` trace
+    the module, so the module's code and its variables' structure are unchanged.
+
+    Args:
+      module: a Linen module.
+      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
+        ``None`` picks :func:`jaxamp.auto_policy`.
+      overrides: per-class or per-path policies, e.g. ``{"head": "float32"}`` or
+        ``{nn.Dense: "float32"}``. A class key covers its instances and all
+        modules inside them; a string is a glob pattern matched against module
+        paths (``"head"``, ``"Dense_*"``, ``"encoder/*/attention"``), at the end
+        of the path, covering the subtree below a match. The closest match wins.
+      residuals: what the backward pass may keep under a 16-bit compute dtype:
+        ``"compute_dtype"`` (default; float32 temporaries such as normalisation
+        and softmax intermediates are recomputed from 16-bit values),
+        ``"dots"`` (only matmul, convolution and reduction outputs are kept) or
+        ``"all"`` (JAX's default). See :func:`jaxamp.checkpoint_residuals`.
+      rules: the :class:`jaxamp.AutocastRules` whose ``float32`` and ``promote`` sets
+        ``apply`` evaluates the model with (:data:`jaxamp.AUTOCAST_RULES` when
+        ``None``; its ``compute`` set is not used, layers decide their matmuls).
+
+    Returns:
+      A :class:`PolicyModule` with ``init``, ``init_with_output`` and ``apply``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jaxamp
+      >>> model = jaxamp.linen.apply_policy(nn.Dense(3), "mixed_bfloat16")
+      >>> variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+      >>> variables["params"]["kernel"].dtype, model.apply(variables, jnp.ones((2, 4))).dtype
+      (dtype('float32'), dtype('float32'))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"apply_policy expects a flax.linen.Module, got {type(module).__name__}: "
+            f"{module!r:.80}. For flax.nnx modules use jaxamp.nnx.apply_policy."
+        )
+    if policy is None:
+        policy = auto_policy()
+    policy_rules(rules)  # validates
+    # A top-level model's wrapper takes the model's class name, so that the layer names
+    # in its program read as the bare model's (``precision_report`` drops the wrapper's).
+    name = type(module).__name__ if module.parent is None else None
+    return PolicyModule(
+        module,
+        get_policy(policy),
+        layer_plan.normalize_overrides(overrides),
+        validate_residuals(residuals),
+        rules,
+        name=name,
+    )

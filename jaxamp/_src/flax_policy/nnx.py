@@ -1,0 +1,204 @@
+"""Applying a policy to an existing Flax NNX model, in place."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxamp._src.autocast.api import interpreted, is_graph_node
+from jaxamp._src.autocast.rules import AutocastRules, policy_rules
+from jaxamp._src.backend import auto_policy
+from jaxamp._src.flax_policy import plan as layer_plan
+from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.ops.residuals import validate_residuals
+from jaxamp._src.policy import Policy, cast_floating, get_policy
+
+_POLICY_ATTR = "jaxamp_policy"
+_RESIDUALS_ATTR = "jaxamp_residuals"
+_RULES_ATTR = "jaxamp_rules"
+_EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
+_ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
+
+
+def _iter_modules(model: nnx.Module):
+    iter_modules = getattr(nnx, "iter_modules", None)
+    if iter_modules is not None:
+        return iter_modules(model)
+    return model.iter_modules()  # flax releases before nnx.iter_modules
+
+
+def _get_value(variable: nnx.Variable) -> Any:
+    get_value = getattr(variable, "get_value", None)  # flax >= 0.12
+    return get_value() if get_value is not None else variable.value
+
+
+def _set_value(variable: nnx.Variable, value: Any) -> None:
+    set_value = getattr(variable, "set_value", None)
+    if set_value is not None:
+        set_value(value)
+    else:
+        variable.value = value
+
+
+def _policy_call(self, *args, **kwargs):
+    """``__call__`` of a model under a policy: inputs cast, the call evaluated with the
+    policy's rules (see :func:`jaxamp.linen.apply_policy`), outputs cast."""
+    policy: Policy = getattr(self, _POLICY_ATTR)
+    base_call = type(self).__mro__[1].__call__
+    # Graph nodes among the arguments (an nnx.Rngs, Variables) are passed as they are:
+    # a tree map would copy them, and their updates would go to the copies.
+    args, kwargs = jax.tree.map(
+        lambda x: x if is_graph_node(x) else policy.cast_to_compute(x),
+        (args, kwargs),
+        is_leaf=is_graph_node,
+    )
+    config = (policy, getattr(self, _RULES_ATTR))
+    out = interpreted(base_call, config, getattr(self, _RESIDUALS_ATTR))(self, *args, **kwargs)
+    return policy.cast_to_output(out)
+
+
+def _embed_call(self, *args, **kwargs):
+    """``Embed.__call__`` that gathers in the table's dtype and casts the rows."""
+    out = type(self).__mro__[1].__call__(self, *args, **kwargs)
+    return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
+
+
+def _as_traced_call(self, *args, **kwargs):
+    """``__call__`` of a layer an override keeps wider than the root policy (float32):
+    evaluated exactly as traced (see ``layer_plan.as_traced_scope``)."""
+    with jax.named_scope(FLOAT32_SCOPE):
+        return type(self).__mro__[1].__call__(self, *args, **kwargs)
+
+
+def _embed_attend(self, *args, **kwargs):
+    """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
+    plan: layer_plan.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
+    if plan.matmul is None:
+        return type(self).__mro__[1].attend(self, *args, **kwargs)
+    return layer_plan.run_unhooked(self, plan, *args, **kwargs)
+
+
+@functools.cache
+def _subclass(cls: type, call_name: str) -> type:
+    """A subclass of ``cls`` whose ``__call__`` is one of the wrappers above (cached)."""
+    methods = {
+        "policy": {"__call__": _policy_call},
+        "embed": {"__call__": _embed_call, "attend": _embed_attend},
+        "as_traced": {"__call__": _as_traced_call},
+    }[call_name]
+
+    def __reduce__(self):  # pickled as the original class plus the name of the wrapper
+        return _rebuild, (cls, call_name, self.__getstate__())
+
+    namespace = {**methods, "__reduce__": __reduce__, "__module__": cls.__module__}
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _rebuild(cls: type, call_name: str, state: Any) -> nnx.Module:
+    """Unpickles a module under a policy: the original class, wrapped again."""
+    module = object.__new__(_subclass(cls, call_name))
+    module.__setstate__(state)
+    return module
+
+
+_WRAPPERS = (_policy_call, _embed_call, _as_traced_call)
+
+
+def _original_class(module: nnx.Module) -> type:
+    cls = type(module)
+    if cls.__dict__.get("__call__") in _WRAPPERS:
+        return cls.__mro__[1]  # the policy was applied before
+    return cls
+
+
+def _swap_class(module: nnx.Module, call_name: str | None) -> None:
+    """Wraps ``module``'s original class with ``call_name``'s wrapper (``None``: none)."""
+    cls = _original_class(module)
+    module.__class__ = cls if call_name is None else _subclass(cls, call_name)
+
+
+def apply_policy(
+    model: nnx.Module,
+    policy: str | Policy | None = None,
+    *,
+    overrides: Mapping[Any, Any] | None = None,
+    residuals: str = "compute_dtype",
+    rules: AutocastRules | None = None,
+) -> nnx.Module:
+    """Puts an existing NNX model under a precision policy, in place, and returns it.
+
+    Every layer gets the settings :func:`jaxamp.linen.apply_policy` gives Linen
+    layers (``dtype``, ``param_dtype``, the 16-bit matmul rule as the layer's
+    ``dot_general``/``einsum_op``/``conv_general_dilated``, a float32-softmax
+    ``attention_fn``); existing parameters are
+    cast to their layer's ``param_dtype``; ``BatchStat`` variables stay float32.
+    The model's ``__call__`` casts floating inputs to the compute dtype, evaluates
+    the call with the policy's rules (sensitive primitives in float32 wherever the
+    model calls them; see :func:`jaxamp.linen.apply_policy`) and casts its outputs
+    to the output dtype. The model keeps its class for ``isinstance``
+    (it becomes an instance of a subclass), works with ``nnx.Optimizer``,
+    ``nnx.jit`` and ``nnx.grad``, and applying a policy again replaces the first.
+
+    Args:
+      model: an ``nnx.Module``.
+      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
+        ``None`` picks :func:`jaxamp.auto_policy`.
+      overrides: per-class or per-path policies, e.g. ``{"head": "float32"}``
+        (paths are attribute paths such as ``"blocks/0/attn"``).
+      residuals: what the backward pass may save; see
+        :func:`jaxamp.linen.apply_policy`.
+      rules: the rule table the call is evaluated with; see
+        :func:`jaxamp.linen.apply_policy`.
+
+    Returns:
+      ``model`` itself.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxamp
+      >>> model = jaxamp.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+      >>> model.dtype, model(jnp.ones((2, 4))).dtype
+      (dtype(bfloat16), dtype('float32'))
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"apply_policy expects a flax.nnx.Module, got {type(model).__name__}: {model!r:.80}. "
+            "For flax.linen modules use jaxamp.linen.apply_policy."
+        )
+    policy = get_policy(auto_policy() if policy is None else policy)
+    override_list = layer_plan.normalize_overrides(overrides)
+    residuals = validate_residuals(residuals)
+    rules = policy_rules(rules)
+
+    modules = {tuple(path): module for path, module in _iter_modules(model)}
+    for path, module in modules.items():
+        chain = [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)]
+        layer_policy = layer_plan.resolve_policy(policy, override_list, chain)
+        plan = layer_plan.plan_layer(module, layer_policy)
+        for name, value in plan.attributes:
+            setattr(module, name, value)
+        wrapper = None
+        if plan.cast_output_to is not None:
+            setattr(module, _EMBED_DTYPE_ATTR, plan.cast_output_to)
+            setattr(
+                module, _ATTEND_PLAN_ATTR, layer_plan.plan_layer(module, layer_policy, "attend")
+            )
+            wrapper = "embed"
+        elif layer_policy.compute_dtype.itemsize > policy.compute_dtype.itemsize:
+            wrapper = "as_traced"
+        if module is not model:
+            _swap_class(module, wrapper)
+        for value in vars(module).values():
+            if isinstance(value, nnx.Param):
+                _set_value(value, layer_policy.cast_to_param(_get_value(value)))
+
+    setattr(model, _POLICY_ATTR, policy)
+    setattr(model, _RESIDUALS_ATTR, residuals)
+    setattr(model, _RULES_ATTR, rules)
+    _swap_class(model, "policy")
+    return model

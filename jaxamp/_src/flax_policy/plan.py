@@ -1,0 +1,296 @@
+"""The rules that turn a policy into settings of Flax layers, shared by Linen and NNX.
+
+A Flax layer already speaks the policy's language: ``dtype`` is its compute
+dtype, ``param_dtype`` the dtype its parameters are created in, ``precision``
+the precision of its matmuls. Applying a policy to an unmodified model means
+setting those attributes on every layer, plus three things Flax's defaults do
+not give:
+
+* matmul and convolution layers get the 16-bit matmul rule
+  (:mod:`jaxamp._src.ops.matmul`) as their ``dot_general``, ``einsum_op`` or
+  ``conv_general_dilated``, and a ``promote_dtype`` that leaves the float32
+  kernel to the rule, which casts it to 16 bits on both passes and gives it a
+  float32 gradient straight from the weight-gradient GEMM;
+* attention layers that use Flax's default ``attention_fn`` get
+  :func:`jaxamp.dot_product_attention` (16-bit matmuls, float32 softmax);
+* embedding lookups gather in the parameter dtype and cast the gathered rows,
+  so the gradient is scatter-added into the table in float32.
+
+Normalisation layers compute their statistics in at least float32 whatever
+their ``dtype`` (Flax promotes to float32), so setting their ``dtype`` only
+makes them emit compute-dtype activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.linen import dtypes as linen_dtypes
+from flax.nnx.nn import dtypes as nnx_dtypes
+from jax import lax
+
+from jaxamp._src.ops import attention
+from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
+from jaxamp._src.policy import Policy, get_policy
+
+EMBED_LAYERS: tuple[type, ...] = (nn.Embed, nnx.Embed)
+_FLAX_ATTENTION_FNS = (nn.dot_product_attention, nnx.dot_product_attention)
+
+OverrideKey = "str | type"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What to do to one layer for one call.
+
+    Attributes:
+      attributes: ``(name, value)`` pairs to set on the layer.
+      cast_output_to: dtype to cast the floating outputs to, or ``None``.
+      matmul: the rule for a method Flax gives no matmul hook
+        (``Embed.attend``, ``linen.Einsum``), which jaxamp then runs itself
+        (see :func:`run_unhooked`), or ``None``.
+    """
+
+    attributes: tuple[tuple[str, Any], ...] = ()
+    cast_output_to: Any = None
+    matmul: DotGeneral | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.attributes) or self.cast_output_to is not None or self.matmul is not None
+
+
+def _is_complex_setting(value: Any) -> bool:
+    """Whether a ``dtype``-like attribute holds a complex dtype."""
+    try:
+        return value is not None and jnp.issubdtype(np.dtype(value), jnp.complexfloating)
+    except TypeError:
+        return False
+
+
+def _is_float_setting(value: Any) -> bool:
+    """Whether a ``dtype``-like attribute holds a floating dtype (or nothing yet)."""
+    if value is None:
+        return True
+    try:
+        return jnp.issubdtype(np.dtype(value), jnp.floating)
+    except TypeError:
+        return False
+
+
+def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> LayerPlan:
+    """Returns the settings that run ``module.<method_name>`` under ``policy``.
+
+    Args:
+      module: a Linen or NNX module.
+      policy: the policy that applies to it.
+      method_name: the method being called (Linen interceptors know it; NNX
+        settings are made once, for ``__call__``).
+
+    Returns:
+      A :class:`LayerPlan`; empty when the module has nothing to set, and for a
+      complex layer (a complex ``param_dtype`` or ``dtype``), which a real
+      compute dtype would cast to real.
+    """
+    if any(_is_complex_setting(getattr(module, a, None)) for a in ("param_dtype", "dtype")):
+        return LayerPlan()
+    attrs: dict[str, Any] = {}
+    cast_output_to = matmul = None
+    if hasattr(module, "param_dtype") and _is_float_setting(module.param_dtype):
+        attrs["param_dtype"] = policy.param_dtype
+    if hasattr(module, "dtype") and _is_float_setting(module.dtype):
+        attrs["dtype"] = policy.compute_dtype
+    sixteen_bit = policy.compute_dtype.itemsize == 2
+    if isinstance(module, EMBED_LAYERS):
+        if method_name == "attend":  # a matmul against the table, with no hook
+            matmul = DotGeneral(policy.compute_dtype) if sixteen_bit else None
+        else:  # gather in the table's dtype, then cast the rows (see the module docstring)
+            attrs.pop("dtype", None)
+            cast_output_to = policy.compute_dtype
+    elif isinstance(module, nn.Einsum) and sixteen_bit and method_name == "__call__":
+        matmul = DotGeneral(policy.compute_dtype)
+    elif sixteen_bit:
+        attrs.update(_matmul_hooks(module, policy.compute_dtype))
+    if getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
+        attrs["attention_fn"] = attention.dot_product_attention
+    changed = tuple((k, v) for k, v in attrs.items() if getattr(module, k) is not v)
+    return LayerPlan(changed, cast_output_to, matmul)
+
+
+# A layer's matmul hook, the functions Flax puts there by default, and the rule's factory.
+_HOOKS = (
+    ("dot_general", (None, lax.dot_general), DotGeneral),
+    ("conv_general_dilated", (None, lax.conv_general_dilated), ConvGeneralDilated),
+    ("einsum_op", (jnp.einsum,), lambda dtype: DotGeneral(dtype).einsum),
+)
+_FLAX_PROMOTES = (linen_dtypes.promote_dtype, nnx_dtypes.promote_dtype)
+
+
+def _matmul_hooks(module: Any, compute_dtype: Any) -> dict[str, Any]:
+    """The rule in the layer's matmul hook, and a ``promote_dtype`` that leaves it the kernel."""
+    if (
+        getattr(module, "dot_general_cls", None) is not None
+        or getattr(module, "conv_general_dilated_cls", None) is not None
+    ):
+        return {}  # a user's own matmul class (quantisation, say): leave it alone
+    for name, defaults, rule in _HOOKS:
+        if hasattr(module, name) and any(getattr(module, name) is d for d in defaults):
+            hooks = {name: rule(compute_dtype)}
+            promote = getattr(module, "promote_dtype", None)
+            if promote is linen_dtypes.promote_dtype:
+                hooks["promote_dtype"] = promote_keeping_kernel
+            elif promote is nnx_dtypes.promote_dtype:
+                hooks["promote_dtype"] = nnx_promote_keeping_kernel
+            return hooks
+    return {}
+
+
+def has_complex(tree: Any) -> bool:
+    """Whether any array leaf of ``tree`` is complex (a real compute dtype would drop its
+    imaginary part)."""
+    return any(
+        jnp.issubdtype(getattr(x, "dtype", np.float32), jnp.complexfloating)
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def promote_keeping_kernel(*args: Any, dtype: Any = None, inexact: bool = True) -> list[Any]:
+    """Flax Linen's ``promote_dtype``, but the kernel (second argument) keeps its dtype.
+
+    The matmul rule casts the kernel itself, so that the backward pass keeps no
+    16-bit copy of it and its gradient leaves the GEMM in float32. Complex
+    inputs promote as Flax would without a compute dtype (they stay complex).
+    """
+    if has_complex(args):
+        return list(linen_dtypes.promote_dtype(*args, dtype=None, inexact=inexact))
+    out = list(linen_dtypes.promote_dtype(*args, dtype=dtype, inexact=inexact))
+    if len(args) > 1 and args[1] is not None:
+        out[1] = args[1]
+    return out
+
+
+def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
+    """:func:`promote_keeping_kernel` with Flax NNX's signature."""
+    if has_complex(args):
+        return nnx_dtypes.promote_dtype(args, dtype=None, inexact=inexact)
+    out = nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
+    if len(args) > 1 and args[1] is not None:
+        out = type(out)((out[0], args[1], *out[2:]))
+    return out
+
+
+def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
+    """Runs a method Flax gives no matmul hook (``Embed.attend``, ``linen.Einsum``).
+
+    Args:
+      module: the (bound) layer.
+      plan: its plan, whose ``matmul`` is set.
+      *args: the method's arguments.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      What the method returns, with its matmul under the rule.
+    """
+    rule = plan.matmul
+    if isinstance(module, EMBED_LAYERS):
+        (query,) = args
+        table = module.embedding
+        table = table[...] if isinstance(table, nnx.Variable) else table
+        dn = (((query.ndim - 1,), (1,)), ((), ()))
+        return rule(query.astype(rule.compute_dtype), table, dn)
+    return _linen_einsum(module, rule, *args, **kwargs)
+
+
+def _linen_einsum(module: nn.Einsum, rule: DotGeneral, inputs, einsum_str=None):
+    """``flax.linen.Einsum.__call__`` with its contraction under the rule."""
+    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+    kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+    y = rule.einsum(
+        einsum_str, inputs.astype(rule.compute_dtype), kernel, precision=module.precision
+    )
+    if module.use_bias:
+        bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+        bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+        y += jnp.reshape(bias.astype(rule.compute_dtype), broadcast_shape)
+    return y
+
+
+def as_traced_scope(root: Policy, policy: Policy, scope: str) -> Any:
+    """A context for a layer whose policy computes wider than the root's (an override to
+    float32): its calls run in ``jax.named_scope(scope)``, which the autocast interpreter
+    evaluates exactly as traced, so matmuls the layer writes itself stay in float32."""
+    if policy.compute_dtype.itemsize > root.compute_dtype.itemsize:
+        return jax.named_scope(scope)
+    return contextlib.nullcontext()
+
+
+def normalize_overrides(
+    overrides: Mapping[Any, Any] | Iterable[tuple[Any, Any]] | None,
+) -> tuple[tuple[Any, Policy], ...]:
+    """Validates ``overrides`` and parses their policies.
+
+    Args:
+      overrides: a mapping (or pairs) from a key to a policy spec. A key is a
+        module class (the policy applies to its instances and everything inside
+        them) or a glob pattern matched against a module's path, such as
+        ``"head"``, ``"Dense_*"`` or ``"encoder/*/attention"`` (a pattern also
+        matches at the end of a path, and applies to the subtree below a match).
+
+    Returns:
+      A tuple of ``(key, Policy)`` pairs, in the given order.
+
+    Raises:
+      TypeError: for a key that is neither a string nor a class.
+      ValueError: for a value that names no policy.
+    """
+    if overrides is None:
+        return ()
+    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    result = []
+    for key, spec in items:
+        if not isinstance(key, (str, type)):
+            raise TypeError(
+                f"An override key must be a module class or a path pattern (str), got {key!r}."
+            )
+        result.append((key, get_policy(spec)))
+    return tuple(result)
+
+
+def _path_matches(path: tuple[Any, ...], pattern: str) -> bool:
+    text = "/".join(str(p) for p in path)
+    return fnmatch.fnmatchcase(text, pattern) or fnmatch.fnmatchcase(text, "*/" + pattern)
+
+
+def resolve_policy(
+    default: Policy,
+    overrides: tuple[tuple[Any, Policy], ...],
+    chain: Iterable[tuple[tuple[Any, ...], Any]],
+) -> Policy:
+    """The policy for a module, from the innermost matching override outwards.
+
+    Args:
+      default: the policy when no override matches.
+      overrides: as returned by :func:`normalize_overrides`.
+      chain: ``(path, module)`` pairs from the module itself up to the root.
+
+    Returns:
+      The policy of the closest override that matches, else ``default``.
+    """
+    if not overrides:
+        return default
+    for path, module in chain:
+        for key, policy in overrides:
+            if isinstance(key, type):
+                if isinstance(module, key):
+                    return policy
+            elif path and _path_matches(tuple(path), key):
+                return policy
+    return default

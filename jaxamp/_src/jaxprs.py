@@ -1,0 +1,68 @@
+"""Shared helpers of jaxamp's two jaxpr interpreters (autocast's and the numerics
+evaluator's): binding one equation as ``jax.core.eval_jaxpr`` does, and the name scope
+that marks code to keep as traced."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend as jex
+
+# The name scope that marks equations to be evaluated exactly as traced.
+FLOAT32_SCOPE = "jaxamp_float32"
+
+# Evaluating one equation the way ``jax.core.eval_jaxpr`` does needs three things JAX keeps
+# private: ``Primitive.get_bind_params`` (turns jaxpr-valued params into what ``bind`` takes;
+# it returns ``params`` from jax 0.7 on and ``(subfuns, params)`` before), the equation's
+# context (``eqn.ctx.manager``: compute_on, the abstract mesh...) and its name stack (so the
+# lowered program keeps the layer names ``jaxamp.precision_report`` shows).
+
+
+def bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
+    """Binds ``eqn``'s primitive on ``invals``, with ``params`` (default: the equation's)."""
+    primitive = eqn.primitive
+    bind_params = primitive.get_bind_params(eqn.params if params is None else params)
+    if isinstance(bind_params, tuple):  # jax < 0.7: (subfuns, params)
+        subfuns, bind_params = bind_params
+        out = primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        out = primitive.bind(*invals, **bind_params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+def eqn_context(eqn: Any) -> contextlib.ExitStack:
+    """The name stack and equation context ``jax.core.eval_jaxpr`` evaluates ``eqn`` in."""
+    stack = contextlib.ExitStack()
+    source_info_util = getattr(jex, "source_info_util", None)
+    source_info = getattr(eqn, "source_info", None)
+    if source_info_util is not None and source_info is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            name_stack = source_info_util.current_name_stack() + source_info.name_stack
+            stack.enter_context(
+                source_info_util.user_context(source_info.traceback, name_stack=name_stack)
+            )
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+        stack.enter_context(manager)
+    return stack
+
+
+def in_backward_pass(eqn: Any) -> bool:
+    """Whether ``eqn`` belongs to a backward pass traced in the program (``jax.grad`` called
+    inside the function names its transposed equations ``transpose(...)``)."""
+    source_info = getattr(eqn, "source_info", None)
+    return source_info is not None and "transpose(" in str(source_info.name_stack)
+
+
+def in_float32_scope(eqn: Any) -> bool:
+    source_info = getattr(eqn, "source_info", None)
+    return source_info is not None and FLOAT32_SCOPE in str(source_info.name_stack)
+
+
+def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
+    """``(jaxpr, consts)`` of a ``ClosedJaxpr`` or an open ``Jaxpr``."""
+    if isinstance(jaxpr, jex.core.ClosedJaxpr):
+        return jaxpr.jaxpr, jaxpr.consts
+    return jaxpr, ()

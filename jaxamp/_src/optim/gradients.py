@@ -1,0 +1,134 @@
+"""Gradients under a loss scale: scaling the loss, ``value_and_grad``, reducing gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp._src.dtypes import is_floating_array
+from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.optim.opt_state import find_loss_scaled_state
+from jaxamp._src.policy import Policy, get_policy
+
+
+def get_loss_scale(opt_state: Any) -> jax.Array:
+    """The current loss scale (float32 scalar) of a :func:`jaxamp.loss_scaled` optimizer state.
+
+    Example:
+      >>> import optax, jax.numpy as jnp, jaxamp
+      >>> state = jaxamp.loss_scaled(optax.adam(1e-3)).init({"w": jnp.ones(2)})
+      >>> get_loss_scale(state)
+      Array(65536., dtype=float32)
+    """
+    return jnp.asarray(find_loss_scaled_state(opt_state).loss_scale.scale)
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """Multiplies ``loss`` by the current loss scale; use inside ``jax.grad`` and friends.
+
+    A 16-bit loss is first cast to float32, so that the scaled value cannot
+    overflow (float16's largest value, 65504, is below the default scale).
+
+    Args:
+      loss: a scalar loss.
+      opt_state: an optimizer state containing a :func:`jaxamp.loss_scaled` state,
+        or an ``nnx.Optimizer``.
+
+    Returns:
+      ``loss * scale`` in float32 (or the loss's dtype when that is wider).
+    """
+    loss = jnp.asarray(loss)
+    if loss.dtype.itemsize < 4:
+        loss = loss.astype(jnp.float32)
+    return loss * get_loss_scale(opt_state).astype(loss.dtype)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    *,
+    transform: Callable[..., Any] = jax.value_and_grad,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, for a loss-scaled optimizer.
+
+    The returned function takes ``fun``'s arguments plus a keyword-only
+    ``opt_state`` (as ``optax.value_and_grad_from_state`` does) and returns the
+    unscaled value (and aux) with the *scaled* gradients, ready for the
+    optimizer's ``update``, which unscales them.
+
+    Args:
+      fun: the loss function.
+      argnums: which positional arguments to differentiate.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      transform: the ``value_and_grad`` to build on: ``jax.value_and_grad``
+        (default), ``nnx.value_and_grad`` for NNX modules, or any function with
+        the same signature.
+
+    Returns:
+      ``f(*args, opt_state, **kwargs) -> (value, scaled_grads)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.loss_scaled(optax.sgd(1.0))
+      >>> params = jnp.ones(2)
+      >>> state = tx.init(params)
+      >>> loss, grads = jaxamp.value_and_grad(lambda p: jnp.sum(p**2))(params, opt_state=state)
+      >>> float(loss), grads  # gradients are scaled by 2**16
+      (2.0, Array([131072., 131072.], dtype=float32))
+    """
+
+    def wrapped(*args: Any, opt_state: Any, **kwargs: Any) -> tuple[Any, Any]:
+        scale = get_loss_scale(opt_state)
+
+        def scaled(*a: Any, **k: Any):
+            out = fun(*a, **k)
+            loss, aux = out if has_aux else (out, None)
+            loss_f32 = jnp.asarray(loss)
+            if loss_f32.dtype.itemsize < 4:
+                loss_f32 = loss_f32.astype(jnp.float32)
+            return loss_f32 * scale.astype(loss_f32.dtype), (loss, aux)
+
+        vg = transform(scaled, argnums=argnums, has_aux=True)
+        (_, (loss, aux)), grads = vg(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
+
+
+def reduce_gradients(
+    grads: Any, axis_name: str, policy: str | Policy = "mixed_bfloat16", mean: bool = True
+) -> Any:
+    """All-reduces gradients over a mapped axis in the policy's reduction dtype.
+
+    For use inside ``jax.shard_map`` (or ``pmap``), where each device holds the
+    gradients of its own examples. Floating leaves are cast to
+    ``policy.grad_reduce_dtype`` (float32 under mixed policies unless the policy's
+    ``reduce_dtype`` says otherwise), summed (or averaged) across ``axis_name``, and
+    returned in that dtype; under :func:`jaxamp.autocast` too (the reduction runs as
+    traced there, so ``reduce=bf16`` is kept rather than widened to float32).
+
+    Args:
+      grads: the per-device gradients.
+      axis_name: the mapped axis.
+      policy: the policy (or spec) that gives the reduction dtype.
+      mean: average instead of sum.
+
+    Returns:
+      The reduced gradients, identical on every device.
+    """
+    policy = get_policy(policy)
+    dtype = policy.grad_reduce_dtype
+    reduce = lax.pmean if mean else lax.psum
+
+    def one(g):
+        if not is_floating_array(g):
+            return g
+        with jax.named_scope(FLOAT32_SCOPE):  # as traced under autocast: the dtype asked for
+            return reduce(g.astype(dtype), axis_name)
+
+    return jax.tree.map(one, grads)

@@ -1,0 +1,378 @@
+"""``loss_scaled``: loss scaling as an optax transformation, with on-device skips.
+
+The wrapper sits outermost around the user's optimizer. Each ``update``:
+
+1. unscales the (scaled) gradients in float32 (complex ones in their complex
+   dtype), before anything else sees them, so an inner ``clip_by_global_norm``
+   clips true gradients;
+2. checks that every unscaled gradient element is finite, from reductions of
+   each gradient as it is (its max, min and sum; see ``_unscaled_finite``), so
+   no array of a gradient's size is written for it; under ``jit`` with sharded
+   arrays this reduction is global (XLA inserts the all-reduce); inside
+   ``shard_map``/``pmap`` name the mapped axis with ``axis_name``;
+3. returns the inner update when finite, or zero updates and the inner state
+   exactly as it was when not, decided on device (see ``skip_with``);
+4. moves the loss scale, counts skipped steps and records the scale history.
+
+When the params it is given are 16-bit, it keeps a float32 master copy in its
+state and returns updates that make ``optax.apply_updates`` land exactly on the
+master rounded to the params' dtype. A param changed outside ``update`` (weight
+clipping, a projection, surgery on a layer) no longer equals its rounded master;
+``update`` then takes the param's value into the master before stepping, so the
+change is kept rather than undone (one comparison per element, fused into the
+update).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxamp._src.dtypes import FLOAT32, is_16bit_array, is_floating_array, is_inexact_array
+from jaxamp._src.optim import master_weights as masters
+from jaxamp._src.optim.scales import DynamicLossScale, LossScale, LossScaleState
+
+
+class LossScaledState(NamedTuple):
+    """State of :func:`loss_scaled` (every leaf an array).
+
+    Attributes:
+      loss_scale: the scale and its counters.
+      inner_state: the wrapped transformation's state.
+      master_params: float32 copy of 16-bit params (a float32 scalar placeholder for
+        each other leaf), or ``None`` when no param is 16-bit.
+      skipped_steps: steps skipped since ``init``, int32, saturating.
+      consecutive_skips: steps skipped since the last finite one, int32, saturating.
+      last_finite: whether the last step's gradients were finite, bool.
+      scale_history: the scale after each of the last ``history_length`` steps
+        (a ring buffer; entries not yet written hold 0).
+      step: updates applied or skipped since ``init``, int32, saturating.
+      compensation: the Kahan compensation of 16-bit params (``master_weights="kahan"``),
+        in the params' dtypes, else ``None``.
+      rounding_key: raw ``uint32`` PRNG key data (``master_weights="stochastic"``), else
+        ``None``; the rounding noise of a step is a function of it and ``step``.
+      nonfinite_grads: with ``record_nonfinite=True``, a tree shaped like the gradients
+        of boolean scalars: which leaves were non-finite at the last skipped step (all
+        ``False`` before any skip); else ``None``. Read it with
+        :func:`jaxamp.optim.nonfinite_gradients`. ``init`` sees only the params, so it takes
+        the gradients' structure from them (see ``_gradient_structure``).
+    """
+
+    loss_scale: LossScaleState
+    inner_state: Any
+    master_params: Any
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite: jax.Array
+    scale_history: jax.Array
+    step: jax.Array
+    compensation: Any = None
+    rounding_key: Any = None
+    nonfinite_grads: Any = None
+
+
+def _gradient_structure(params: Any) -> Any:
+    """``params`` as the gradients of ``update`` are shaped: each
+    ``optax.LookaheadParams(fast, slow)`` replaced by its ``fast`` params (lookahead
+    takes gradients of the fast params only). Every other tree is its own gradients'
+    shape; ``update`` checks it (see ``_record_nonfinite``)."""
+    is_lookahead = lambda x: isinstance(x, optax.LookaheadParams)
+    return jax.tree.map(lambda x: x.fast if is_lookahead(x) else x, params, is_leaf=is_lookahead)
+
+
+def _record_nonfinite(checks: Any, finite: jax.Array, record: Any) -> Any:
+    """The new record: on a skipped step, which gradient leaves were not finite; on a
+    finite one, the record as it was. ``checks`` holds the per-leaf results, shaped
+    like the gradients; the record was shaped at ``init``, from the params."""
+    if jax.tree.structure(checks) != jax.tree.structure(record):
+        raise ValueError(
+            "loss_scaled(record_nonfinite=True) keeps one flag per gradient leaf, in a tree "
+            "shaped like the gradients, which init took from the params (optax.LookaheadParams "
+            "as its fast params); these gradients are shaped "
+            f"{jax.tree.structure(checks)}, the record {jax.tree.structure(record)}. Pass "
+            "update gradients shaped like the params given to init."
+        )
+    return jax.tree.map(lambda ok, old: jnp.where(finite, old, ~ok), checks, record)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating or complex element of ``tree`` is finite (one reduction under jit).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_inexact_array(x)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.stack(leaves).all()
+
+
+def _unscale(g: Any, inv_scale: jax.Array) -> Any:
+    """A scaled gradient leaf unscaled: a real floating one in float32, a complex one in
+    its own complex dtype (both parts multiplied by ``inv_scale``); any other leaf (an
+    integer's float0 gradient, a ``None``) as it is."""
+    if is_floating_array(g):
+        return g.astype(jnp.float32) * inv_scale
+    if is_inexact_array(g):  # complex
+        return g * inv_scale.astype(jnp.finfo(g.dtype).dtype)
+    return g
+
+
+def _fast_min_max() -> bool:
+    """Whether XLA was asked for min/max that may drop NaNs (``--xla_*_enable_fast_min_max``)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return any(
+        f"--xla_{backend}_enable_fast_min_max" in flags
+        and f"--xla_{backend}_enable_fast_min_max=false" not in flags
+        for backend in ("cpu", "gpu")
+    )
+
+
+def _unscaled_finite(grads: Any, inv_scale: jax.Array) -> jax.Array:
+    """Whether every element of ``g.astype(float32) * inv_scale`` is finite, for every
+    floating leaf ``g`` of the scaled gradients, from three reductions of ``g`` itself.
+
+    * ``max(g)`` and ``min(g)`` catch an inf and an element that overflows on
+      unscaling: multiplying by the positive ``inv_scale`` and rounding is monotonic,
+      so an element overflows exactly when the max or the min does.
+    * ``sum(g)`` catches a NaN, which XLA:CPU's vectorised max and min can miss
+      (seen on jax 0.10.2: a NaN among the first elements of a float32 array):
+      a sum with a NaN term is NaN. A sum of finite terms is never NaN unless its
+      partial sums overflow to both infinities (elements near 3e38 of both signs);
+      such a step is skipped as if it had overflowed.
+
+    XLA reduces the gradients as they are, so no array of a gradient's size is
+    written: ``all(isfinite(g * inv_scale))`` writes the unscaled product or a
+    boolean array and reduces it in a second pass (``benchmarks/loss_scaling.py
+    --model mlp`` measures the difference). Complex leaves, and programs compiled
+    with XLA's fast min/max (which may drop NaNs and infs), take that elementwise
+    check instead.
+    """
+    checks = jax.tree.leaves(_finite_leaves(grads, inv_scale))
+    if not checks:
+        return jnp.asarray(True)
+    return jnp.stack(checks).all()
+
+
+def _finite_leaves(grads: Any, inv_scale: jax.Array) -> Any:
+    """Per gradient leaf, whether it is finite once unscaled (see ``_unscaled_finite``):
+    a tree of boolean scalars, ``True`` for leaves that are not floating or are empty."""
+    elementwise = _fast_min_max()
+
+    def check(g):
+        if not is_inexact_array(g) or g.size == 0:
+            return jnp.asarray(True)
+        if elementwise or jnp.issubdtype(g.dtype, jnp.complexfloating):
+            real = not jnp.issubdtype(g.dtype, jnp.complexfloating)
+            return jnp.all(jnp.isfinite((g.astype(jnp.float32) if real else g) * inv_scale))
+        high = jnp.max(g).astype(jnp.float32) * inv_scale
+        low = jnp.min(g).astype(jnp.float32) * inv_scale
+        return jnp.isfinite(high) & jnp.isfinite(low) & ~jnp.isnan(jnp.sum(g))
+
+    return jax.tree.map(check, grads)
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale | None = None,
+    *,
+    axis_name: str | None = None,
+    history_length: int = 32,
+    skip_with: str = "select",
+    master_weights: str = "float32",
+    seed: int = 0,
+    record_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optimizer with loss scaling, on-device skipping and float32 master params.
+
+    Scale the loss with :func:`jaxamp.scale_loss` (or take gradients with
+    :func:`jaxamp.value_and_grad`) and pass the scaled gradients to ``update``.
+
+    Args:
+      inner: the optimizer, e.g. ``optax.chain(optax.clip_by_global_norm(1.0),
+        optax.adamw(1e-3))``; it sees float32, unscaled gradients. Its result is
+        used only when they are all finite: under ``skip_with="select"`` it also
+        runs on a step with non-finite gradients, and that step's updates and new
+        state are discarded; under ``"cond"`` it does not run on such a step.
+      loss_scale: :class:`jaxamp.DynamicLossScale` (default),
+        :class:`jaxamp.StaticLossScale` or :class:`jaxamp.NoOpLossScale`.
+      axis_name: a mapped axis (``shard_map``, ``pmap``) over which gradients
+        differ per device; the step is skipped everywhere if any device sees a
+        non-finite gradient. Not needed under ``jit`` with sharded arrays.
+      history_length: how many recent scales the state keeps for diagnostics.
+      skip_with: how a non-finite step is skipped. ``"select"`` (default)
+        computes the inner update and keeps the old state with ``jnp.where``;
+        XLA fuses the select into the update's own kernels, so it costs no
+        extra pass over the optimizer state, and the program has no
+        conditional (XLA:GPU reads a conditional's predicate on the host).
+        ``"cond"`` runs the inner update under ``lax.cond`` and does no inner
+        work on a skipped step, for inner transformations whose work is
+        large or data-dependent (line searches, matrix roots). What the
+        wrapper costs over a plain optax step is measured by
+        ``benchmarks/loss_scaling.py`` (``"select"`` mode).
+
+      master_weights: how updates reach 16-bit params (float32 params are updated
+        as they are): ``"float32"`` (default) keeps a float32 master copy;
+        ``"kahan"`` a 16-bit compensation buffer that carries each step's rounding
+        error into the next; ``"stochastic"`` no master, the params rounded
+        stochastically (unbiased); ``"none"`` no master, rounded to nearest (the
+        naive baseline, which stalls on updates below half a 16-bit ulp). See
+        ``jaxamp/_src/optim/master_weights.py`` for the bytes each keeps.
+      seed: the seed of the stochastic rounding noise (``master_weights="stochastic"``).
+      record_nonfinite: keep, in the state, which gradient leaves were non-finite at
+        the last skipped step (one boolean per leaf, from the finiteness check's own
+        per-leaf results); :func:`jaxamp.optim.nonfinite_gradients` lists them, and
+        :func:`jaxamp.find_nonfinite` then finds the operation that made them. The
+        record is shaped like the params given to ``init``, ``optax.LookaheadParams``
+        taken as their fast params (the params ``optax.lookahead``'s gradients are
+        of); ``update`` raises a ``ValueError`` for gradients of another shape.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
+      ``update`` are passed to ``inner``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax
+      >>> import jaxamp
+      >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> loss = lambda p: jnp.sum(p["w"] ** 2)
+      >>> grads = jax.grad(lambda p: jaxamp.scale_loss(loss(p), state))(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"]  # -0.1 * 2w: the scale is gone
+      Array([-0.2, -0.2, -0.2], dtype=float32)
+    """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            "loss_scaled expects an optax.GradientTransformation (e.g. optax.adam(1e-3)) as "
+            f"inner, got {inner!r} ({type(inner).__name__})."
+        )
+    loss_scale = DynamicLossScale() if loss_scale is None else loss_scale
+    if not hasattr(loss_scale, "adjust"):
+        raise TypeError(
+            "loss_scale must be jaxamp.NoOpLossScale, StaticLossScale or DynamicLossScale, "
+            f"got {type(loss_scale).__name__}: {loss_scale!r}."
+        )
+    if skip_with not in ("select", "cond"):
+        raise ValueError(f"skip_with must be 'select' or 'cond', got {skip_with!r}.")
+    if not (isinstance(history_length, int) and history_length >= 1):
+        raise ValueError(f"history_length must be an integer >= 1, got {history_length!r}.")
+    master_weights = masters.validate_master_weights(master_weights)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        has_16_bit = any(is_16bit_array(x) for x in jax.tree.leaves(params))
+        master, compensation, key = masters.init(params, master_weights, seed)
+        return LossScaledState(
+            loss_scale=loss_scale.init(),
+            inner_state=inner.init(
+                jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, params)
+                if has_16_bit
+                else params
+            ),
+            master_params=master,
+            skipped_steps=jnp.zeros([], jnp.int32),
+            consecutive_skips=jnp.zeros([], jnp.int32),
+            last_finite=jnp.asarray(True),
+            scale_history=jnp.zeros([history_length], jnp.float32),
+            step=jnp.zeros([], jnp.int32),
+            compensation=compensation,
+            rounding_key=key,
+            nonfinite_grads=(
+                jax.tree.map(lambda _: jnp.asarray(False), _gradient_structure(params))
+                if record_nonfinite
+                else None
+            ),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        has_master = state.master_params is not None
+        rounds = state.compensation is not None or state.rounding_key is not None
+        if (has_master or rounds) and params is None:
+            raise ValueError(
+                f"loss_scaled(master_weights={master_weights!r}) updates 16-bit params itself, "
+                "so update() needs the current params: tx.update(grads, state, params)."
+            )
+        inv_scale = 1.0 / state.loss_scale.scale
+        grads = jax.tree.map(lambda g: _unscale(g, inv_scale), updates)
+        every_device = lambda ok: (
+            ok if axis_name is None else lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+        )
+        nonfinite_grads = state.nonfinite_grads
+        if not record_nonfinite:
+            finite = every_device(_unscaled_finite(updates, inv_scale))
+        else:  # the per-leaf checks are the check: computed once, kept and combined
+            checks, treedef = jax.tree.flatten(_finite_leaves(updates, inv_scale))
+            checks = every_device(jnp.stack(checks)) if checks else jnp.ones([0], jnp.bool_)
+            finite = checks.all()  # global, as the record is: the same on every device
+            leaves_ok = jax.tree.unflatten(treedef, list(checks))
+            nonfinite_grads = _record_nonfinite(leaves_ok, finite, state.nonfinite_grads)
+        master_params = masters.adopt_changes(state.master_params, params) if has_master else None
+        if has_master or rounds:
+            inner_params = masters.inner_params(params, master_params, state.compensation)
+        else:
+            inner_params = params
+
+        def apply(_):
+            new_updates, inner_state = inner.update(
+                grads, state.inner_state, inner_params, **extra_args
+            )
+            if has_master:
+                landing, new_master = masters.step_master(master_params, new_updates, params)
+                return landing, inner_state, new_master, state.compensation
+            if rounds:
+                new_updates, compensation = masters.apply(
+                    master_weights,
+                    new_updates,
+                    params,
+                    state.compensation,
+                    state.rounding_key,
+                    state.step,
+                )
+                return new_updates, inner_state, None, compensation
+            return new_updates, inner_state, None, None
+
+        if skip_with == "cond":
+            update_shapes = jax.eval_shape(apply, None)[0]
+
+            def skip(_):
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+                return zeros, state.inner_state, master_params, state.compensation
+
+            new_updates, inner_state, master, compensation = lax.cond(finite, apply, skip, None)
+        else:
+            new_updates, inner_state, master, compensation = apply(None)
+            keep = lambda new, old: jnp.where(finite, new, old)
+            new_updates = jax.tree.map(
+                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
+            )
+            inner_state = jax.tree.map(keep, inner_state, state.inner_state)
+            master = jax.tree.map(keep, master, master_params)
+            compensation = jax.tree.map(keep, compensation, state.compensation)
+        new_scale_state = loss_scale.adjust(state.loss_scale, finite)
+        history = state.scale_history.at[state.step % history_length].set(new_scale_state.scale)
+        return new_updates, LossScaledState(
+            loss_scale=new_scale_state,
+            inner_state=inner_state,
+            master_params=master,
+            skipped_steps=jnp.where(
+                finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+            ),
+            consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
+            last_finite=finite,
+            scale_history=history,
+            step=optax.safe_increment(state.step),
+            compensation=compensation,
+            rounding_key=state.rounding_key,
+            nonfinite_grads=nonfinite_grads,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,187 @@
+"""How ``loss_scaled`` applies an update to 16-bit params: the four master-weight recipes.
+
+=============  =====================================  ==========================  ==========
+recipe         state kept for 16-bit params            the new param                bytes (1)
+=============  =====================================  ==========================  ==========
+``float32``    a float32 master copy                   master + u, rounded          2 + 4
+``kahan``      a 16-bit compensation buffer            p + (u + c), rounded; c      2 + 2
+               (what earlier roundings lost)           takes what this one lost
+``stochastic`` a PRNG key                              p + u, stochastically        2
+                                                       rounded (unbiased)
+``none``       nothing                                 p + u, rounded to nearest    2
+=============  =====================================  ==========================  ==========
+
+(1) per parameter, params and master only; the optimizer's moments come on top
+(8 bytes for Adam's two float32 moments, 4 for bfloat16 ones through
+:func:`jaxamp.with_state_dtype`).
+
+``none`` is the naive baseline: an update smaller than half a unit in the last
+place of a 16-bit weight is lost every step, so the weight stalls. The other
+three follow the float32 sum: exactly (``float32``), to within the rounding of
+the compensation (``kahan``), or in expectation (``stochastic``).
+
+Float32 params (and any other floating or complex leaf that is not 16-bit) take
+the inner update as it is, in every recipe, so ``optax.apply_updates`` gives them
+what plain optax gives; the master and the compensation hold a float32 scalar placeholder in
+their place, never the param itself (a state that shared a buffer with the
+params could not be donated with them).
+
+A param changed outside ``update`` (clipping, pruning, surgery) keeps its new
+value: the float32 master takes it (see ``adopt_changes``), and a Kahan
+compensation that no longer fits the param is dropped (see
+``valid_compensation``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._src.dtypes import FLOAT32, is_16bit_array, is_floating_array, is_inexact_array
+from jaxamp._src.ops.rounding import leaf_keys, new_key_data, step_key, stochastic_round
+
+MASTER_WEIGHTS = ("float32", "kahan", "stochastic", "none")
+
+
+def validate_master_weights(master_weights: str) -> str:
+    if master_weights not in MASTER_WEIGHTS:
+        raise ValueError(
+            f"Unknown master_weights {master_weights!r}. Valid choices: "
+            f"{', '.join(map(repr, MASTER_WEIGHTS))}."
+        )
+    return master_weights
+
+
+def _placeholder() -> jax.Array:
+    """The master's or the compensation's leaf for a param that is not 16-bit."""
+    return jnp.zeros([], jnp.float32)
+
+
+def init(params: Any, recipe: str, seed: int) -> tuple[Any, Any, Any]:
+    """``(master, compensation, rounding_key)`` for ``params`` (``None`` where unused)."""
+    if not any(is_16bit_array(x) for x in jax.tree.leaves(params)):
+        return None, None, None
+    if recipe == "float32":
+        master = jax.tree.map(
+            lambda p: p.astype(jnp.float32) if is_16bit_array(p) else _placeholder(), params
+        )
+        return master, None, None
+    if recipe == "kahan":
+        compensation = jax.tree.map(
+            lambda p: jnp.zeros_like(p) if is_16bit_array(p) else _placeholder(), params
+        )
+        return None, compensation, None
+    if recipe == "stochastic":
+        return None, None, new_key_data(seed)
+    return None, None, None
+
+
+def adopt_changes(master: Any, params: Any) -> Any:
+    """The master, where a 16-bit param no longer equals the master rounded to its dtype
+    taking the param's value: a change made to the params outside ``update`` (clipping,
+    a projection, surgery) is kept, not undone by the next step. One comparison per
+    element; placeholders are kept as they are."""
+
+    def adopt(m, p):
+        if not is_16bit_array(p):
+            return m
+        return jnp.where(m.astype(p.dtype) == p, m, p.astype(jnp.float32))
+
+    return jax.tree.map(adopt, master, params)
+
+
+def valid_compensation(params: Any, compensation: Any) -> Any:
+    """The Kahan compensation, dropped (set to 0) where it does not fit its param.
+
+    The compensation ``c`` an update leaves is what rounding ``p + y`` to the new
+    ``p`` lost, so ``|c|`` is at most half the gap from ``p`` to its neighbour on
+    ``c``'s side. A param zeroed, clipped or otherwise set outside ``update`` mostly
+    breaks this (a zeroed weight would take its old compensation as its value), and
+    its compensation is dropped. A param set to a value whose half-gap still holds
+    the old ``c`` keeps it: then ``p + c`` rounds to ``p``, and ``c`` moves later
+    sums by less than half a unit in the last place of ``p``.
+    """
+
+    def fit(p, c):
+        if not is_16bit_array(p):
+            return c
+        p32, c32 = p.astype(jnp.float32), c.astype(jnp.float32)
+        toward = jnp.where(c32 > 0, jnp.inf, -jnp.inf).astype(p.dtype)
+        gap = jnp.abs(jnp.nextafter(p, toward).astype(jnp.float32) - p32)
+        return jnp.where(2 * jnp.abs(c32) <= gap, c, jnp.zeros_like(c))
+
+    return jax.tree.map(fit, params, compensation)
+
+
+def inner_params(params: Any, master: Any, compensation: Any) -> Any:
+    """The float32 params the inner optimizer sees (for weight decay and the like)."""
+    if master is not None:
+        return jax.tree.map(lambda m, p: m if is_16bit_array(p) else p, master, params)
+    f32 = jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, params)
+    if compensation is None:
+        return f32
+    compensation = valid_compensation(params, compensation)
+    return jax.tree.map(
+        lambda p, c: p + c.astype(jnp.float32) if is_16bit_array(c) else p, f32, compensation
+    )
+
+
+def step_master(master: Any, updates: Any, params: Any) -> tuple[Any, Any]:
+    """``(updates for optax.apply_updates, new master)`` of the ``float32`` recipe.
+
+    A 16-bit param's master takes the inner update ``u`` in float32, and the param
+    lands exactly on the new master rounded to its dtype (the difference of two
+    16-bit values is exact in float32, so ``p + (new - p)`` is ``new``). Every other
+    inexact leaf (float32, float64, complex) takes ``u`` as it is, as plain optax
+    applies it; integer and boolean params take none. Both keep their placeholder.
+    """
+
+    def step(m, u, p):
+        if not is_inexact_array(p):
+            return jnp.zeros_like(p), m
+        if not is_16bit_array(p):
+            return u, m
+        new = m + u
+        return new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), new
+
+    pairs = jax.tree.map(step, master, updates, params)
+    outer = jax.tree.structure(updates)
+    landing, new_master = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+    return landing, new_master
+
+
+def apply(
+    recipe: str, updates: Any, params: Any, compensation: Any, key_data: Any, step: jax.Array
+) -> tuple[Any, Any]:
+    """``(updates for optax.apply_updates, new compensation)`` for the recipes without a
+    float32 master. ``updates`` are the inner optimizer's, in float32; each lands the
+    param exactly on its recipe's rounding of ``p + u``."""
+    if recipe == "kahan":
+        compensation = valid_compensation(params, compensation)
+
+        def kahan(u, p, c):
+            if not is_16bit_array(p):
+                return u, c
+            y = u + c.astype(jnp.float32)
+            new = (p.astype(jnp.float32) + y).astype(p.dtype)
+            applied = new.astype(jnp.float32) - p.astype(jnp.float32)
+            return applied, (y - applied).astype(c.dtype)
+
+        pairs = jax.tree.map(kahan, updates, params, compensation)
+        outer = jax.tree.structure(updates)
+        applied, new_c = jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+        return applied, new_c
+    if recipe == "stochastic":
+        keys = leaf_keys(step_key(key_data, step), params)
+
+        def stochastic(u, p, k):
+            if not is_16bit_array(p):
+                return u
+            new = stochastic_round(p.astype(jnp.float32) + u, p.dtype, k)
+            return new.astype(jnp.float32) - p.astype(jnp.float32)
+
+        return jax.tree.map(stochastic, updates, params, keys), compensation
+
+    return updates, compensation  # "none": optax.apply_updates rounds p + u to nearest

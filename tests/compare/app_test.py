@@ -1,0 +1,395 @@
+"""Tests for jaxamp/_src/compare/app.py: the runner, its report, accuracy parity on real data."""
+
+import dataclasses
+import itertools
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+from jaxamp._src.compare import data
+from jaxamp._src.compare.app import CompareConfig, classification_metrics, compare
+from tests.gated_net import GatedNet, X
+
+TINY_BERT = dict(
+    model="bert",
+    layers=1,
+    hidden=32,
+    heads=2,
+    seq_len=16,
+    vocab_size=512,
+    batch_size=16,
+    epochs=1,
+    train_examples=64,
+    test_examples=48,
+)
+REQUIRED = (
+    "variant",
+    "step_time_median_s",
+    "test_accuracy",
+    "f1",
+    "activation_bytes",
+    "skipped_steps",
+    "compile_s",
+    "epoch_time_s",
+    "examples_per_s",
+    "speedup_vs_fp32",
+    "temp_bytes",
+    "final_loss",
+    "precision",
+    "recall",
+    "final_loss_scale",
+)
+
+
+@pytest.fixture(scope="module")
+def bert_report():
+    config = CompareConfig(variants=("fp32", "bf16", "fp16"), data="embedded", **TINY_BERT)
+    return compare(config)
+
+
+def test_report_has_one_complete_record_per_variant(bert_report):
+    runs = bert_report["runs"]
+    assert [r["variant"] for r in runs] == ["fp32", "bf16", "fp16"]
+    steps = bert_report["steps"]
+    assert steps == 64 // 16
+    for r in runs:
+        assert all(key in r for key in REQUIRED), r.keys()
+        assert len(r["losses"]) == steps and len(r["underflow"]) == steps
+        assert 0.0 <= r["test_accuracy"] <= 1.0 and 0.0 <= r["f1"] <= 1.0
+        assert r["step_time_median_s"] > 0 and r["compile_s"] > 0
+        assert np.isfinite(r["final_loss"])
+    fp32, bf16, fp16 = runs
+    assert fp32["speedup_vs_fp32"] == 1.0
+    assert fp32["loss_scales"] is None and fp32["final_loss_scale"] is None
+    assert len(fp16["loss_scales"]) == steps and fp16["final_loss_scale"] > 0
+    assert bf16["activation_bytes"] < fp32["activation_bytes"]
+    assert bert_report["dataset"]["name"] == "python_docs"
+    assert bert_report["environment"]["backend"]
+    picked = bert_report["auto_policy"]  # what auto_policy picks here, and why
+    assert picked["policy"] == str(jaxamp.auto_policy()) and picked["reason"]
+
+
+def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp_path):
+    from jaxamp._src.compare.report import format_markdown, write_report
+
+    runs = {r["variant"]: r for r in bert_report["runs"]}
+    fp32 = [d["relative_error"] for d in runs["fp32"]["divergence"]]
+    assert fp32 and max(fp32) < 1e-5  # the fp32 variant is the reference model
+    for name in ("bf16", "fp16"):
+        rows = runs[name]["divergence"]
+        layers = {d["layer"] for d in rows}
+        assert any("attention" in layer or "attn" in layer.lower() for layer in layers), layers
+        assert {d["phase"] for d in rows} == {"forward", "backward"}
+        assert max(d["relative_error"] for d in rows) > 1e-4  # 16-bit compute departs
+    # bfloat16 keeps fewer bits than float16: it departs more at the same layers
+    worst = lambda name: max(d["relative_error"] for d in runs[name]["divergence"])
+    assert worst("bf16") > worst("fp16")
+    for d in runs["bf16"]["divergence"]:  # the raw relative error is kept beside it
+        assert d["scale_error"] == d["relative_error"] or d["near_zero"], d
+    taken = runs["fp16"]["divergence_loss_scale"]  # compared where its optimizer steps
+    assert taken["initial"] == 65536.0 and taken["used"] == 65536.0 / 2 ** len(taken["overflowed"])
+    assert (
+        runs["fp32"]["divergence_loss_scale"] is None
+        and runs["bf16"]["divergence_loss_scale"] is None
+    )
+    check = bert_report["float16_check"]
+    assert check["dtype"] == "float16" and check["overflowing_layers"] == []
+    assert all(r["first_nonfinite"] is None for r in runs.values())
+    md = format_markdown(bert_report)
+    assert "Per-layer divergence from fp32" in md and "Float16 range check" in md
+    assert f"`jaxamp.auto_policy()` picks `{jaxamp.auto_policy()}`" in md
+    paths = write_report(bert_report, tmp_path)
+    assert tmp_path / "divergence.png" in paths and (tmp_path / "divergence.png").exists()
+
+
+def test_a_float16_run_that_diverges_names_the_first_non_finite_layer():
+    """Images scaled by 1e6: float32 trains on them (BatchNorm normalises), float16
+    cannot even hold the inputs: the policy's cast of the images to float16 is the
+    first operation to overflow."""
+    digits = data.load_digits_28x28().subset(32, 16)
+    loud = dataclasses.replace(digits, train_x=digits.train_x * 1e6, test_x=digits.test_x * 1e6)
+    config = CompareConfig(
+        model="resnet18", width=8, variants=("fp32", "fp16"), batch_size=16, epochs=1
+    )
+    logged = []
+    report = compare(config, log=logged.append, dataset=loud)
+    runs = {r["variant"]: r for r in report["runs"]}
+    assert runs["fp32"]["first_nonfinite"] is None
+    fault = runs["fp16"]["first_nonfinite"]
+    assert fault["step"] == 0 and fault["phase"] == "forward", fault
+    assert fault["layer"] == "ResNet" and fault["primitive"] == "convert_element_type", fault
+    assert "float16" in fault["description"] and "inf" in fault["description"]
+    check = report["float16_check"]
+    assert check["dtype"] == "bfloat16" and check["overflowing_layers"]
+    assert any("float16 range check" in line for line in logged)
+    from jaxamp._src.compare.report import format_markdown
+
+    md = format_markdown(report)
+    assert "the loss became non-finite at step 0" in md
+    # no loss scale makes a non-finite loss finite: one try, compared at the initial scale
+    taken = runs["fp16"]["divergence_loss_scale"]
+    assert taken == {
+        "initial": 65536.0,
+        "overflowed": [65536.0],
+        "used": None,
+        "loss_finite": False,
+    }
+    assert "the loss itself is not finite, so no scale helps: compared at 65536" in md
+
+
+def _gated_divergence_report():
+    """compare's divergence records of fp32 and bf16 for a tiny model with a zero-init gate
+    (tests/gated_net.py): its output and its branch's gradients are 0."""
+    import jax
+
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    model, x = GatedNet(0.0), X
+    params = model.init(jax.random.key(0), x)
+    loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
+    runs = [
+        {"variant": name, "divergence": in_compare.divergence(loss, mixed, params, x)}
+        for name, mixed in (("fp32", loss), ("bf16", jaxamp.autocast(loss, "mixed_bfloat16")))
+    ]
+    return {"runs": runs}
+
+
+def test_divergence_table_marks_near_zero_rows_and_identical_values_and_explains_itself():
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    lines = in_compare.markdown(_gated_divergence_report())
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in lines if "| " in line}
+    for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
+        assert "≈0 in fp32" in rows[key], rows[key]  # not an error of 0 (nor 0/0)
+    header = next(line for line in lines if line.startswith("| layer |"))
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    cell = lambda key, name: rows[key].split("|")[1:-1][columns.index(name)].strip()
+    fp32, bf16 = (cell(("GatedNet/head", "backward"), name) for name in ("fp32", "bf16"))
+    assert fp32 == "0" and 1e-4 < float(bf16) < 0.05, rows  # identical: exactly 0
+    text = "\n".join(lines)
+    # the paragraph above the table says what the numbers, ≈0 and skipped steps mean
+    paragraph = text[: text.index("| layer |")]
+    for phrase in ("max(‖fp32‖", "≈0 in fp32", "identical", "skipped", "cosine"):
+        assert phrase in paragraph, (phrase, paragraph)
+
+
+def test_divergence_plot_has_no_made_up_values_and_labels_what_it_shows(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    report = _gated_divergence_report()
+    figures = []
+    in_compare.plot(report, tmp_path, lambda fig, name: figures.append((fig, name)))
+    [(fig, name)] = figures
+    assert name == "divergence.png"
+    bf16 = {(d["layer"], d["phase"]): d for d in report["runs"][1]["divergence"]}
+    for ax, phase in zip(fig.axes, ("forward", "backward"), strict=True):
+        data_lines = [ln for ln in ax.get_lines() if ln.get_transform() == ax.transData]
+        plotted = [y for line in data_lines for y in line.get_ydata()]
+        assert plotted and min(plotted) > 1e-6, (phase, plotted)  # no 1e-12 stand-ins for 0
+        rows = [d for d in bf16.values() if d["phase"] == phase]
+        errors = sorted(d["scale_error"] for d in rows if not d["near_zero"])
+        assert sorted(plotted) == pytest.approx(errors), (phase, plotted)
+        labels = ax.get_legend_handles_labels()[1]
+        assert "bf16" in labels and "≈0 in fp32" in labels, labels
+        assert "fp32" in ax.get_title() and phase in ax.get_title()
+    assert "max(‖fp32‖" in fig.axes[0].get_ylabel()
+    plt.close(fig)
+
+
+class _Squeezed(nn.Module):
+    """Dense -> BatchNorm -> Dense. BatchNorm over 4 examples divides by their small
+    spread: float16's gradients below it overflow at the initial loss scale of 65536."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        h = nn.BatchNorm(use_running_average=not train, name="norm")(nn.Dense(8, name="dense")(x))
+        return nn.Dense(3, name="head")(nn.relu(h))
+
+
+def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_training_steps():
+    """Training skips a step whose float16 gradients overflow and halves the scale; the
+    divergence is taken at the first scale whose step the optimizer takes (no inf column)."""
+    import jax
+
+    from jaxamp._src.compare import app as compare_lib
+    from jaxamp._src.compare import numerics_checks as in_compare
+    from jaxamp._src.compare.variants import get_variant
+
+    x = 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
+    sample = (x, jnp.array([0, 1, 2, 0]))
+    task = compare_lib._Task(_Squeezed(), True, 1e-3)
+    variables = task.module.init(jax.random.key(0), x)
+    config = CompareConfig(variants=("fp16",), batch_size=4)
+    run = compare_lib._Run(get_variant("fp16"), task, variables, config, sample)
+    compare_lib._numerics_before_training([run], task, variables, sample, config, print)
+    errors = [d["relative_error"] for d in run.divergence if d["phase"] == "backward"]
+    assert errors and all(np.isfinite(e) for e in errors), errors
+    scales = run.divergence_loss_scale
+    assert scales["initial"] == 65536.0 and scales["overflowed"][0] == 65536.0, scales
+    tried = [*scales["overflowed"], scales["used"]]
+    assert all(a == 2 * b for a, b in itertools.pairwise(tried)), scales  # halved
+    record = {"divergence": run.divergence, "divergence_loss_scale": scales}
+    report = {"runs": [{"variant": "fp16", **record}]}
+    md = "\n".join(in_compare.markdown(report))
+    skipped = scales["overflowed"]
+    said = (
+        f"the first {len(skipped)} steps, at loss scales 65536 down to {skipped[-1]:g}, "
+        "overflow (skipped, as training skips them)"
+        if len(skipped) > 1
+        else "the first step at loss scale 65536 overflows (skipped, as training skips it)"
+    )
+    said += f"; compared at {scales['used']:g}, the first step the optimizer took."
+    assert f"fp16: on these examples, {said}" in md, md
+    assert f"| fp16 (loss scale {scales['used']:g}) |" in md
+
+
+def test_same_initialisation_and_data_for_every_variant(bert_report):
+    first_losses = [r["losses"][0] for r in bert_report["runs"]]
+    # the first step's loss is computed from the same initial params on the same batch
+    assert max(first_losses) - min(first_losses) < 0.05
+
+
+def test_resnet_with_batch_norm_recalibration():
+    dataset = data.load_digits_28x28().subset(64, 32)
+    config = CompareConfig(
+        model="resnet18",
+        width=8,
+        variants=("fp32", "fp16"),
+        batch_size=16,
+        epochs=1,
+        bn_recalibration=3,
+        numerics=False,
+    )
+    report = compare(config, dataset=dataset)
+    assert [r["variant"] for r in report["runs"]] == ["fp32", "fp16"]
+    assert report["dataset"]["test_examples"] == 32
+    # the running statistics were recomputed at the final weights: they moved
+    assert all(r["bn_recalibration_change"] > 1e-3 for r in report["runs"])
+    plain = dataclasses.replace(config, variants=("fp16",), bn_recalibration=0)
+    assert compare(plain, dataset=dataset)["runs"][0]["bn_recalibration_change"] is None
+
+
+def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter():
+    config = CompareConfig(
+        variants=("fp32", "bf16_float32_master", "bf16_kahan", "bf16_stochastic", "bf16_naive"),
+        data="embedded",
+        numerics=False,
+        **TINY_BERT,
+    )
+    report = compare(config)
+    runs = {r["variant"]: r for r in report["runs"]}
+    # params + optimizer state per parameter; the loss scaler's few scalars add a little
+    expected = {
+        "fp32": 12,
+        "bf16_float32_master": 14,
+        "bf16_kahan": 12,
+        "bf16_stochastic": 6,
+        "bf16_naive": 10,
+    }
+    for name, value in expected.items():
+        assert value <= runs[name]["bytes_per_param"] < value + 0.05, (name, runs[name])
+        assert np.isfinite(runs[name]["final_loss"]) and runs[name]["skipped_steps"] == 0
+        assert runs[name]["final_loss_scale"] is None  # no loss scaling in these recipes
+    assert runs["bf16_kahan"]["policy"] == "params=bfloat16,compute=bfloat16,output=float32"
+    from jaxamp._src.compare.report import format_markdown
+
+    assert "bytes/param" in format_markdown(report)
+
+
+def test_default_variants_and_config_errors():
+    assert CompareConfig().variants is None
+    with pytest.raises(ValueError, match=r"Unknown model 'vgg'\. Valid choices: auto, resnet50"):
+        CompareConfig(model="vgg")
+    with pytest.raises(ValueError, match="Unknown variant 'fp8'"):
+        CompareConfig(variants=("fp32", "fp8"))
+    with pytest.raises(ValueError, match="epochs must be >= 1"):
+        CompareConfig(epochs=0)
+    with pytest.raises(ValueError, match="divisible"):
+        CompareConfig(hidden=100, heads=12)
+    with pytest.raises(ValueError, match="Unknown data source"):
+        CompareConfig(data="web")
+    with pytest.raises(ValueError, match="batch_size 128 exceeds the 64"):
+        compare(
+            CompareConfig(
+                batch_size=128,
+                data="embedded",
+                **{k: v for k, v in TINY_BERT.items() if k != "batch_size"},
+            )
+        )
+
+
+def test_classification_metrics():
+    labels = np.array([0, 0, 0, 1, 1, 2])
+    predictions = np.array([0, 0, 1, 1, 1, 1])  # class 2 never predicted
+    m = classification_metrics(labels, predictions, 3)
+    assert m["accuracy"] == pytest.approx(4 / 6)
+    assert m["precision"] == pytest.approx((2 / 2 + 2 / 4 + 0) / 3)
+    assert m["recall"] == pytest.approx((2 / 3 + 2 / 2 + 0) / 3)
+    f1 = [2 * 1 * (2 / 3) / (1 + 2 / 3), 2 * 0.5 * 1 / 1.5, 0.0]
+    assert m["f1"] == pytest.approx(sum(f1) / 3)
+
+
+def _digits_half_split() -> data.Dataset:
+    """Real digits, split half and half: 899 test images, so 1 point is 9 images."""
+    d = data.load_digits_28x28()
+    x, y = np.concatenate([d.train_x, d.test_x]), np.concatenate([d.train_y, d.test_y])
+    half = len(x) // 2
+    return dataclasses.replace(
+        d, train_x=x[:half], train_y=y[:half], test_x=x[half:], test_y=y[half:]
+    )
+
+
+def _parity(config: CompareConfig, dataset, seeds):
+    accuracy = {}
+    for seed in seeds:
+        report = compare(dataclasses.replace(config, seed=seed), dataset=dataset)
+        for r in report["runs"]:
+            accuracy.setdefault(r["variant"], []).append(r["test_accuracy"])
+    return {k: float(np.mean(v)) for k, v in accuracy.items()}
+
+
+def test_accuracy_parity_on_real_data():
+    """bf16 and fp16 with loss scaling reach fp32's test accuracy within 1 point.
+
+    CI-sized: a narrow ResNet18 on real handwritten digits, same seed and steps for
+    every variant, accuracy averaged over three seeds.
+    """
+    config = CompareConfig(
+        model="resnet18",
+        width=16,
+        variants=("fp32", "bf16", "fp16"),
+        epochs=5,
+        batch_size=32,
+        train_examples=None,
+        test_examples=None,
+        numerics=False,  # not what this test is about; the checks are tested above
+    )
+    accuracy = _parity(config, _digits_half_split(), seeds=(0, 1, 2))
+    assert accuracy["fp32"] > 0.95, accuracy
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.01, accuracy
+    assert abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.01, accuracy
+
+
+@pytest.mark.slow
+def test_accuracy_parity_full_size():
+    """The reference experiment's shape: ResNet50, FashionMNIST (when it can be had), 10 epochs."""
+    config = CompareConfig(
+        model="resnet50",
+        variants=("fp32", "bf16", "fp16"),
+        epochs=10,
+        batch_size=64,
+        train_examples=None,
+        test_examples=None,
+    )
+    report = compare(config)
+    accuracy = {r["variant"]: r["test_accuracy"] for r in report["runs"]}
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.01, accuracy
+    assert abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.01, accuracy

@@ -1,0 +1,488 @@
+"""Tests for jaxamp/_src/flax_policy/linen.py on unmodified Linen models (ResNet and BERT)."""
+
+import collections
+import dataclasses
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jaxamp
+from jaxamp.models import BasicBlock, BertClassifier, ResNet
+from tests.tiny_configs import TINY_BERT
+
+DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
+
+
+def tiny_resnet():
+    return ResNet((1, 1), BasicBlock, num_classes=5, width=8)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return jax.random.normal(jax.random.key(1), (4, 16, 16, 3))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    ids = jax.random.randint(jax.random.key(2), (4, 8), 1, 64)
+    return ids.at[:, -2:].set(0)  # padding
+
+
+def resnet_loss(model, images):
+    def loss(params, batch_stats):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, images, mutable=["batch_stats"]
+        )
+        return jnp.mean(logits.astype(jnp.float32) ** 2), (logits, updates)
+
+    return loss
+
+
+def bert_loss(model, tokens):
+    def loss(params):
+        logits = model.apply({"params": params}, tokens, attention_mask=(tokens > 0))
+        return jnp.mean(logits.astype(jnp.float32) ** 2), logits
+
+    return loss
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_resnet_dtypes(name, images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), name)
+    variables = model.init(jax.random.key(0), images)
+    assert {x.dtype for x in jax.tree.leaves(variables["params"])} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(variables["batch_stats"])} == {np.dtype("float32")}
+
+    loss = jax.jit(jax.value_and_grad(resnet_loss(model, images), has_aux=True))
+    (_, (logits, updates)), grads = loss(variables["params"], variables["batch_stats"])
+    assert logits.dtype == jnp.float32  # output_dtype
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(updates)} == {np.dtype("float32")}
+
+    report = jaxamp.precision_report(jax.grad(resnet_loss(model, images), has_aux=True))(
+        variables["params"], variables["batch_stats"]
+    )
+    report.check(DTYPES[name])
+    assert report.count(kind="convolution") > 0 and report.count(kind="dot_general") > 0
+    assert report.all_operands_in(DTYPES[name]), report
+    assert {op.direction for op in report.ops} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_bert_dtypes(name, tokens):
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), name)
+    variables = model.init(jax.random.key(0), tokens)
+    assert {x.dtype for x in jax.tree.leaves(variables)} == {np.dtype("float32")}
+    (_, logits), grads = jax.jit(jax.value_and_grad(bert_loss(model, tokens), has_aux=True))(
+        variables["params"]
+    )
+    assert logits.dtype == jnp.float32
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    report = jaxamp.precision_report(jax.grad(bert_loss(model, tokens), has_aux=True))(
+        variables["params"]
+    )
+    report.check(DTYPES[name])
+    # q, k, v, out projections + two attention matmuls + two FFN layers per layer, forward.
+    forward = [op for op in report.ops if op.direction == "forward"]
+    assert len(forward) >= 2 * 8 + 2
+    assert report.all_operands_in(DTYPES[name]), report
+
+
+def test_float32_policy_has_no_16_bit_matmuls(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "float32")
+    variables = model.init(jax.random.key(0), images)
+    report = jaxamp.precision_report(jax.grad(resnet_loss(model, images), has_aux=True))(
+        variables["params"], variables["batch_stats"]
+    )
+    assert report.all_operands_in("float32")
+    assert report.count("bfloat16") == report.count("float16") == 0
+    report.check(jnp.float32)
+
+
+def test_activations_are_in_compute_dtype(images, tokens):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), images)
+    out, state = model.apply(
+        variables, images, capture_intermediates=True, mutable=["intermediates", "batch_stats"]
+    )
+    dtypes = {"/".join(path): leaf.dtype for path, leaf in _flat(state["intermediates"])}
+    convs = [v for k, v in dtypes.items() if "Conv" in k]
+    norms = [v for k, v in dtypes.items() if "BatchNorm" in k]
+    assert convs and set(convs) == {np.dtype(jnp.bfloat16)}
+    assert norms and set(norms) == {np.dtype(jnp.bfloat16)}
+    assert dtypes["__call__"] == jnp.bfloat16  # the head computes in bfloat16...
+    assert out.dtype == jnp.float32  # ...and the output comes back in output_dtype
+
+    bert = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
+    variables = bert.init(jax.random.key(0), tokens)
+    _, state = bert.apply(variables, tokens, capture_intermediates=True, mutable=["intermediates"])
+    dtypes = {"/".join(p): leaf.dtype for p, leaf in _flat(state["intermediates"])}
+    for name in ("word", "embeddings_norm", "layer_0/attention", "layer_0/output_norm"):
+        assert dtypes[f"{name}/__call__"] == jnp.bfloat16, name
+
+
+def _flat(tree):
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        out.append((keys[:-1], leaf))  # drop the tuple index sow adds
+    return out
+
+
+def test_softmax_and_norm_statistics_are_float32(tokens):
+    """Softmax runs on float32 values; LayerNorm statistics are float32 reductions."""
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), tokens)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(variables["params"])
+    sensitive = [
+        e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name in ("reduce_max", "reduce_sum", "exp")
+    ]
+    counts = collections.Counter(e.primitive.name for e in sensitive)
+    # two layers: a softmax each (max, exp, sum), LayerNorm statistics (sums), the pooler
+    assert counts["exp"] >= 2 and counts["reduce_max"] >= 2 and counts["reduce_sum"] >= 6, counts
+    for eqn in sensitive:
+        assert eqn.invars[0].aval.dtype == jnp.float32, eqn
+
+
+def _all_eqns(jaxpr):
+    """Every equation, those of sub-jaxprs (remat, jit, custom_jvp, cond branches) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+def test_integer_inputs_are_never_cast(tokens):
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "bfloat16")
+    variables = model.init(jax.random.key(0), tokens)
+    assert variables["params"]["word"]["embedding"].dtype == jnp.bfloat16  # pure bf16 params
+    seen = []
+
+    def spy(next_fun, args, kwargs, context):
+        if context.module.name == "word" and context.method_name == "__call__":
+            seen.append(args[0].dtype)
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(spy):
+        model.apply(variables, tokens)
+    assert seen == [jnp.int32]
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_close_to_float32_model(name, images, tokens):
+    tol = {"float32": 1e-5, "mixed_bfloat16": 5e-2, "mixed_float16": 1e-2}[name]
+    plain = tiny_resnet()
+    variables = plain.init(jax.random.key(0), images)
+    reference = plain.apply(variables, images, mutable=["batch_stats"])[0]
+    out = jaxamp.linen.apply_policy(plain, name).apply(variables, images, mutable=["batch_stats"])
+    np.testing.assert_allclose(out[0], reference, atol=tol, rtol=tol)
+
+    bert = BertClassifier(TINY_BERT)
+    variables = bert.init(jax.random.key(0), tokens)
+    reference = bert.apply(variables, tokens, attention_mask=tokens > 0)
+    out = jaxamp.linen.apply_policy(bert, name).apply(variables, tokens, attention_mask=tokens > 0)
+    np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
+
+
+def test_gradients_close_to_float32_model(images):
+    plain = tiny_resnet()
+    variables = plain.init(jax.random.key(0), images)
+    ref = jax.grad(resnet_loss(plain, images), has_aux=True)(
+        variables["params"], variables["batch_stats"]
+    )
+    mixed = jaxamp.linen.apply_policy(plain, "mixed_bfloat16")
+    got = jax.jit(jax.grad(resnet_loss(mixed, images), has_aux=True))(
+        variables["params"], variables["batch_stats"]
+    )
+    for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        scale = float(jnp.max(jnp.abs(r))) + 1e-6
+        assert float(jnp.max(jnp.abs(r - g))) / scale < 0.1
+
+
+def test_step_compiles_once(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16")
+    variables = model.init(jax.random.key(0), images)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1)
+    )
+    traces = []
+
+    @jax.jit
+    def step(state, batch_stats, images):
+        traces.append(1)
+        (loss, (_, updates)), grads = jax.value_and_grad(
+            lambda p: resnet_loss_apply(state.apply_fn, p, batch_stats, images), has_aux=True
+        )(state.params)
+        return state.apply_gradients(grads=grads), updates["batch_stats"], loss
+
+    batch_stats = variables["batch_stats"]
+    losses = []
+    for _ in range(3):
+        state, batch_stats, loss = step(state, batch_stats, images)
+        losses.append(float(loss))
+    assert len(traces) == 1
+    assert losses[-1] < losses[0]
+
+
+def resnet_loss_apply(apply_fn, params, batch_stats, images):
+    logits, updates = apply_fn(
+        {"params": params, "batch_stats": batch_stats}, images, mutable=["batch_stats"]
+    )
+    return jnp.mean(logits.astype(jnp.float32) ** 2), (logits, updates)
+
+
+def test_overrides_by_path_and_class(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16", overrides={"fc": "float32"})
+    variables = model.init(jax.random.key(0), images)
+    report = jaxamp.precision_report(lambda v: model.apply(v, images, mutable=["batch_stats"]))(
+        variables
+    )
+    assert report.by_dtype() == {"bfloat16": report.count(kind="convolution"), "float32": 1}
+
+    model = jaxamp.linen.apply_policy(
+        tiny_resnet(), "mixed_bfloat16", overrides={nn.Dense: "float32"}
+    )
+    report = jaxamp.precision_report(lambda v: model.apply(v, images, mutable=["batch_stats"]))(
+        variables
+    )
+    assert report.count("float32", kind="dot_general") == 1
+
+    # A class override covers the subtree: every conv inside BasicBlock stays float32.
+    model = jaxamp.linen.apply_policy(
+        tiny_resnet(), "mixed_bfloat16", overrides={BasicBlock: "f32"}
+    )
+    report = jaxamp.precision_report(lambda v: model.apply(v, images, mutable=["batch_stats"]))(
+        variables
+    )
+    assert report.count("bfloat16") == 2  # conv1 and fc
+    assert report.count("float32", kind="convolution") >= 4
+
+
+class BodyAndHead(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(nn.Dense(4, name="body")(x))
+
+
+@pytest.mark.parametrize("root", ["p=bf16,c=bf16,o=f32", "p=f16,c=f16,o=f32"])
+def test_an_overridden_layer_computes_with_its_own_param_dtype(root):
+    """Under a 16-bit param root, a float32 head keeps its float32 weights at apply time."""
+    model = jaxamp.linen.apply_policy(BodyAndHead(), root, overrides={"head": "float32"})
+    x = jax.random.normal(jax.random.key(0), (2, 5))
+    params = model.init(jax.random.key(1), x)["params"]
+    sixteen = model.policy.param_dtype
+    assert {p.dtype for p in jax.tree.leaves(params["body"])} == {sixteen}
+    assert {p.dtype for p in jax.tree.leaves(params["head"])} == {np.dtype("float32")}
+    # a head kernel that 16 bits cannot hold: 1 + 2**-12 rounds to 1 in bf16 and f16
+    params["head"]["kernel"] = jnp.full((4, 3), 1 + 2**-12, jnp.float32)
+    out = jax.jit(lambda p: model.apply({"params": p}, x))(params)
+    body = jaxamp.linen.apply_policy(nn.Dense(4), root)  # its 16-bit output, exactly, in f32
+    hidden = body.apply({"params": params["body"]}, x)
+    expected = hidden @ params["head"]["kernel"] + params["head"]["bias"]
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    grads = jax.grad(lambda p: model.apply({"params": p}, x).sum())(params)
+    assert grads["head"]["kernel"].dtype == jnp.float32
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match=r"jaxamp\.nnx\.apply_policy"):
+        jaxamp.linen.apply_policy(object(), "float32")
+    with pytest.raises(TypeError, match=r"got str: 'mixed_bfloat16'"):  # arguments swapped
+        jaxamp.linen.apply_policy("mixed_bfloat16", tiny_resnet())
+    with pytest.raises(TypeError, match=r"AutocastRules, got str: 'strict'"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "float32", rules="strict")
+    with pytest.raises(ValueError, match="Valid choices"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bf16")
+    with pytest.raises(TypeError, match="override key"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "float32", overrides={3: "float32"})
+    with pytest.raises(ValueError, match="residuals"):
+        jaxamp.linen.apply_policy(tiny_resnet(), "float32", residuals="some")
+
+
+def test_wrapper_behaves_like_the_module(tokens):
+    model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
+    assert model.config is TINY_BERT
+    assert "mixed" not in repr(model) and "bfloat16" in repr(model)
+    out, variables = model.init_with_output(jax.random.key(0), tokens)
+    assert out.dtype == jnp.float32
+    # Same variable structure as the unmodified module.
+    plain = BertClassifier(TINY_BERT).init(jax.random.key(0), tokens)
+    assert jax.tree.structure(plain) == jax.tree.structure(variables)
+
+
+def test_auto_policy_default(images):
+    model = jaxamp.linen.apply_policy(tiny_resnet())
+    assert model.policy == jaxamp.auto_policy()
+
+
+@pytest.mark.parametrize("kind", ["resnet", "bert"])
+def test_converts_are_hand_written_dtypes_plus_the_matmul_rule(kind, images, tokens):
+    """With residuals="all", the converts of Flax's dtype= by hand, plus those the rule states.
+
+    Flax's bf16 layers return 16-bit GEMM results; the matmul rule accumulates in
+    float32, returns it and casts it. Against the hand-written program that is,
+    per matmul of an activation and a float32 weight with both gradients, two
+    more converts (the forward result, the activation gradient) plus the
+    weight's 16-bit copy remade in the backward pass, less the float32 upcast of
+    a 16-bit weight gradient the rule does not make; per matmul of two
+    activations (attention), one more per GEMM.
+    """
+    if kind == "resnet":
+        plain, hand, x = (
+            tiny_resnet(),
+            ResNet((1, 1), BasicBlock, 5, width=8, dtype=jnp.bfloat16),
+            images,
+        )
+        variables = plain.init(jax.random.key(0), x)
+
+        def loss_of(model):
+            return lambda p: resnet_loss(model, x)(p, variables["batch_stats"])[0]
+    else:
+        plain, hand, x = (
+            BertClassifier(TINY_BERT),
+            BertClassifier(TINY_BERT, dtype=jnp.bfloat16),
+            tokens,
+        )
+        variables = plain.init(jax.random.key(0), x)
+
+        def loss_of(model):
+            return lambda p: bert_loss(model, x)(p)[0]
+
+    no_float32 = dataclasses.replace(jaxamp.AUTOCAST_RULES, float32=frozenset())
+    policy = jaxamp.linen.apply_policy(plain, "mixed_bfloat16", residuals="all", rules=no_float32)
+    ours = jaxamp.precision_report(jax.grad(loss_of(policy)))(variables["params"])
+    theirs = jaxamp.precision_report(jax.grad(loss_of(hand)))(variables["params"])
+    assert ours.by_dtype() == theirs.by_dtype()
+    forward = sum(op.direction == "forward" for op in ours.ops)
+    backward = len(ours.ops) - forward
+    two_activation_matmuls = 2 * TINY_BERT.num_layers if kind == "bert" else 0
+    with_weight_and_input_gradient = backward - forward - two_activation_matmuls
+    expected = 2 * with_weight_and_input_gradient + 3 * two_activation_matmuls
+    layers = [p for p in jax.tree_util.tree_leaves(variables["params"], is_leaf=_is_layer)]
+    dense_biases = sum(1 for p in layers if _is_layer(p) and {"kernel", "bias"} <= set(p))
+    position_embeddings = 1 if kind == "bert" else 0
+    expected += 2 * (dense_biases + position_embeddings)
+    assert ours.converts - theirs.converts == expected
+
+
+def _is_layer(tree):
+    return isinstance(tree, dict) and any(not isinstance(v, dict) for v in tree.values())
+
+
+class DirectAttention(nn.Module):
+    """Calls Flax's and JAX's attention and softmax functions directly, as transformers'
+    Flax models do, instead of through a layer's ``attention_fn``."""
+
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.DenseGeneral((2, 4), dtype=self.dtype, name=n)(x) for n in "qkv")
+        weights = nn.dot_product_attention_weights(q, k, dtype=self.dtype)
+        y = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+        y = y + nn.dot_product_attention(q, k, v, dtype=self.dtype)
+        y = y + jax.nn.dot_product_attention(q, k, v)
+        y = nn.DenseGeneral(8, axis=(-2, -1), dtype=self.dtype, name="out")(y)
+        return jax.nn.log_softmax(y) + jax.nn.softmax(y) + jax.nn.logsumexp(y, -1, keepdims=True)
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_directly_called_softmax_runs_in_float32(name):
+    """Every softmax, logsumexp and attention matmul of a model that calls them itself:
+    sensitive operations in float32, matmuls accumulating in float32 (forward and backward)."""
+    model = jaxamp.linen.apply_policy(DirectAttention(), name)
+    x = jax.random.normal(jax.random.key(0), (2, 6, 8))
+    params = model.init(jax.random.key(1), x)
+    loss = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))
+    report = jaxamp.precision_report(loss)(params).check(DTYPES[name])
+    exps = [op for op in report.sensitive if op.primitive == "exp"]
+    assert len(exps) >= 6 and {op.dtype for op in exps} == {"float32"}
+    assert report.by_dtype() == {np.dtype(DTYPES[name]).name: len(report.ops)}
+    grads = jax.jit(jax.grad(lambda p: loss(p)[0]))(params)
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
+    reference = jax.grad(lambda p: jnp.mean(DirectAttention().apply(p, x) ** 2))(params)
+    tolerance = {"float32": 1e-5, "mixed_bfloat16": 0.05, "mixed_float16": 0.01}[name]
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(reference))
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True):
+        assert float(jnp.max(jnp.abs(ours - theirs))) <= tolerance * scale
+
+
+class TwoMethods(nn.Module):
+    features: int = 4
+
+    def setup(self):
+        self.dense = nn.Dense(self.features)
+
+    def __call__(self, x):
+        return jax.nn.softmax(self.dense(x))
+
+    def encode(self, x):
+        return self.dense(x)
+
+
+def _dense_operands(report):
+    return {op.operand_dtype for op in report.ops}
+
+
+def test_bind_tabulate_lazy_init_and_methods_keep_the_policy():
+    model = jaxamp.linen.apply_policy(TwoMethods(), "mixed_bfloat16")
+    x = jnp.ones((2, 3))
+    variables = model.init(jax.random.key(0), x)
+    assert jax.tree.structure(variables) == jax.tree.structure(
+        TwoMethods().init(jax.random.key(0), x)
+    )
+    bound = model.bind(variables)
+    report = jaxamp.precision_report(lambda x: bound(x))(x).check(jnp.bfloat16)
+    assert _dense_operands(report) == {"bfloat16"}
+    assert bound(x).dtype == jnp.float32
+    lazy = model.lazy_init(jax.random.key(0), jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    assert jax.tree.map(lambda a: a.shape, lazy) == jax.tree.map(lambda a: a.shape, variables)
+    table = re.sub(r"\x1b\[[0-9;]*m", "", model.tabulate(jax.random.key(0), x, depth=2))
+    dense_row = next(line for line in table.splitlines() if "│ dense" in line)
+    assert "bfloat16[2,3]" in dense_row and "bfloat16[2,4]" in dense_row  # under the policy
+    for method in ("encode", TwoMethods.encode):
+        run = lambda v, x, method=method: model.apply(v, x, method=method)
+        report = jaxamp.precision_report(run)(variables, x).check(jnp.bfloat16)
+        assert _dense_operands(report) == {"bfloat16"}
+        assert run(variables, x).dtype == jnp.float32
+    encoded = jaxamp.precision_report(lambda x: bound.encode(x))(x)
+    assert _dense_operands(encoded) == {"bfloat16"}
+    assert model.features == 4  # fields of the wrapped module are read through
+
+
+class WithBackbone(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        backbone = jaxamp.linen.apply_policy(TwoMethods(name="backbone"), "mixed_bfloat16")
+        return nn.Dense(2, name="head")(backbone(x))
+
+
+class Bare(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="head")(TwoMethods(name="backbone")(x))
+
+
+def test_a_policy_module_is_a_submodule():
+    x = jnp.ones((2, 3))
+    variables = WithBackbone().init(jax.random.key(0), x)
+    bare = Bare().init(jax.random.key(0), x)
+    assert jax.tree.structure(variables) == jax.tree.structure(bare)  # where the bare one's are
+    report = jaxamp.precision_report(
+        jax.value_and_grad(lambda v: WithBackbone().apply(v, x).sum())
+    )(variables)
+    by_layer = {(op.layer.split("/")[-1], op.operand_dtype) for op in report.ops}
+    assert ("dense", "bfloat16") in by_layer and ("head", "float32") in by_layer
+    assert not [p for p in report.problems() if p.kind == "sensitive_in_16bit"]
+    np.testing.assert_allclose(
+        WithBackbone().apply(variables, x), Bare().apply(variables, x), rtol=0.02, atol=0.02
+    )

@@ -1,0 +1,70 @@
+"""Tests for jaxamp/_src/ops/attention.py: equal to Flax's attention, with 16-bit matmuls."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+
+KEY = jax.random.key(0)
+Q, K, V = (jax.random.normal(k, (2, 5, 4, 8)) for k in jax.random.split(KEY, 3))
+MASK = jax.random.bernoulli(jax.random.key(1), 0.8, (2, 1, 5, 5)).at[..., 0].set(True)
+BIAS = jax.random.normal(jax.random.key(2), (2, 4, 5, 5))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_matches_flax_in_float32(dtype):
+    expected = nn.dot_product_attention(Q, K, V, bias=BIAS, mask=MASK)
+    got = jax.jit(jaxamp.dot_product_attention, static_argnames="dtype")(
+        Q, K, V, bias=BIAS, mask=MASK, dtype=dtype
+    )
+    assert got.dtype == dtype
+    tol = {jnp.float32: 1e-5, jnp.bfloat16: 5e-2, jnp.float16: 1e-2}[dtype]
+    np.testing.assert_allclose(got.astype(jnp.float32), expected, atol=tol, rtol=tol)
+
+
+def test_causal_and_grouped_query():
+    expected = nnx.dot_product_attention(Q, K, V, is_causal=True)
+    np.testing.assert_allclose(
+        jaxamp.dot_product_attention(Q, K, V, is_causal=True), expected, atol=1e-5
+    )
+    k2, v2 = K[:, :, :2], V[:, :, :2]  # two key/value heads for four query heads
+    expected = nnx.dot_product_attention(Q, jnp.repeat(k2, 2, -2), jnp.repeat(v2, 2, -2))
+    np.testing.assert_allclose(jaxamp.dot_product_attention(Q, k2, v2), expected, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple"):
+        jaxamp.dot_product_attention(Q, K[:, :, :3], V[:, :, :3])
+
+
+def test_softmax_in_float32_and_matmuls_in_compute_dtype():
+    q, k, v = (x.astype(jnp.bfloat16) for x in (Q, K, V))
+    report = jaxamp.precision_report(
+        jax.grad(lambda q: jaxamp.dot_product_attention(q, k, v).astype(jnp.float32).sum())
+    )(q)
+    assert report.all_operands_in("bfloat16")
+    jaxpr = jax.make_jaxpr(jaxamp.dot_product_attention)(q, k, v)
+    exps = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
+    assert exps and all(e.invars[0].aval.dtype == jnp.float32 for e in exps)
+
+
+def test_dropout():
+    out = jaxamp.dot_product_attention(Q, K, V, dropout_rng=KEY, dropout_rate=0.5)
+    same = jaxamp.dot_product_attention(Q, K, V, dropout_rng=KEY, dropout_rate=0.5)
+    plain = jaxamp.dot_product_attention(Q, K, V)
+    np.testing.assert_array_equal(out, same)
+    assert not np.allclose(out, plain)
+    det = jaxamp.dot_product_attention(
+        Q, K, V, dropout_rng=KEY, dropout_rate=0.5, deterministic=True
+    )
+    np.testing.assert_array_equal(det, plain)
+
+
+def test_sows_weights_in_linen():
+    module = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=jaxamp.dot_product_attention)
+    x = jnp.ones((1, 5, 8))
+    variables = module.init(KEY, x)
+    _, state = module.apply(variables, x, sow_weights=True, mutable=["intermediates"])
+    (weights,) = state["intermediates"]["attention_weights"]
+    assert weights.shape == (1, 4, 5, 5)

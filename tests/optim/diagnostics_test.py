@@ -1,0 +1,76 @@
+"""Tests for jaxamp/_src/optim/diagnostics.py: underflow fraction, metrics, stuck runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp import DynamicLossScale
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_underflow_fraction(dtype):
+    grads = {
+        "a": jnp.array([1.0, 1e-9, 0.0, -2e-8], dtype=jnp.float32),  # 2 at most 2**-25: flush
+        "b": jnp.array([6e-8, 1.0], dtype=jnp.float32),  # 6e-8 > 2**-24 ~ 5.96e-8
+        "step": jnp.array(3),  # not floating: ignored
+    }
+    grads = jax.tree.map(lambda x: x.astype(dtype) if x.dtype == jnp.float32 else x, grads)
+    fraction = jax.jit(jaxamp.optim.underflow_fraction)(grads)
+    if dtype == jnp.float32:
+        assert float(fraction) == pytest.approx(2 / 6)
+    assert fraction.dtype == jnp.float32
+    # bfloat16 has float32's range: 1e-9 does not flush there
+    assert float(jaxamp.optim.underflow_fraction(jnp.array([1e-9, 1.0]), dtype=jnp.bfloat16)) == 0.0
+
+
+def test_underflow_fraction_of_empty_tree():
+    assert float(jaxamp.optim.underflow_fraction({})) == 0.0
+
+
+def make_state(skips, init_scale=1024.0):
+    params = {"w": jnp.ones(3)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), DynamicLossScale(init_scale), history_length=8)
+    state = tx.init(params)
+    for skip in skips:
+        grads = {"w": jnp.full(3, jnp.inf if skip else 1.0)}
+        _, state = tx.update(grads, state, params)
+    return state
+
+
+def test_metrics_under_jit():
+    state = make_state([False, True, True])
+    metrics = jax.jit(jaxamp.optim.loss_scale_metrics)(state)
+    assert float(metrics["loss_scale"]) == 256.0
+    assert int(metrics["skipped_steps"]) == 2 and int(metrics["consecutive_skips"]) == 2
+    assert not bool(metrics["last_finite"])
+
+
+def test_raise_if_stuck_shows_the_scale_history():
+    state = make_state([False] + [True] * 5)
+    jaxamp.optim.raise_if_stuck(state, max_consecutive_skips=6)  # not yet
+    with pytest.raises(jaxamp.optim.LossScaleStuckError) as e:
+        jaxamp.optim.raise_if_stuck(state, max_consecutive_skips=5)
+    message = str(e.value)
+    assert "The last 5 steps were skipped" in message
+    assert "[1024, 512, 256, 128, 64, 32]" in message
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        jaxamp.optim.raise_if_stuck(state, 0)
+
+
+def test_scale_history_wraps_around():
+    state = make_state([True] * 10)  # more steps than history_length=8
+    np.testing.assert_array_equal(
+        jaxamp.optim.scale_history(state), [1024.0 / 2**k for k in range(3, 11)]
+    )
+
+
+def test_underflow_fraction_follows_float16_rounding():
+    """float16 rounds (2**-25, 2**-24) up to its smallest subnormal; 2**-25 and below flush."""
+    tiny = 2.0**-24
+    kept = jnp.array([0.75 * tiny, 0.51 * tiny, tiny], jnp.float32)
+    flushed = jnp.array([0.5 * tiny, 0.3 * tiny], jnp.float32)
+    assert float(jax.jit(jaxamp.optim.underflow_fraction)(kept)) == 0.0
+    assert float(jax.jit(jaxamp.optim.underflow_fraction)(flushed)) == 1.0
