@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 FEATURES, CLASSES = 64, 8
 
@@ -49,6 +50,30 @@ class MLP(nn.Module):
         x = nn.LayerNorm()(x)
         x = nn.relu(nn.Dense(self.hidden)(x))
         return nn.Dense(CLASSES)(x)
+
+
+def fsdp_shardings(tree, mesh: Mesh, axis: str = "data", min_size: int = 2**14):
+    """FSDP with plain ``jax.sharding``: each leaf split along its largest dimension that
+    ``axis`` divides; leaves under ``min_size`` elements (and scalars) stay replicated.
+    Applied to the optimizer state too, whose moments have the params' shapes."""
+    devices = mesh.shape[axis]
+
+    def sharding(x):
+        shape = tuple(getattr(x, "shape", ()))
+        spec = [None] * len(shape)
+        if int(np.prod(shape, dtype=np.int64)) >= min_size:
+            divisible = [d for d in range(len(shape)) if shape[d] % devices == 0]
+            if divisible:
+                spec[max(divisible, key=lambda d: shape[d])] = axis
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(sharding, tree)
+
+
+def shard_batch(batch, mesh: Mesh, axis: str = "data"):
+    """Each process's part of the global batch, as global arrays split along ``axis``."""
+    sharding = NamedSharding(mesh, PartitionSpec(axis))
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
 def global_batch(step: int, batch_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +122,7 @@ def main(argv=None) -> dict:
     import jaxamp  # after jax.distributed.initialize, before any device is used
 
     devices = jax.devices()[:1] if args.mode == "single" else jax.devices()
-    mesh = jaxamp.data_parallel_mesh(devices)
+    mesh = Mesh(np.asarray(devices), ("data",))
     model = jaxamp.linen.apply_policy(MLP(), args.policy)
     # SGD with momentum: unlike Adam, it does not magnify the last-bit differences that
     # another reduction order gives near-zero gradients, so runs on different device
@@ -109,11 +134,11 @@ def main(argv=None) -> dict:
     params = model.init(jax.random.key(0), jnp.zeros((1, FEATURES)))["params"]
     opt_state = tx.init(params)
     if args.mode == "fsdp":
-        param_sharding = jaxamp.fsdp_shardings(params, mesh)
-        opt_sharding = jaxamp.fsdp_shardings(opt_state, mesh)
+        param_sharding = fsdp_shardings(params, mesh)
+        opt_sharding = fsdp_shardings(opt_state, mesh)
     else:
-        param_sharding = jax.tree.map(lambda _: jaxamp.replicated(mesh), params)
-        opt_sharding = jax.tree.map(lambda _: jaxamp.replicated(mesh), opt_state)
+        param_sharding = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+        opt_sharding = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), opt_state)
     params = jax.device_put(params, param_sharding)
     opt_state = jax.device_put(opt_state, opt_sharding)
     start_step = 0
@@ -142,7 +167,7 @@ def main(argv=None) -> dict:
         x, y = x[lo : lo + per_process].copy(), y[lo : lo + per_process]
         if i == args.poison_step and jax.process_index() == args.poison_process:
             x[0, 0] = np.inf
-        batch = jaxamp.shard_batch((x, y), mesh)
+        batch = shard_batch((x, y), mesh)
         params, opt_state, loss = step(params, opt_state, *batch)
         losses.append(float(loss))
         scales.append(float(jaxamp.optim.get_loss_scale(opt_state)))

@@ -12,7 +12,7 @@ them where users meet them, every step under ``jax.jit`` or ``nnx.jit``:
 * Flax NNX with ``nnx.Optimizer(model, tx, wrt=nnx.Param)``, per recipe: the
   same checks through ``nnx.jit`` and ``jaxamp.scale_loss(loss, optimizer)``.
 * FSDP over 8 (fake CPU) devices for ``bf16_kahan`` and ``bf16_stochastic``:
-  params and optimizer state placed with ``jaxamp.fsdp_shardings``; the Kahan
+  params and optimizer state placed as examples/distributed_train.py places them (FSDP); the Kahan
   compensation and the Adam moments come out of the jitted step sharded like
   their params, the rounding keys replicated, and the sharded run's params are
   bit-identical to the same run on one device.
@@ -26,9 +26,10 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
+from examples import distributed_train
 from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.state_dtype import StateDtypeState
 
@@ -252,10 +253,10 @@ def _fsdp_run(name, *, sharded, seed=0, steps=4):
     params = model.init(jax.random.key(5), x)["params"]
     state = tx.init(params)
     if sharded:
-        mesh = jaxamp.data_parallel_mesh()
-        params = jax.device_put(params, jaxamp.fsdp_shardings(params, mesh))
-        state = jax.device_put(state, jaxamp.fsdp_shardings(state, mesh))
-        x, y = jaxamp.shard_batch((x, y), mesh)
+        mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        params = jax.device_put(params, distributed_train.fsdp_shardings(params, mesh))
+        state = jax.device_put(state, distributed_train.fsdp_shardings(state, mesh))
+        x, y = jax.device_put((x, y), NamedSharding(mesh, PartitionSpec("data")))
 
     @jax.jit
     def step(params, state, x, y):

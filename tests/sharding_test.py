@@ -1,4 +1,5 @@
-"""Tests for jaxamp/_src/distributed.py and examples/distributed_train.py.
+"""Tests for examples/distributed_train.py (mixed precision on a mesh, in plain
+``jax.sharding``), ``jaxamp.optim.reduce_gradients``, and the deprecated sharding helpers.
 
 In-process tests use the 8 fake CPU devices the root conftest sets up; runs with
 other device counts, and the two-process run, are subprocesses.
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxamp
 
@@ -57,26 +58,34 @@ def _run(args, devices=None, env_extra=None, timeout=240):
 
 
 @needs_8
-def test_shard_batch_and_its_errors():
-    mesh = jaxamp.data_parallel_mesh()
-    x = jaxamp.shard_batch(np.zeros((16, 3), np.float32), mesh)
+def test_the_deprecated_sharding_helpers_still_work_and_warn():
+    with pytest.warns(DeprecationWarning, match=r"jaxamp.data_parallel_mesh is deprecated"):
+        mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    with pytest.warns(DeprecationWarning, match="examples/distributed_train.py"):
+        shard_batch = jaxamp.shard_batch
+    x = shard_batch(np.zeros((16, 3), np.float32), mesh)
     assert x.sharding.spec == PartitionSpec("data") and len(x.addressable_shards) == 8
     with pytest.raises(ValueError, match="A batch of 10 examples does not divide over the 8"):
-        jaxamp.shard_batch(np.zeros((10, 3)), mesh)
+        shard_batch(np.zeros((10, 3)), mesh)
     with pytest.raises(ValueError, match="scalar"):
-        jaxamp.shard_batch(np.float32(1.0), mesh)
+        shard_batch(np.float32(1.0), mesh)
+    with pytest.warns(DeprecationWarning):
+        assert jaxamp.replicated(mesh).spec == PartitionSpec()
+    with pytest.warns(DeprecationWarning):
+        specs = jaxamp.fsdp_shardings({"k": jnp.zeros((64, 512))}, mesh, min_size=256)
+    assert specs["k"].spec == PartitionSpec(None, "data")
 
 
 @needs_8
-def test_fsdp_shardings_split_the_largest_divisible_dimension():
-    mesh = jaxamp.data_parallel_mesh()
+def test_the_examples_fsdp_shardings_split_the_largest_divisible_dimension():
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
     tree = {
         "kernel": jnp.zeros((64, 512)),
         "odd": jnp.zeros((129, 131)),
         "bias": jnp.zeros((512,)),
         "count": jnp.zeros([], jnp.int32),
     }
-    specs = {k: s.spec for k, s in jaxamp.fsdp_shardings(tree, mesh, min_size=256).items()}
+    specs = {k: s.spec for k, s in distributed_train.fsdp_shardings(tree, mesh, 256).items()}
     assert specs["kernel"] == PartitionSpec(None, "data")
     assert specs["bias"] == PartitionSpec("data")
     assert specs["odd"] == PartitionSpec(None, None)  # nothing divides by 8
@@ -88,7 +97,7 @@ def test_fsdp_shardings_split_the_largest_divisible_dimension():
     "policy, expected", [("mixed_bfloat16", "f32"), ("p=f32,c=bf16,o=f32,r=bf16", "bf16")]
 )
 def test_gradients_are_all_reduced_in_the_policys_dtype(policy, expected):
-    mesh = jaxamp.data_parallel_mesh()
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
 
     @functools.partial(
         jax.shard_map,
@@ -246,11 +255,11 @@ def test_jit_data_parallel_all_reduces_float32_gradients_on_cpu():
     """Under jit with a sharded batch, XLA places the gradient all-reduce itself; on CPU it
     reduces the float32 gradients of float32 params (GPU placement is XLA:GPU's choice;
     reduce_gradients inside shard_map fixes the dtype explicitly)."""
-    mesh = jaxamp.data_parallel_mesh()
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
     model = jaxamp.linen.apply_policy(distributed_train.MLP(), "mixed_bfloat16")
     params = model.init(jax.random.key(0), jnp.zeros((1, distributed_train.FEATURES)))["params"]
-    replicated = jax.tree.map(lambda _: jaxamp.replicated(mesh), params)
-    x, y = jaxamp.shard_batch(distributed_train.global_batch(0, 64), mesh)
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    x, y = distributed_train.shard_batch(distributed_train.global_batch(0, 64), mesh)
 
     def grads(p, x, y):
         logits = model.apply({"params": p}, x)

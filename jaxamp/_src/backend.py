@@ -66,7 +66,7 @@ def cpu_16bit_units(dtype: Any = "bfloat16") -> tuple[str, ...]:
     ``avx512_bf16``/``amx_bf16`` units; it has no float16 GEMM kernels, so the
     float16 flags change nothing in what it runs.
 
-    Example:
+    Examples:
       >>> isinstance(cpu_16bit_units(), tuple)
       True
     """
@@ -120,7 +120,7 @@ def auto_policy(device: Any = None, *, explain: bool = False) -> Policy | tuple[
     Returns:
       One of the presets in ``jaxamp.PRESETS`` (and the reason, with ``explain``).
 
-    Example:
+    Examples:
       >>> import jax
       >>> policy, reason = auto_policy(explain=True)
       >>> jax.default_backend() != "cpu" or (str(policy), reason[:4])

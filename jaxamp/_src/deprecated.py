@@ -51,7 +51,7 @@ def deprecation_getattr(module: str, moved: Mapping[str, str]) -> Callable[[str]
 def data_parallel_mesh(devices: Sequence[Any] | None = None, axis: str = "data") -> Mesh:
     """A one-axis mesh over ``devices`` (default: every device of every process).
 
-    Example:
+    Examples:
       >>> mesh = data_parallel_mesh()
       >>> mesh.axis_names
       ('data',)

@@ -1,6 +1,6 @@
 """The one dtype vocabulary: names, predicates and upcasts shared by every module.
 
-Example:
+Examples:
   >>> import jax.numpy as jnp
   >>> is_16bit(jnp.bfloat16), is_16bit(jnp.float32), is_16bit(jnp.int16)
   (True, False, False)
@@ -67,7 +67,7 @@ HLO_DTYPE_NAMES = {
     "s64": "int64",
 }
 
-SIXTEEN_BIT_NAMES = ("bfloat16", "float16")
+SIXTEEN_BIT_NAMES = frozenset({"bfloat16", "float16"})
 
 # The numpy names of the floating element types a lowered program may hold.
 FLOAT_NAMES = frozenset(
@@ -113,7 +113,7 @@ def is_16bit_array(x: Any) -> bool:
 def upcast(x: Any) -> Any:
     """``x`` in float32 if it is a floating array narrower than float32, else ``x`` itself.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> upcast(jnp.ones(2, jnp.bfloat16)).dtype, upcast(jnp.ones(2, jnp.int32)).dtype
       (dtype('float32'), dtype('int32'))
@@ -140,7 +140,7 @@ def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:
     Raises:
       ValueError: if ``value`` names no floating dtype.
 
-    Example:
+    Examples:
       >>> canonical_dtype("f16")
       dtype('float16')
     """

@@ -20,7 +20,7 @@ def invalid_choice(
     Returns:
       The error, to ``raise``.
 
-    Example:
+    Examples:
       >>> print(invalid_choice("rounding", "up", ("nearest", "stochastic")))
       Unknown rounding 'up'. Valid choices: nearest, stochastic.
     """

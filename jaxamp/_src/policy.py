@@ -42,7 +42,7 @@ def cast_floating(tree: T, dtype: Any) -> T:
     Returns:
       A pytree of the same structure.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> tree = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
       >>> out = cast_floating(tree, jnp.bfloat16)
@@ -74,7 +74,7 @@ class Policy:
         (the default) means float32 when ``compute_dtype`` is a 16-bit type and
         ``param_dtype`` otherwise; read it through :attr:`grad_reduce_dtype`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> policy = Policy("float32", "bfloat16", "float32")
       >>> str(policy)
@@ -207,7 +207,7 @@ def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
         the bad part and the valid choices.
       TypeError: if ``spec`` is neither a string nor a policy.
 
-    Example:
+    Examples:
       >>> get_policy("mixed_bfloat16") == get_policy("p=f32,c=bf16,o=f32")
       True
       >>> str(get_policy("c=f16"))

@@ -3,7 +3,6 @@
 import copy
 
 import pytest
-from tests.tiny_configs import TINY_BERT
 
 from jaxamp._src import backend
 from jaxamp._src.compare.app import CompareConfig, compare
@@ -13,6 +12,7 @@ from jaxamp._src.compare.stats import (
     choose_model,
     merge_seeds,
 )
+from tests.tiny_configs import TINY_BERT
 
 
 @pytest.mark.parametrize("units", [True, False])

@@ -5,7 +5,7 @@ as upstream wrote them (absltest/parameterized), importing
 ``tests/compat/jmp_adapter.py`` (jmp's API on top of jaxamp) instead of jmp. The
 classes below are jmp's test classes: pytest runs every case (72 policy cases, 25
 loss-scale cases). A case that fails because jaxamp differs from jmp on purpose
-is a strict xfail whose reason says how and why (see docs/jmp_compatibility.md);
+is a strict xfail whose reason says how and why (see docs/guides/jmp_compatibility.md);
 one that starts passing fails the run, so the list stays exact. ``raises`` pins
 the failure each case is expected to show, so a different failure is reported.
 """
@@ -17,9 +17,9 @@ import unittest
 
 import jmp
 import pytest
-from tests.compat.jmp_tests import loss_scale_test, policy_test
 
 import jaxamp
+from tests.compat.jmp_tests import loss_scale_test, policy_test
 
 # Deliberate differences, each the reason of the cases it fails.
 ERROR_WORDING = (

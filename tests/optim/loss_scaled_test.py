@@ -342,7 +342,9 @@ def test_bad_arguments():
         jaxamp.loss_scaled(optax.sgd(0.1), "dynamic")
     with pytest.raises(ValueError, match="history_length"):
         jaxamp.loss_scaled(optax.sgd(0.1), history_length=0)
-    with pytest.raises(ValueError, match="skip_with must be 'select' or 'cond', got 'if'"):
+    with pytest.raises(
+        ValueError, match=r"Unknown skip_with 'if'\. Valid choices: 'select', 'cond'"
+    ):
         jaxamp.loss_scaled(optax.sgd(0.1), skip_with="if")
 
 

@@ -29,6 +29,8 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 from jaxamp._src.audit.stablehlo import WalkedOp, tensor_type, walk
 from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES, SIXTEEN_BIT_NAMES
 
@@ -237,7 +239,7 @@ class PrecisionError(AssertionError):
         super().__init__(f"{len(self.problems)} precision problem(s):\n{lines}")
 
 
-PrecisionError.__module__ = "jaxamp"  # raised to users as jaxamp.debug.PrecisionError
+PrecisionError.__module__ = "jaxamp.debug"  # raised to users as jaxamp.debug.PrecisionError
 
 
 def _operand_dtype(operation: Any) -> tuple[tuple[int, ...], str]:
@@ -283,7 +285,7 @@ def is_cumulative(
     Returns:
       ``True`` for a cumulative reduction.
 
-    Example:
+    Examples:
       >>> is_cumulative((6, 3), (6, 1), (1, 1), ((5, 0), (0, 0)))  # cumsum over axis 0
       True
       >>> is_cumulative((2, 8, 8, 3), (1, 2, 2, 1), (1, 1, 1, 1), ((0, 0),) * 4)  # pooling
@@ -494,6 +496,4 @@ def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...
 def canonical_dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
         return HLO_DTYPE_NAMES.get(dtype, dtype)
-    import numpy as np
-
     return np.dtype(dtype).name

@@ -40,13 +40,6 @@ from jaxamp._src.audit.checks import (
 )
 from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES
 
-_LOC_DEF = re.compile(r'^#loc(\d+) = loc\("([^"]*)"')
-_LOC_USE = re.compile(r"loc\(#loc(\d+)\)\s*$")
-_SIGNATURE = re.compile(r":\s*\((?P<ins>[^()]*)\)\s*->\s*(?P<out>tensor<[^>]*>)")
-_SAME_TYPE = re.compile(r"stablehlo\.convert\s+%\S+\s*:\s*tensor<")
-_TENSOR = re.compile(r"tensor<([^>,]*)")
-_SHLO_OP = re.compile(r"=\s*stablehlo\.(dot_general|dot|convolution|convert)\b")
-_ALGORITHM = re.compile(r"accumulation_type\s*=\s*(\w+)")
 _HLO_INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^)]*\)|\S+)\s+"
     r"(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<rest>.*)$"
@@ -102,9 +95,6 @@ def _tensor_type(text: str) -> tuple[tuple[int, ...], str]:
     parts = text.strip().split("x")
     shape = tuple(int(p) for p in parts[:-1] if p.isdigit())
     return shape, _dtype_name(parts[-1])
-
-
-_direction = direction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +177,20 @@ class PrecisionReport:
 
     @classmethod
     def from_text(cls, text: str) -> PrecisionReport:
-        """Parses lowered StableHLO text or compiled HLO text."""
+        """Parses compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``).
+
+        Lowered StableHLO is read from the program itself, not from its text: use
+        :meth:`from_lowered` (or :func:`jaxamp.precision_report`).
+
+        Raises:
+          ValueError: for StableHLO text.
+        """
         if "stablehlo." in text or "func.func" in text:
-            return _parse_stablehlo(text)
+            raise ValueError(
+                "PrecisionReport.from_text reads compiled HLO text; for lowered StableHLO "
+                "use PrecisionReport.from_lowered(jax.jit(f).lower(*args)) or "
+                "jaxamp.precision_report(f)(*args)."
+            )
         return _parse_hlo(text)
 
     @classmethod
@@ -231,7 +232,7 @@ class PrecisionReport:
     def check(self, compute_dtype: Any = None, *, ignore: Sequence[str] = ()) -> PrecisionReport:
         """Raises :class:`jaxamp.debug.PrecisionError` listing :meth:`problems`; returns ``self``.
 
-        Example:
+        Examples:
           >>> import jax, jax.numpy as jnp
           >>> import jaxamp
           >>> x = jnp.ones((4, 8), jnp.bfloat16)
@@ -254,7 +255,7 @@ class PrecisionReport:
         unknown), optionally only those with both operands in ``operand_dtype``."""
         total = 0
         for op in self.ops:
-            if operand_dtype is None or op.operand_dtype == _canonical(operand_dtype):
+            if operand_dtype is None or op.operand_dtype == canonical_dtype_name(operand_dtype):
                 if op.executions is None:
                     return None
                 total += op.executions
@@ -265,7 +266,7 @@ class PrecisionReport:
         return sum(
             1
             for op in self.ops
-            if (operand_dtype is None or op.operand_dtype == _canonical(operand_dtype))
+            if (operand_dtype is None or op.operand_dtype == canonical_dtype_name(operand_dtype))
             and (kind is None or op.kind == kind)
         )
 
@@ -304,7 +305,7 @@ class PrecisionReport:
                 op.accumulation_dtype or "backend",
                 "?" if op.executions is None else op.executions,
                 "x".join(map(str, op.lhs_shape)),
-                _short_name(op.name),
+                short_name(op.name),
             )
             for op in self.ops
         ]
@@ -320,49 +321,6 @@ class PrecisionReport:
                 "sensitive operations: " + ", ".join(f"{k} x{n}" for k, n in counts.items())
             )
         return "\n".join(lines)
-
-
-_canonical = canonical_dtype_name
-
-
-_short_name = short_name
-
-
-def _parse_stablehlo(text: str) -> PrecisionReport:
-    locations = {m.group(1): m.group(2) for m in map(_LOC_DEF.match, text.splitlines()) if m}
-    ops, converts = [], 0
-    for line in text.splitlines():
-        match = _SHLO_OP.search(line)
-        if not match:
-            continue
-        kind = match.group(1)
-        signature = _SIGNATURE.search(line)
-        if kind == "convert":
-            if signature:
-                (_, src), (_, dst) = (
-                    _tensor_type(_TENSOR.search(signature.group("ins")).group(1)),
-                    _tensor_type(_TENSOR.search(signature.group("out")).group(1)),
-                )
-                converts += src != dst and src in FLOAT_NAMES and dst in FLOAT_NAMES
-            continue
-        if not signature:
-            continue
-        operands = [_tensor_type(t) for t in _TENSOR.findall(signature.group("ins"))]
-        if len(operands) < 2:
-            continue
-        (lhs_shape, lhs), (rhs_shape, rhs) = operands[:2]
-        _, result = _tensor_type(_TENSOR.search(signature.group("out")).group(1))
-        algorithm = _ALGORITHM.search(line)
-        accumulation = _dtype_name(algorithm.group(1)) if algorithm else _wider(lhs, rhs, result)
-        loc = _LOC_USE.search(line)
-        name = locations.get(loc.group(1), "") if loc else ""
-        kind = "dot_general" if kind in ("dot", "dot_general") else kind
-        ops.append(
-            MatmulOp(
-                kind, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, _direction(name)
-            )
-        )
-    return PrecisionReport(tuple(ops), int(converts), "stablehlo")
 
 
 def _wider(lhs: str, rhs: str, result: str) -> str | None:
@@ -436,9 +394,7 @@ def _hlo_matmul(match: re.Match, operands: list, result: str) -> MatmulOp | None
     algorithm = _HLO_ALGORITHM.search(rest)
     accumulation = _algorithm_accumulation(algorithm) if algorithm else _wider(lhs, rhs, result)
     name = _hlo_name(rest)
-    return MatmulOp(
-        op, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, _direction(name)
-    )
+    return MatmulOp(op, lhs, rhs, result, accumulation, lhs_shape, rhs_shape, name, direction(name))
 
 
 def _narrowest(dtypes: list[str]) -> str | None:
@@ -513,7 +469,7 @@ def _hlo_sensitive(
     if primitive is None or dtype not in FLOAT_NAMES:
         return None
     name = _hlo_name(rest)
-    return SensitiveOp(primitive, dtype, shape, name, _direction(name), executions=None)
+    return SensitiveOp(primitive, dtype, shape, name, direction(name), executions=None)
 
 
 def _parse_hlo(text: str) -> PrecisionReport:
@@ -560,7 +516,7 @@ def precision_report(
     Returns:
       A function taking ``fun``'s arguments and returning a :class:`PrecisionReport`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> x = jnp.ones((2, 2), jnp.bfloat16)
       >>> report = precision_report(jnp.matmul)(x, x)

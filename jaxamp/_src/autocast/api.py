@@ -102,7 +102,7 @@ def autocast(
       TypeError: if ``fun`` is not callable or ``rules`` is not an ``AutocastRules``.
       ValueError: if ``policy`` names no policy or ``residuals`` no mode.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxamp
       >>> def layer(w, x):
@@ -283,7 +283,7 @@ def autocast_float32(fun: Callable[..., Any]) -> Callable[..., Any]:
     Raises:
       TypeError: if ``fun`` is not callable.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxamp
       >>> @autocast_float32

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast.rules import AutocastRules, _names
+from jaxamp._src.autocast.rules import AutocastRules, primitive_names
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
 from jaxamp._src.jaxprs import (
     bind,
@@ -158,7 +158,7 @@ def _promote(eqn: Any, env: _Env) -> list[Any]:
 
 # Reductions whose result must equal one of the elements that flow on (their JVP finds
 # the maximum by comparing): they read the 16-bit value, which they reduce exactly.
-_CHOOSERS = _names("reduce_max_p", "reduce_min_p", "argmax_p", "argmin_p")
+_CHOOSERS = primitive_names("reduce_max_p", "reduce_min_p", "argmax_p", "argmin_p")
 
 
 def _wide(env: _Env, atom: Any, value: Any, primitive: str = "") -> Any:
@@ -351,7 +351,9 @@ def _broadcast_in_dim(eqn: Any, env: _Env) -> list[Any]:
 
 # Elementwise primitives that take operands of different shapes (size-1 dimensions
 # broadcast): their transpose sums the broadcast dimensions in the cotangent's dtype.
-_IMPLICIT_BROADCAST = _names("add_p", "sub_p", "mul_p", "div_p", "max_p", "min_p", "atan2_p")
+_IMPLICIT_BROADCAST = primitive_names(
+    "add_p", "sub_p", "mul_p", "div_p", "max_p", "min_p", "atan2_p"
+)
 
 
 def _elementwise(eqn: Any, env: _Env) -> list[Any]:

@@ -33,14 +33,14 @@ from typing import Any
 from jax import lax
 
 
-def _names(*attributes: str) -> frozenset[str]:
+def primitive_names(*attributes: str) -> frozenset[str]:
     """Primitive names of ``jax.lax.<attribute>`` objects; those a JAX version lacks are skipped."""
     return frozenset(p.name for p in (getattr(lax, a, None) for a in attributes) if p is not None)
 
 
-COMPUTE_PRIMITIVES = _names("dot_general_p", "conv_general_dilated_p")
+COMPUTE_PRIMITIVES = primitive_names("dot_general_p", "conv_general_dilated_p")
 
-FLOAT32_PRIMITIVES = _names(
+FLOAT32_PRIMITIVES = primitive_names(
     "exp_p",
     "exp2_p",
     "log_p",
@@ -74,7 +74,7 @@ FLOAT32_PRIMITIVES = _names(
     "psum_p",
 ) | {"psum_invariant"}  # ``lax.psum`` inside ``shard_map`` (jax >= 0.7)
 
-PROMOTE_PRIMITIVES = _names(
+PROMOTE_PRIMITIVES = primitive_names(
     # elementwise binary and ternary arithmetic, comparisons
     "add_p",
     "sub_p",
@@ -167,7 +167,7 @@ class AutocastRules:
       float32: primitives whose floating inputs are cast up to float32.
       promote: primitives that run in the dtype their inputs arrive in.
 
-    Example:
+    Examples:
       >>> import dataclasses, jax
       >>> import jaxamp
       >>> rules = dataclasses.replace(

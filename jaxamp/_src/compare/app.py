@@ -166,7 +166,7 @@ def classification_metrics(
 ) -> dict[str, float]:
     """Accuracy and macro-averaged precision, recall and F1.
 
-    Example:
+    Examples:
       >>> m = classification_metrics(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]), 2)
       >>> round(m["accuracy"], 2), round(m["precision"], 3), round(m["recall"], 2)
       (0.75, 0.833, 0.75)

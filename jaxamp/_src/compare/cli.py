@@ -5,9 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxamp._src.compare.app import MODELS, CompareConfig
-from jaxamp._src.compare.data import DATA_SOURCES
-from jaxamp._src.compare.variants import VARIANTS
+# The compare app needs the ``compare`` extra (tqdm, matplotlib, tensorflow-datasets,
+# scikit-learn, pillow); without it the command says which extra to install.
+COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "PIL")
+try:
+    from jaxamp._src.compare.app import MODELS, CompareConfig, compare
+    from jaxamp._src.compare.data import DATA_SOURCES
+    from jaxamp._src.compare.report import format_table, write_report
+    from jaxamp._src.compare.variants import VARIANTS
+except ModuleNotFoundError as e:  # an optional dependency of the app is missing
+    if (e.name or "").split(".")[0] not in COMPARE_EXTRA:
+        raise
+    _MISSING: str | None = e.name
+else:
+    _MISSING = None
 
 
 def _positive(value: str) -> int:
@@ -129,12 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def missing_extra() -> str | None:
+    """Why ``jaxamp compare`` cannot run here (the ``compare`` extra is missing), or ``None``."""
+    if _MISSING is None:
+        return None
+    return (
+        f"jaxamp compare needs the 'compare' extra (it could not import {_MISSING!r}): "
+        "pip install 'jaxamp[compare]' (from a checkout: pip install -e '.[compare]')"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    why = missing_extra()
+    if why is not None:
+        print(f"jaxamp: error: {why}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if args.command == "compare":
-        from jaxamp._src.compare.app import compare
-        from jaxamp._src.compare.report import format_table, write_report
-
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "out")}
         try:
             config = CompareConfig(**fields)

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
+import jax
 import numpy as np
 
 FASHION_MNIST_CLASSES = (
@@ -219,7 +220,7 @@ class HashingTokenizer:
     ``3 + crc32(word) % (vocab_size - 3)``, prepends ``[CLS]`` (1), appends
     ``[SEP]`` (2), truncates and pads with 0 to ``seq_len``.
 
-    Example:
+    Examples:
       >>> tokens = HashingTokenizer(1000, 8)(["A great film."])
       >>> tokens.shape, int(tokens[0, 0]), int(tokens[0, 5]), int(tokens[0, 6])
       ((1, 8), 1, 2, 0)
@@ -430,8 +431,6 @@ def batches(
       ``(inputs, labels)`` device arrays.
     """
     if put is None:
-        import jax
-
         put = jax.device_put
     order = np.random.default_rng([seed, epoch]).permutation(len(x))
     starts = range(0, len(x) - batch_size + 1, batch_size)

@@ -24,7 +24,7 @@ def _version(package: str) -> str | None:
 def environment() -> dict[str, Any]:
     """Versions of jax, jaxlib, flax, optax, jmp and torch; backend; device; CPU bf16 features.
 
-    Example:
+    Examples:
       >>> env = environment()
       >>> sorted(k for k in env if k in ("jax", "backend", "device"))
       ['backend', 'device', 'jax']

@@ -139,7 +139,7 @@ def default_variants(device=None) -> list[str]:
     dynamic loss scaling, so that there is a loss-scale history to show) are
     compared with ``fp32``.
 
-    Example:
+    Examples:
       >>> default_variants()[0]
       'fp32'
     """

@@ -273,7 +273,7 @@ def apply_policy(
     Returns:
       A :class:`PolicyModule` with ``init``, ``init_with_output`` and ``apply``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
       >>> import jaxamp
       >>> model = jaxamp.linen.apply_policy(nn.Dense(3), "mixed_bfloat16")

@@ -24,7 +24,7 @@ _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
 _ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
 
 
-def _iter_modules(model: nnx.Module):
+def iter_modules(model: nnx.Module):
     iter_modules = getattr(nnx, "iter_modules", None)
     if iter_modules is not None:
         return iter_modules(model)
@@ -157,7 +157,7 @@ def apply_policy(
     Returns:
       ``model`` itself.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> import jaxamp
@@ -175,7 +175,7 @@ def apply_policy(
     residuals = validate_residuals(residuals)
     rules = policy_rules(rules)
 
-    modules = {tuple(path): module for path, module in _iter_modules(model)}
+    modules = {tuple(path): module for path, module in iter_modules(model)}
     for path, module in modules.items():
         chain = [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)]
         layer_policy = layer_plan.resolve_policy(policy, override_list, chain)

@@ -45,8 +45,6 @@ from jaxamp._src.policy import Policy, get_policy
 EMBED_LAYERS: tuple[type, ...] = (nn.Embed, nnx.Embed)
 _FLAX_ATTENTION_FNS = (nn.dot_product_attention, nnx.dot_product_attention)
 
-OverrideKey = "str | type"
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
@@ -131,7 +129,6 @@ _HOOKS = (
     ("conv_general_dilated", (None, lax.conv_general_dilated), ConvGeneralDilated),
     ("einsum_op", (jnp.einsum,), lambda dtype: DotGeneral(dtype).einsum),
 )
-_FLAX_PROMOTES = (linen_dtypes.promote_dtype, nnx_dtypes.promote_dtype)
 
 
 def _matmul_hooks(module: Any, compute_dtype: Any) -> dict[str, Any]:

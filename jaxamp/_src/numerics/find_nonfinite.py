@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxamp._src.numerics import evaluator, tracing
+from jaxamp._src.optim.gradients import get_loss_scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +172,7 @@ def find_nonfinite(
       A function of ``fun``'s arguments returning ``None`` when every value, forward
       and backward, is finite, else a :class:`NonFinite`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> import jaxamp
       >>> def loss(w, x):
@@ -183,7 +184,7 @@ def find_nonfinite(
       >>> jaxamp.find_nonfinite(loss)(jnp.array([1.0, 2.0]), jnp.array([1.0, 1.0])) is None
       True
     """
-    scale = _scale_of(loss_scale)
+    scale = scale_of(loss_scale)
 
     def find(*args: Any, **kwargs: Any) -> NonFinite | None:
         bad_input = _first_nonfinite_argument(args, kwargs)
@@ -309,7 +310,7 @@ class _Origins:
         return None
 
 
-def _scale_of(loss_scale: Any) -> float | None:
+def scale_of(loss_scale: Any) -> float | None:
     if loss_scale is None:
         return None
     if isinstance(loss_scale, (int, float, np.number)) or (
@@ -317,8 +318,6 @@ def _scale_of(loss_scale: Any) -> float | None:
     ):
         value = float(loss_scale)
     else:
-        from jaxamp._src.optim.gradients import get_loss_scale
-
         value = float(get_loss_scale(loss_scale))
     if not (np.isfinite(value) and value > 0):
         raise ValueError(f"loss_scale must be a positive, finite number, got {loss_scale!r}.")

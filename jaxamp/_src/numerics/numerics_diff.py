@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._src.autocast.api import autocast
 from jaxamp._src.numerics import evaluator, tracing
-from jaxamp._src.numerics.find_nonfinite import _scale_of
+from jaxamp._src.numerics.find_nonfinite import scale_of
 from jaxamp._src.policy import Policy
 
 # A layer whose float32 value has an RMS below this fraction of the typical RMS of its
@@ -246,7 +247,7 @@ def numerics_diff(
     Returns:
       A function of the losses' arguments returning a :class:`NumericsDiff`.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxamp
       >>> def loss(params, x):
@@ -265,11 +266,9 @@ def numerics_diff(
     if callable(policy) and not isinstance(policy, (Policy, str)):
         amp_fun = policy
     else:
-        from jaxamp._src.autocast.api import autocast
-
         amp_fun = autocast(fun, policy)
 
-    scale = _scale_of(loss_scale)
+    scale = scale_of(loss_scale)
 
     def diff(*args: Any, **kwargs: Any) -> NumericsDiff:
         ref = tracing.trace(fun, argnums, args, kwargs, has_aux=has_aux)

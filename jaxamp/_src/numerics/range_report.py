@@ -17,17 +17,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src.autocast.api import autocast
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
     NON_SCALAR,
-    _scale_of,
     carried,
     constant,
     merge_tags,
+    scale_of,
     warn_forward_only,
 )
-from jaxamp._src.numerics.ranges import LayerRange, RangeReport, Recommendation, _beyond_float16
+from jaxamp._src.numerics.ranges import LayerRange, RangeReport, Recommendation, beyond_float16
 from jaxamp._src.policy import Policy, get_policy
 
 __all__ = ["LayerRange", "RangeReport", "Recommendation", "range_report"]
@@ -198,7 +199,7 @@ def range_report(
     Returns:
       A function of ``fun``'s arguments returning a :class:`RangeReport`.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxamp
       >>> def loss(w, x):
@@ -216,11 +217,9 @@ def range_report(
       >>> advice.dtype, advice.loss_scale
       ('float16', 8192.0)
     """
-    scale = _scale_of(loss_scale)
+    scale = scale_of(loss_scale)
     target, described = fun, None
     if isinstance(policy, (Policy, str)):
-        from jaxamp._src.autocast.api import autocast
-
         target, described = autocast(fun, policy), str(get_policy(policy))
     elif policy is not None:
         if not callable(policy):
@@ -254,7 +253,7 @@ def range_report(
 
     def report(*args: Any, **kwargs: Any) -> RangeReport:
         result = measure(args, kwargs, scale)
-        phases = {r.phase for r in result.layers if _beyond_float16(r)}
+        phases = {r.phase for r in result.layers if beyond_float16(r)}
         if scale is not None and scale > 1 and phases == {"backward"}:
             # too large a scale, or gradients float16 cannot hold? measure them unscaled
             with warnings.catch_warnings():

@@ -159,7 +159,7 @@ class RangeReport:
 
     def _advice(self, underflow_threshold: float) -> Recommendation:
         scale = self.loss_scale or 1.0
-        forward = [r for r in self.layers if r.phase == "forward" and _beyond_float16(r)]
+        forward = [r for r in self.layers if r.phase == "forward" and beyond_float16(r)]
         if forward:
             return Recommendation(
                 "bfloat16",
@@ -167,7 +167,7 @@ class RangeReport:
                 f"Use bfloat16: activations of {_names(forward)} exceed float16's range "
                 f"({_beyond_text(forward)}). Loss scaling does not change the forward pass.",
             )
-        backward = [r for r in self.layers if r.phase == "backward" and _beyond_float16(r)]
+        backward = [r for r in self.layers if r.phase == "backward" and beyond_float16(r)]
         if backward:
             fitting = self._smaller_scale(backward)
             if fitting is not None:
@@ -205,7 +205,7 @@ class RangeReport:
         gradients of ``rows`` fit, if they fit unscaled: each grows at most in
         proportion to the scale."""
         scale = self.loss_scale or 1.0
-        if scale <= 1 or not self.unscaled or any(_beyond_float16(r) for r in self.unscaled):
+        if scale <= 1 or not self.unscaled or any(beyond_float16(r) for r in self.unscaled):
             return None
         unscaled = {r.layer: r for r in self.unscaled}
         top = float(jnp.finfo(jnp.float16).max)
@@ -258,7 +258,7 @@ class RangeReport:
         return "\n".join(lines)
 
 
-def _beyond_float16(r: LayerRange) -> bool:
+def beyond_float16(r: LayerRange) -> bool:
     """Whether float16 cannot hold a row's values: the largest rounds to inf there, or
     some were inf or NaN in 16 bits already (non-finite float32 values do not count:
     float16 is not their cause)."""
@@ -293,5 +293,5 @@ def _names(rows: Sequence[LayerRange]) -> str:
 def _dtype(dtype: Any) -> Any:
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in SIXTEEN_BIT_NAMES:
-        raise ValueError(f"dtype must be one of {', '.join(SIXTEEN_BIT_NAMES)}, got {dtype!r}.")
+        raise ValueError(f"dtype must be one of float16, bfloat16, got {dtype!r}.")
     return jnp.dtype(name)

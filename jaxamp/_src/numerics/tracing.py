@@ -19,7 +19,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
 from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
 
@@ -53,10 +55,6 @@ class Traced:
 
 
 def _nnx_module(x: Any) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return False
     return isinstance(x, nnx.Module)
 
 
@@ -68,14 +66,9 @@ def layer_scopes(model: Any) -> Any:
     up to the path once; called elsewhere it opens its whole path. Changes the classes
     of the modules of ``model`` in place; call it on a model made for the purpose (the
     numerics tools call it on a copy they merge)."""
-    from flax import nnx
-
-    from jaxamp._src.flax_policy.nnx import _iter_modules
-
     root = type(model).__name__
-    for path, module in list(_iter_modules(model)):
+    for path, module in list(iter_modules(model)):
         module.__class__ = _scoped_class(type(module), (root, *(str(p) for p in path)))
-    del nnx
     return model
 
 
@@ -136,8 +129,6 @@ def trace(
     split, pieces, rests = {}, list(args), []
     for i, a in enumerate(args):
         if _nnx_module(a):
-            from flax import nnx
-
             graphdef, params, rest = nnx.split(a, nnx.Param, ...)
             split[i] = (graphdef, len(rests))
             pieces[i] = params
@@ -148,8 +139,6 @@ def trace(
     def merged(*values):
         values, rest_values = list(values[:n_args]), values[n_args:]
         for i, (graphdef, r) in split.items():
-            from flax import nnx
-
             # fresh variables (copy=True): ones shared with the split state belong to an
             # outer trace, and a BatchNorm could not update its statistics in them
             values[i] = layer_scopes(nnx.merge(graphdef, values[i], rest_values[r], copy=True))

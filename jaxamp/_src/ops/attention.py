@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 
 from jaxamp._src.ops.matmul import DotGeneral
@@ -26,8 +27,6 @@ Array = jax.Array
 
 def _sow(module: Any, weights: Array) -> None:
     """Records the attention weights the way the calling Flax API expects."""
-    from flax import nnx
-
     if isinstance(module, nnx.Module):
         module.sow(nnx.Intermediate, "attention_weights", weights)
     else:
@@ -53,7 +52,7 @@ def softmax_float32(
     Returns:
       The attention weights in ``dtype``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> w = softmax_float32(jnp.zeros((1, 2, 2), jnp.bfloat16))
       >>> w.dtype, float(w.sum())

@@ -113,7 +113,7 @@ def use_matmul_form(form: str | MatmulForm) -> Iterator[MatmulForm]:
     Raises:
       ValueError: if ``form`` names no form.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> import jaxamp
       >>> f = jaxamp.autocast(lambda w, x: x @ w)
@@ -163,7 +163,7 @@ def matmul_form(platform: str | None = None, dtype: Any = jnp.bfloat16) -> Matmu
     ``native`` override on a CPU warns: XLA:CPU fails to run some of its
     bfloat16 dots.
 
-    Example:
+    Examples:
       >>> matmul_form("gpu").name, matmul_form("cpu").name, matmul_form("cpu", "float16").name
       ('native', 'canonical', 'upcast')
     """

@@ -364,7 +364,7 @@ def amp_dot_general(
     Raises:
       ValueError: for an unknown ``form`` or ``precision`` name.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> x, w = jnp.ones((2, 3), jnp.bfloat16), jnp.ones((3, 4))
       >>> dn = (((1,), (0,)), ((), ()))
@@ -542,7 +542,7 @@ def amp_conv_general_dilated(
     Returns:
       The convolution.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> x, k = jnp.ones((1, 4, 4, 2), jnp.bfloat16), jnp.ones((3, 3, 2, 5))
       >>> y = amp_conv_general_dilated(x, k, (1, 1), "SAME",
@@ -581,7 +581,7 @@ class DotGeneral:
       form: a :class:`jaxamp.ops.MatmulForm`, or ``None`` for :func:`jaxamp.ops.matmul_form`'s
         choice where the GEMM is traced.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> rule = DotGeneral(jnp.bfloat16)
       >>> rule.einsum("ij,jk->ik", jnp.ones((2, 3)), jnp.ones((3, 4))).dtype

@@ -183,7 +183,7 @@ def checkpoint_residuals(fun: Callable[..., Any], residuals: str = "compute_dtyp
     Returns:
       The wrapped function (``fun`` itself for ``"all"``).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> def f(x):  # a float32 temporary between two 16-bit values
       ...     return jnp.sin(jnp.sin(x.astype(jnp.float32))).astype(jnp.bfloat16)
@@ -239,7 +239,7 @@ def activation_bytes(
     Returns:
       Total bytes, or bytes per dtype.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> activation_bytes(lambda w: jnp.sum(jnp.sin(w) ** 2), jnp.ones(1000))  # sin(w), cos(w)
       8000

@@ -80,7 +80,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     Raises:
       ValueError: for any other ``dtype``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> x = jnp.full(10_000, 1.0 + 2.0**-10)  # a quarter of a bfloat16 ulp above 1
       >>> y = stochastic_round(x, jnp.bfloat16, jax.random.key(0)).astype(jnp.float32)

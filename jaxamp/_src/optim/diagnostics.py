@@ -27,7 +27,7 @@ def underflow_fraction(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
     Returns:
       A float32 scalar in [0, 1].
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> float(underflow_fraction(jnp.array([1.0, 1e-9, 0.0, 1e-3])))
       0.25

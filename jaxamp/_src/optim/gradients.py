@@ -18,7 +18,7 @@ from jaxamp._src.policy import Policy, get_policy
 def get_loss_scale(opt_state: Any) -> jax.Array:
     """The current loss scale (float32 scalar) of a :func:`jaxamp.loss_scaled` optimizer state.
 
-    Example:
+    Examples:
       >>> import optax, jax.numpy as jnp, jaxamp
       >>> state = jaxamp.loss_scaled(optax.adam(1e-3)).init({"w": jnp.ones(2)})
       >>> get_loss_scale(state)
@@ -72,7 +72,7 @@ def value_and_grad(
     Returns:
       ``f(*args, opt_state, **kwargs) -> (value, scaled_grads)``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.loss_scaled(optax.sgd(1.0))
       >>> params = jnp.ones(2)

@@ -25,6 +25,8 @@ update).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Any, NamedTuple
 
@@ -34,6 +36,7 @@ import optax
 from jax import lax
 
 from jaxamp._src.dtypes import FLOAT32, is_16bit_array, is_floating_array, is_inexact_array
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim import master_weights as masters
 from jaxamp._src.optim.scales import DynamicLossScale, LossScale, LossScaleState
 
@@ -103,7 +106,7 @@ def _record_nonfinite(checks: Any, finite: jax.Array, record: Any) -> Any:
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating or complex element of ``tree`` is finite (one reduction under jit).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
       False
@@ -238,7 +241,7 @@ def loss_scaled(
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
       ``update`` are passed to ``inner``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax
       >>> import jaxamp
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1))
@@ -250,129 +253,218 @@ def loss_scaled(
       >>> updates["w"]  # -0.1 * 2w: the scale is gone
       Array([-0.2, -0.2, -0.2], dtype=float32)
     """
+    config = _Config(
+        inner=optax.with_extra_args_support(_validated_inner(inner)),
+        loss_scale=_validated_loss_scale(loss_scale),
+        master_weights=masters.validate_master_weights(master_weights),
+        skip_with=_validated_skip_with(skip_with),
+        axis_name=axis_name,
+        record_nonfinite=record_nonfinite,
+        history_length=_validated_history_length(history_length),
+        seed=seed,
+    )
+    return optax.GradientTransformationExtraArgs(
+        functools.partial(_init, config), functools.partial(_update, config)
+    )
+
+
+# --- loss_scaled, step by step ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The settings of one :func:`loss_scaled` transformation, validated."""
+
+    inner: optax.GradientTransformationExtraArgs
+    loss_scale: LossScale
+    master_weights: str
+    skip_with: str
+    axis_name: str | None
+    record_nonfinite: bool
+    history_length: int
+    seed: int
+
+
+def _validated_inner(inner: Any) -> Any:
     if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
         raise TypeError(
             "loss_scaled expects an optax.GradientTransformation (e.g. optax.adam(1e-3)) as "
             f"inner, got {inner!r} ({type(inner).__name__})."
         )
+    return inner
+
+
+def _validated_loss_scale(loss_scale: Any) -> LossScale:
     loss_scale = DynamicLossScale() if loss_scale is None else loss_scale
     if not hasattr(loss_scale, "adjust"):
         raise TypeError(
             "loss_scale must be jaxamp.NoOpLossScale, StaticLossScale or DynamicLossScale, "
             f"got {type(loss_scale).__name__}: {loss_scale!r}."
         )
+    return loss_scale
+
+
+def _validated_skip_with(skip_with: Any) -> str:
     if skip_with not in ("select", "cond"):
-        raise ValueError(f"skip_with must be 'select' or 'cond', got {skip_with!r}.")
+        raise invalid_choice("skip_with", skip_with, ("select", "cond"), quote=True)
+    return skip_with
+
+
+def _validated_history_length(history_length: Any) -> int:
     if not (isinstance(history_length, int) and history_length >= 1):
         raise ValueError(f"history_length must be an integer >= 1, got {history_length!r}.")
-    master_weights = masters.validate_master_weights(master_weights)
-    inner = optax.with_extra_args_support(inner)
+    return history_length
 
-    def init_fn(params):
-        has_16_bit = any(is_16bit_array(x) for x in jax.tree.leaves(params))
-        master, compensation, key = masters.init(params, master_weights, seed)
-        return LossScaledState(
-            loss_scale=loss_scale.init(),
-            inner_state=inner.init(
-                jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, params)
-                if has_16_bit
-                else params
-            ),
-            master_params=master,
-            skipped_steps=jnp.zeros([], jnp.int32),
-            consecutive_skips=jnp.zeros([], jnp.int32),
-            last_finite=jnp.asarray(True),
-            scale_history=jnp.zeros([history_length], jnp.float32),
-            step=jnp.zeros([], jnp.int32),
-            compensation=compensation,
-            rounding_key=key,
-            nonfinite_grads=(
-                jax.tree.map(lambda _: jnp.asarray(False), _gradient_structure(params))
-                if record_nonfinite
-                else None
-            ),
+
+def _init(config: _Config, params: Any) -> LossScaledState:
+    has_16_bit = any(is_16bit_array(x) for x in jax.tree.leaves(params))
+    master, compensation, key = masters.init(params, config.master_weights, config.seed)
+    inner_params = (
+        jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, params)
+        if has_16_bit
+        else params
+    )
+    return LossScaledState(
+        loss_scale=config.loss_scale.init(),
+        inner_state=config.inner.init(inner_params),
+        master_params=master,
+        skipped_steps=jnp.zeros([], jnp.int32),
+        consecutive_skips=jnp.zeros([], jnp.int32),
+        last_finite=jnp.asarray(True),
+        scale_history=jnp.zeros([config.history_length], jnp.float32),
+        step=jnp.zeros([], jnp.int32),
+        compensation=compensation,
+        rounding_key=key,
+        nonfinite_grads=(
+            jax.tree.map(lambda _: jnp.asarray(False), _gradient_structure(params))
+            if config.record_nonfinite
+            else None
+        ),
+    )
+
+
+def _update(
+    config: _Config, updates: Any, state: LossScaledState, params: Any = None, **extra_args: Any
+) -> tuple[Any, LossScaledState]:
+    """One step: check finiteness, apply the inner update or skip it, the next state."""
+    has_master = state.master_params is not None
+    rounds = state.compensation is not None or state.rounding_key is not None
+    if (has_master or rounds) and params is None:
+        raise ValueError(
+            f"loss_scaled(master_weights={config.master_weights!r}) updates 16-bit params "
+            "itself, so update() needs the current params: tx.update(grads, state, params)."
         )
+    inv_scale = 1.0 / state.loss_scale.scale
+    finite, nonfinite_grads = _check_finite(config, updates, state, inv_scale)
+    grads = jax.tree.map(lambda g: _unscale(g, inv_scale), updates)
+    new_updates, inner_state, master, compensation = _apply_or_skip(
+        config, finite, grads, state, params, extra_args
+    )
+    return new_updates, _next_state(
+        config, state, finite, inner_state, master, compensation, nonfinite_grads
+    )
 
-    def update_fn(updates, state, params=None, **extra_args):
-        has_master = state.master_params is not None
-        rounds = state.compensation is not None or state.rounding_key is not None
-        if (has_master or rounds) and params is None:
-            raise ValueError(
-                f"loss_scaled(master_weights={master_weights!r}) updates 16-bit params itself, "
-                "so update() needs the current params: tx.update(grads, state, params)."
-            )
-        inv_scale = 1.0 / state.loss_scale.scale
-        grads = jax.tree.map(lambda g: _unscale(g, inv_scale), updates)
-        every_device = lambda ok: (
-            ok if axis_name is None else lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+
+def _check_finite(
+    config: _Config, updates: Any, state: LossScaledState, inv_scale: jax.Array
+) -> tuple[jax.Array, Any]:
+    """Whether every unscaled gradient is finite, on every device of ``axis_name``; and
+    the record of the non-finite leaves (with ``record_nonfinite``)."""
+
+    def every_device(ok):
+        if config.axis_name is None:
+            return ok
+        return lax.pmin(ok.astype(jnp.int32), config.axis_name) > 0
+
+    if not config.record_nonfinite:
+        return every_device(_unscaled_finite(updates, inv_scale)), state.nonfinite_grads
+    # the per-leaf checks are the check: computed once, kept and combined
+    checks, treedef = jax.tree.flatten(_finite_leaves(updates, inv_scale))
+    checks = every_device(jnp.stack(checks)) if checks else jnp.ones([0], jnp.bool_)
+    finite = checks.all()  # global, as the record is: the same on every device
+    leaves_ok = jax.tree.unflatten(treedef, list(checks))
+    return finite, _record_nonfinite(leaves_ok, finite, state.nonfinite_grads)
+
+
+def _apply_or_skip(
+    config: _Config,
+    finite: jax.Array,
+    grads: Any,
+    state: LossScaledState,
+    params: Any,
+    extra_args: dict[str, Any],
+) -> tuple[Any, Any, Any, Any]:
+    """``(updates, inner_state, master_params, compensation)``: the inner transformation's
+    step where ``finite``, zero updates and the old state where not."""
+    has_master = state.master_params is not None
+    rounds = state.compensation is not None or state.rounding_key is not None
+    master_params = masters.adopt_changes(state.master_params, params) if has_master else None
+    if has_master or rounds:
+        inner_params = masters.inner_params(params, master_params, state.compensation)
+    else:
+        inner_params = params
+
+    def apply(_):
+        new_updates, inner_state = config.inner.update(
+            grads, state.inner_state, inner_params, **extra_args
         )
-        nonfinite_grads = state.nonfinite_grads
-        if not record_nonfinite:
-            finite = every_device(_unscaled_finite(updates, inv_scale))
-        else:  # the per-leaf checks are the check: computed once, kept and combined
-            checks, treedef = jax.tree.flatten(_finite_leaves(updates, inv_scale))
-            checks = every_device(jnp.stack(checks)) if checks else jnp.ones([0], jnp.bool_)
-            finite = checks.all()  # global, as the record is: the same on every device
-            leaves_ok = jax.tree.unflatten(treedef, list(checks))
-            nonfinite_grads = _record_nonfinite(leaves_ok, finite, state.nonfinite_grads)
-        master_params = masters.adopt_changes(state.master_params, params) if has_master else None
-        if has_master or rounds:
-            inner_params = masters.inner_params(params, master_params, state.compensation)
-        else:
-            inner_params = params
-
-        def apply(_):
-            new_updates, inner_state = inner.update(
-                grads, state.inner_state, inner_params, **extra_args
+        if has_master:
+            landing, new_master = masters.step_master(master_params, new_updates, params)
+            return landing, inner_state, new_master, state.compensation
+        if rounds:
+            new_updates, compensation = masters.apply(
+                config.master_weights,
+                new_updates,
+                params,
+                state.compensation,
+                state.rounding_key,
+                state.step,
             )
-            if has_master:
-                landing, new_master = masters.step_master(master_params, new_updates, params)
-                return landing, inner_state, new_master, state.compensation
-            if rounds:
-                new_updates, compensation = masters.apply(
-                    master_weights,
-                    new_updates,
-                    params,
-                    state.compensation,
-                    state.rounding_key,
-                    state.step,
-                )
-                return new_updates, inner_state, None, compensation
-            return new_updates, inner_state, None, None
+            return new_updates, inner_state, None, compensation
+        return new_updates, inner_state, None, None
 
-        if skip_with == "cond":
-            update_shapes = jax.eval_shape(apply, None)[0]
+    if config.skip_with == "cond":
+        update_shapes = jax.eval_shape(apply, None)[0]
 
-            def skip(_):
-                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
-                return zeros, state.inner_state, master_params, state.compensation
+        def skip(_):
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+            return zeros, state.inner_state, master_params, state.compensation
 
-            new_updates, inner_state, master, compensation = lax.cond(finite, apply, skip, None)
-        else:
-            new_updates, inner_state, master, compensation = apply(None)
-            keep = lambda new, old: jnp.where(finite, new, old)
-            new_updates = jax.tree.map(
-                lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates
-            )
-            inner_state = jax.tree.map(keep, inner_state, state.inner_state)
-            master = jax.tree.map(keep, master, master_params)
-            compensation = jax.tree.map(keep, compensation, state.compensation)
-        new_scale_state = loss_scale.adjust(state.loss_scale, finite)
-        history = state.scale_history.at[state.step % history_length].set(new_scale_state.scale)
-        return new_updates, LossScaledState(
-            loss_scale=new_scale_state,
-            inner_state=inner_state,
-            master_params=master,
-            skipped_steps=jnp.where(
-                finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
-            ),
-            consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
-            last_finite=finite,
-            scale_history=history,
-            step=optax.safe_increment(state.step),
-            compensation=compensation,
-            rounding_key=state.rounding_key,
-            nonfinite_grads=nonfinite_grads,
-        )
+        return lax.cond(finite, apply, skip, None)
+    new_updates, inner_state, master, compensation = apply(None)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+    inner_state = jax.tree.map(keep, inner_state, state.inner_state)
+    master = jax.tree.map(keep, master, master_params)
+    compensation = jax.tree.map(keep, compensation, state.compensation)
+    return new_updates, inner_state, master, compensation
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+def _next_state(
+    config: _Config,
+    state: LossScaledState,
+    finite: jax.Array,
+    inner_state: Any,
+    master: Any,
+    compensation: Any,
+    nonfinite_grads: Any,
+) -> LossScaledState:
+    """The state after a step: the loss scale adjusted, the step counted (as skipped if
+    not ``finite``), the scale history advanced."""
+    new_scale_state = config.loss_scale.adjust(state.loss_scale, finite)
+    at = state.step % config.history_length
+    return LossScaledState(
+        loss_scale=new_scale_state,
+        inner_state=inner_state,
+        master_params=master,
+        skipped_steps=jnp.where(
+            finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+        ),
+        consecutive_skips=jnp.where(finite, 0, optax.safe_increment(state.consecutive_skips)),
+        last_finite=finite,
+        scale_history=state.scale_history.at[at].set(new_scale_state.scale),
+        step=optax.safe_increment(state.step),
+        compensation=compensation,
+        rounding_key=state.rounding_key,
+        nonfinite_grads=nonfinite_grads,
+    )

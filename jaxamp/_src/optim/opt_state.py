@@ -203,7 +203,7 @@ def nonfinite_gradients(opt_state: Any) -> list[str]:
     Needs ``jaxamp.loss_scaled(..., record_nonfinite=True)`` somewhere in the optimizer
     (found as :func:`jaxamp.get_loss_scale` finds it). Reads the state on the host.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import jaxamp
       >>> tx = jaxamp.loss_scaled(optax.sgd(0.1), record_nonfinite=True)

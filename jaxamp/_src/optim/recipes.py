@@ -39,7 +39,7 @@ def optimizer_recipe(
     Returns:
       The :class:`jaxamp.Policy` to apply to the model and the optax transformation.
 
-    Example:
+    Examples:
       >>> import optax, jaxamp
       >>> policy, tx = jaxamp.optimizer_recipe("bf16_stochastic", optax.adam(1e-3))
       >>> str(policy)

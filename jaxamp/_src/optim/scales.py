@@ -89,7 +89,7 @@ class NoOpLossScale:
 
     The usual choice for bfloat16, whose range equals float32's.
 
-    Example:
+    Examples:
       >>> NoOpLossScale().init().scale
       Array(1., dtype=float32)
     """
@@ -113,7 +113,7 @@ class StaticLossScale:
     Attributes:
       scale: the scale; positive and finite.
 
-    Example:
+    Examples:
       >>> StaticLossScale(128.0).init().scale
       Array(128., dtype=float32)
     """
@@ -166,7 +166,7 @@ class DynamicLossScale:
     Raises:
       ValueError: for a setting outside its range; the message names it.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> rule = DynamicLossScale(init_scale=8.0, growth_interval=2)
       >>> state = rule.adjust(rule.init(), jnp.array(False))  # overflow: back off

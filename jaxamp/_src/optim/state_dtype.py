@@ -252,7 +252,7 @@ def with_state_dtype(
         which sees the state).
       TypeError: if ``inner`` is not an optax transformation.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> import jaxamp
       >>> tx = jaxamp.with_state_dtype(optax.adam(1e-3), {"mu": jnp.bfloat16, "nu": jnp.bfloat16})
