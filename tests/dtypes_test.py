@@ -1,0 +1,61 @@
+"""Tests for jaxamp/_src/dtypes.py and errors.py: the one dtype vocabulary and error shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxamp._src import dtypes
+from jaxamp._src.errors import invalid_choice
+
+FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_predicates_of_the_floating_dtypes(dtype):
+    sixteen = np.dtype(dtype).itemsize == 2
+    assert dtypes.is_floating(dtype) and dtypes.is_inexact(dtype)
+    assert dtypes.is_16bit(dtype) == sixteen
+    x = jnp.ones(3, dtype)
+    assert dtypes.is_floating_array(x) and dtypes.is_16bit_array(x) == sixteen
+    assert jax.jit(dtypes.upcast)(x).dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "value", [jnp.int16, jnp.int32, jnp.bool_, jnp.complex64, None, jax.random.key(0)]
+)
+def test_predicates_refuse_what_is_not_a_real_16_bit_float(value):
+    dtype = getattr(value, "dtype", value)
+    assert not dtypes.is_16bit(dtype)
+    assert dtypes.is_inexact(dtype) == (value is jnp.complex64)
+    assert not dtypes.is_floating_array(value)
+
+
+def test_upcast_leaves_float64_ints_and_python_numbers_alone():
+    tree = {"h": jnp.ones(2, jnp.float16), "i": jnp.arange(2), "n": 3.0}
+    out = dtypes.upcast_tree(tree)
+    assert out["h"].dtype == jnp.float32 and out["i"].dtype == tree["i"].dtype
+    assert out["n"] == 3.0
+    x64 = np.ones(2, np.float64)
+    assert dtypes.upcast(x64) is x64
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("bf16", "bfloat16"), ("half", "float16"), ("full", "float32"), ("F32 ", "float32")],
+)
+def test_canonical_dtype_reads_jmps_names(name, expected):
+    assert dtypes.canonical_dtype(name).name == expected
+
+
+def test_canonical_dtype_names_the_bad_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"Unknown compute dtype 'bf61'\. Valid choices: f32, "):
+        dtypes.canonical_dtype("bf61", "compute dtype")
+    with pytest.raises(ValueError, match="must be a floating dtype, got 'int32'"):
+        dtypes.canonical_dtype(jnp.int32)
+
+
+def test_invalid_choice_lists_the_choices_in_order():
+    error = invalid_choice("form", "x", ("b", "a"), quote=True)
+    assert isinstance(error, ValueError)
+    assert str(error) == "Unknown form 'x'. Valid choices: 'b', 'a'."
