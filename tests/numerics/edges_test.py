@@ -147,9 +147,9 @@ def test_nested_nnx_numerics_diff_has_one_row_per_layer(policy):
     model = Deep(nnx.Rngs(0))
     if policy is not None:  # a policy applied to the model: its call is evaluated again
         jaxamp.nnx.apply_policy(model, policy)
-        diff = jaxamp.numerics_diff(deep_loss, "float32")(model, X4)
+        diff = jaxamp.numerics_diff(deep_loss, policy="float32")(model, X4)
     else:
-        diff = jaxamp.numerics_diff(deep_loss, "mixed_bfloat16")(model, X4)
+        diff = jaxamp.numerics_diff(deep_loss, policy="mixed_bfloat16")(model, X4)
     rows = {}
     for r in diff.layers:
         rows.setdefault(r.layer, set()).add(r.phase)
@@ -165,7 +165,7 @@ def test_nested_nnx_two_levels_numerics_diff():
     model = Outer(nnx.Rngs(0))
     model.enc.fc.kernel.set_value(jnp.eye(2) + 0.1)
     model.enc.fc.bias.set_value(jnp.ones(2))
-    diff = jaxamp.numerics_diff(lambda m, x: jnp.sum(m(x)), "mixed_bfloat16")(
+    diff = jaxamp.numerics_diff(lambda m, x: jnp.sum(m(x)), policy="mixed_bfloat16")(
         model, jnp.ones((3, 2))
     )
     rows = {}
@@ -255,7 +255,7 @@ def test_find_nonfinite_enters_shard_map(n, shape, names, axes):
     line = next(i for i, t in enumerate(text, 1) if "h = jnp.log(x @ w)" in t)
     assert (
         fault.source
-        == f"tests/numerics_edges_test.py:{line} (sharded_loss.<locals>.loss.<locals>.local)"
+        == f"tests/numerics/edges_test.py:{line} (sharded_loss.<locals>.loss.<locals>.local)"
     )
     # the shards' values, stacked along the mesh's axes: the zero is in shard 5 // (8 / n)
     assert fault.inputs[0].shape == (*shape, 8 // n, 2) and fault.output.infs == 1

@@ -22,10 +22,10 @@ KEEP = jnp.array([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]])
 
 
 def line_of(fun: Callable, text: str) -> str:
-    """``numerics_faults_test.py:<line> (<fun>)`` of the line of ``fun`` holding ``text``."""
+    """``faults_test.py:<line> (<fun>)`` of the line of ``fun`` holding ``text``."""
     lines, start = inspect.getsourcelines(fun)
     line = start + next(i for i, s in enumerate(lines) if text in s)
-    return f"numerics_faults_test.py:{line} ({fun.__name__})"
+    return f"faults_test.py:{line} ({fun.__name__})"
 
 
 # --- the steps, each with its fault on a line of its own ----------------------------------

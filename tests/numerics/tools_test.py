@@ -66,7 +66,7 @@ def test_forward_float16_overflow_in_a_named_linen_layer(policy):
     assert fault.output.infs + fault.output.nans > 0 and fault.output.dtype == "float16"
     assert all(r.nans == 0 and r.infs == 0 for r in fault.inputs)
     assert max(r.max_abs for r in fault.inputs) > float(jnp.finfo(jnp.float16).max)
-    assert "numerics_test.py" in fault.source
+    assert "tools_test.py" in fault.source
     # the same model in float32 does not overflow there
     loss32, params32 = linen_setup(None, scale_amplify=1e6)
     fault32 = jaxamp.find_nonfinite(loss32)(params32, X)
@@ -192,7 +192,7 @@ def test_non_finite_argument_and_bad_arguments():
     with pytest.warns(UserWarning, match=r"forward only: fun returns float32\[4, 3\]"):
         assert jaxamp.find_nonfinite(lambda p, x: model_output(p, x))(params, X) is None
     with pytest.raises(TypeError, match="floating scalar"):  # numerics_diff compares gradients
-        jaxamp.numerics_diff(model_output, "mixed_bfloat16")(params, X)
+        jaxamp.numerics_diff(model_output, policy="mixed_bfloat16")(params, X)
     with pytest.raises(ValueError, match="argnums 5"):
         jaxamp.find_nonfinite(loss, argnums=5)(params, X)
     with pytest.raises(ValueError, match="loss_scale must be a positive"):
@@ -234,7 +234,7 @@ def test_a_mask_constant_that_float16_cannot_hold_is_named(dtype):
     assert not np.isfinite(float(loss(w, x, MASK)))
     assert fault is not None, "a float16 mask of 1e30 (inf) makes the loss NaN"
     assert (fault.phase, fault.primitive, fault.layer) == ("forward", "mul", "attn"), fault
-    assert "(_mask_scores)" in fault.source and "numerics_test.py" in fault.source
+    assert "(_mask_scores)" in fault.source and "tools_test.py" in fault.source
     assert fault.inputs[0].infs == 1  # the constant, already inf in float16
     assert fault.output.nans > 0  # inf * 0 where the mask keeps a score
 
@@ -400,7 +400,7 @@ def test_a_custom_vjp_backward_fault_points_at_the_bwd_rule(dtype, jit_inside):
     fault = jaxamp.find_nonfinite(jax.jit(loss) if jit_inside else loss)(jnp.ones(3))
     assert (fault.phase, fault.primitive) == ("backward", "div"), fault
     line = _bad_bwd.__code__.co_firstlineno
-    assert fault.source.endswith(f"numerics_test.py:{line} (_bad_bwd)"), fault.source
+    assert fault.source.endswith(f"tools_test.py:{line} (_bad_bwd)"), fault.source
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -585,10 +585,10 @@ def test_numerics_diff_per_layer_under_autocast():
     def loss(params, x):
         return jnp.mean(model.apply(params, x) ** 2)
 
-    same = jaxamp.numerics_diff(loss, "float32")(params, x)
+    same = jaxamp.numerics_diff(loss, policy="float32")(params, x)
     assert all(r.relative_error == 0.0 for r in same.layers if r.relative_error is not None)
     assert same.loss[0] == same.loss[1]
-    bf16 = jaxamp.numerics_diff(jax.jit(loss), "mixed_bfloat16")(params, x)
+    bf16 = jaxamp.numerics_diff(jax.jit(loss), policy="mixed_bfloat16")(params, x)
     rows = {(r.layer, r.phase): r.relative_error for r in bf16.layers}
 
     def relative(a, r):
@@ -614,7 +614,7 @@ def test_numerics_diff_per_layer_under_autocast():
     backward = bf16.worst(10, "backward")
     assert {r.layer for r in backward} == {f"LinenNet/{n}" for n in ("embed", "amplify", "head")}
     assert "activation rel. error" in bf16.table()
-    f16 = jaxamp.numerics_diff(loss, "mixed_float16")(params, x)
+    f16 = jaxamp.numerics_diff(loss, policy="mixed_float16")(params, x)
     # float16 keeps 3 more mantissa bits than bfloat16: smaller errors, layer for layer
     for (layer, phase), error in {(r.layer, r.phase): r.relative_error for r in f16.layers}.items():
         if layer.startswith("LinenNet/"):
@@ -623,7 +623,7 @@ def test_numerics_diff_per_layer_under_autocast():
 
 def test_numerics_diff_joins_nnx_gradients_to_their_layer():
     model = NnxNet(nnx.Rngs(0))
-    diff = jaxamp.numerics_diff(nnx_loss, "mixed_bfloat16")(model, jnp.abs(X) + 0.1)
+    diff = jaxamp.numerics_diff(nnx_loss, policy="mixed_bfloat16")(model, jnp.abs(X) + 0.1)
     backward = {r.layer for r in diff.layers if r.phase == "backward"}
     forward = {r.layer for r in diff.layers if r.phase == "forward"}
     assert backward == {f"NnxNet/{n}" for n in ("embed", "amplify", "norm", "head")}, backward
@@ -640,7 +640,7 @@ def test_numerics_diff_with_a_policy_applied_to_the_model():
     amp = jaxamp.linen.apply_policy(model, "mixed_bfloat16")
     ref = lambda p, x: jnp.mean(model.apply(p, x) ** 2)
     mixed = lambda p, x: jnp.mean(amp.apply(p, x).astype(jnp.float32) ** 2)
-    diff = jaxamp.numerics_diff(ref, mixed)(params, jnp.abs(X) + 0.1)
+    diff = jaxamp.numerics_diff(ref, policy=mixed)(params, jnp.abs(X) + 0.1)
     paths = dict(diff.gradients)
     assert "[0]['params']['amplify']['kernel']" in paths
     assert all(0 < e < 0.1 for e in paths.values())
@@ -652,7 +652,7 @@ def test_numerics_diff_marks_rows_whose_float32_value_is_near_zero():
     branch's gradients (a raw relative error of tens of %), but they are a millionth of
     the typical gradient, so their scale error is small and the rows are marked."""
     loss, params = gated_setup(0.0)
-    diff = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, X)
+    diff = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, X)
     rows = {(r.layer, r.phase): r for r in diff.layers}
     for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
         assert rows[key].near_zero and rows[key].scale_error == 0.0, rows[key]
@@ -662,11 +662,11 @@ def test_numerics_diff_marks_rows_whose_float32_value_is_near_zero():
         assert not r.near_zero and 1e-4 < r.scale_error < 0.05, r
         assert r.scale_error == pytest.approx(r.relative_error)  # normal rows: the same number
         assert 0.99 < r.cosine <= 1.0, r
-    same = jaxamp.numerics_diff(loss, "float32")(params, X)
+    same = jaxamp.numerics_diff(loss, policy="float32")(params, X)
     assert all(r.scale_error == 0.0 for r in same.layers), same.layers
 
     loss, params = gated_setup(1e-6)
-    diff = jaxamp.numerics_diff(loss, "mixed_float16")(params, X)
+    diff = jaxamp.numerics_diff(loss, policy="mixed_float16")(params, X)
     rows = {(r.layer, r.phase): r for r in diff.layers}
     for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
         assert rows[key].near_zero and 0 < rows[key].scale_error < 1e-3, rows[key]
@@ -713,13 +713,10 @@ def test_raise_if_stuck_points_to_the_leaves_and_to_find_nonfinite():
 
 
 def test_the_float16_walk_through_example(tmp_path):
-    """examples/float16_overflow.py at a small size: the README's walk-through."""
+    """examples/float16_overflow.py at a small size: the walk-through of the numerics guide."""
     import io
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import float16_overflow
+    from examples import float16_overflow
 
     out = io.StringIO()
     result = float16_overflow.main(["--steps", "4", "--out", str(tmp_path / "t.txt")], out=out)
@@ -761,3 +758,59 @@ def test_range_report_under_a_policy_counts_only_its_16_bit_values():
     assert ("proj", "forward") in {(r.layer, r.phase) for r in big.overflows()}
     with pytest.raises(TypeError, match="policy must be"):
         jaxamp.range_report(loss, policy=3)
+
+
+def test_the_three_tools_share_one_signature():
+    import inspect
+
+    def shape(tool):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(tool).parameters.values()]
+
+    tools = (jaxamp.find_nonfinite, jaxamp.range_report, jaxamp.numerics_diff)
+    assert shape(tools[0]) == shape(tools[1]) == shape(tools[2])
+    assert [name for name, *_ in shape(tools[0])] == [
+        "fun", "argnums", "policy", "has_aux", "loss_scale", "grad"
+    ]  # fmt: skip
+
+
+def _overflowing_in_float16(w, x):
+    with jax.named_scope("dense"):
+        h = x @ w  # 4 * 3e4 = 1.2e5: beyond float16's 65504
+    return jnp.mean(h) * 1e-4
+
+
+def test_find_nonfinite_under_a_policy_finds_the_16_bit_overflow():
+    w, x = jnp.full((4, 4), 3e4), jnp.ones((2, 4))
+    assert jaxamp.find_nonfinite(_overflowing_in_float16)(w, x) is None  # float32 holds it
+    fault = jaxamp.find_nonfinite(_overflowing_in_float16, policy="mixed_float16")(w, x)
+    assert fault is not None and fault.phase == "forward" and fault.layer == "dense"
+    assert fault.primitive == "amp_dot_general"  # the matmul rule's GEMM
+    bf16 = jaxamp.find_nonfinite(_overflowing_in_float16, policy="mixed_bfloat16")(w, x)
+    assert bf16 is None
+
+
+def test_range_report_forward_only_with_grad_false():
+    w, x = jnp.full((4,), 300.0), jnp.ones((2, 4))
+    report = jaxamp.range_report(lambda w, x: (x * w) ** 2, grad=False)(w, x)
+    assert report.forward_only == "grad=False"
+    assert report.layers and {r.phase for r in report.layers} == {"forward"}
+
+
+def test_numerics_diff_takes_the_policy_by_keyword_and_says_when_it_is_missing():
+    params, x = {"w": jnp.full((4,), 0.3)}, jnp.ones((2, 4))
+    loss = lambda p, x: jnp.mean(jnp.tanh(x * p["w"]))
+    by_keyword = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, x)
+    with pytest.warns(DeprecationWarning, match=r"numerics_diff\(fun, policy=\.\.\.\)"):
+        positional = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, x)
+    assert positional == by_keyword
+    with pytest.raises(ValueError, match="numerics_diff needs the policy"):
+        jaxamp.numerics_diff(loss)
+
+
+def test_numerics_diff_forward_only_with_grad_false():
+    x = jnp.linspace(-2.0, 2.0, 8).reshape(2, 4)
+    out = lambda w, x: jnp.tanh(x * w)  # not a scalar: activations only
+    diff = jaxamp.numerics_diff(out, policy="mixed_bfloat16", grad=False)(jnp.ones(4), x)
+    assert diff.gradients == () and diff.loss is None
+    assert diff.layers and {r.phase for r in diff.layers} == {"forward"}
+    assert all(r.relative_error is not None and r.relative_error < 1e-2 for r in diff.layers)

@@ -21,7 +21,7 @@ def divergence(
     same arguments, differentiated with respect to the first; ``mixed``'s loss multiplied
     by ``loss_scale`` as its training step does): the fields of
     :class:`jaxamp.numerics_diff`'s rows (``scale_error`` is the one to read)."""
-    diff = numerics_diff(reference, mixed, loss_scale=loss_scale)(*args)
+    diff = numerics_diff(reference, policy=mixed, loss_scale=loss_scale)(*args)
     return [
         {
             "layer": r.layer,

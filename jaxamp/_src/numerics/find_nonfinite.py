@@ -123,6 +123,7 @@ def find_nonfinite(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
+    policy: Any = None,
     has_aux: bool = False,
     loss_scale: Any = None,
     grad: bool = True,
@@ -161,6 +162,9 @@ def find_nonfinite(
         A function returning anything else (activations) is checked forward only,
         with a warning, as with ``grad=False``.
       argnums: the arguments to differentiate with respect to.
+      policy: run ``fun`` under this policy (a :class:`jaxamp.Policy` or its string:
+        ``fun`` runs under ``jaxamp.autocast``), or pass the mixed-precision version
+        of ``fun`` itself; ``None`` (default): ``fun`` as it is.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       loss_scale: multiply the loss by this before differentiating, as a loss-scaled
         step does with ``jaxamp.scale_loss`` (a 16-bit loss is cast to float32 first):
@@ -185,6 +189,7 @@ def find_nonfinite(
       True
     """
     scale = scale_of(loss_scale)
+    target, _ = tracing.under_policy(fun, policy)
 
     def find(*args: Any, **kwargs: Any) -> NonFinite | None:
         bad_input = _first_nonfinite_argument(args, kwargs)
@@ -193,12 +198,12 @@ def find_nonfinite(
         forward_only = "" if grad else "grad=False"
         try:
             traced = tracing.trace(
-                fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
+                target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
             )
         except tracing.NotALoss as e:
             warn_forward_only("find_nonfinite", e)
             forward_only = NON_SCALAR
-            traced = tracing.trace(fun, argnums, args, kwargs, grad=False)
+            traced = tracing.trace(target, argnums, args, kwargs, grad=False)
         origins = _Origins(forward_only)
         result = evaluator.run(
             traced.jaxpr,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxamp._src.autocast.api import autocast
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import scale_of
 from jaxamp._src.policy import Policy
@@ -217,16 +217,17 @@ def _common_root(forward: dict[str, Any]) -> str:
 
 def numerics_diff(
     fun: Callable[..., Any],
-    policy: Policy | str | Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
+    policy: Policy | str | Callable[..., Any] | None = None,
     has_aux: bool = False,
     loss_scale: Any = None,
+    grad: bool = True,
 ) -> Callable[..., NumericsDiff]:
     """Per layer, the relative error of activations and gradients under ``policy``
     against float32, so that you can see where mixed precision departs from FP32.
 
-    ``jaxamp.numerics_diff(loss_fn, "mixed_bfloat16")(params, batch)`` evaluates the loss
+    ``jaxamp.numerics_diff(loss_fn, policy="mixed_bfloat16")(params, batch)`` evaluates the loss
     and its gradient twice, one primitive at a time: ``loss_fn`` as it is (float32), and
     under ``jaxamp.autocast(loss_fn, policy)``. For a model whose policy is applied
     another way (``jaxamp.linen.apply_policy``), pass the mixed-precision loss itself as
@@ -235,14 +236,22 @@ def numerics_diff(
 
     Args:
       fun: the float32 loss (a floating scalar; ``(loss, aux)`` with ``has_aux``).
-      policy: a :class:`jaxamp.Policy` or its string (``fun`` runs under
-        ``jaxamp.autocast``), or the mixed-precision version of ``fun``.
       argnums: what the gradient is taken with respect to.
+      policy: a :class:`jaxamp.Policy` or its string (``fun`` runs under
+        ``jaxamp.autocast``), or the mixed-precision version of ``fun``. Required
+        (given by keyword, as to the other numerics tools; a policy passed in
+        ``argnums``'s place still works, with a ``DeprecationWarning``).
       has_aux: whether the losses return ``(loss, aux)``.
       loss_scale: differentiate the policy's loss times this scale (a number or an
         optimizer state with ``jaxamp.loss_scaled``), as a float16 step does, and
         divide its gradients by it before comparing; ``None``: no scaling. Without
         it, float16 gradients below its range flush to zero and show as divergence.
+      grad: ``False`` compares the forward pass alone (``fun`` may then return
+        anything; ``NumericsDiff.gradients`` is empty, and ``loss`` is ``None`` unless
+        ``fun`` returns a scalar).
+
+    Raises:
+      ValueError: without a policy.
 
     Returns:
       A function of the losses' arguments returning a :class:`NumericsDiff`.
@@ -256,23 +265,35 @@ def numerics_diff(
       ...     return jnp.mean(h**2)
       >>> params = {"dense": {"kernel": jax.random.normal(jax.random.key(0), (64, 64))}}
       >>> x = jax.random.normal(jax.random.key(1), (8, 64))
-      >>> diff = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, x)
+      >>> diff = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, x)
       >>> top = diff.worst(1)[0]
       >>> top.layer, top.phase
       ('dense', 'backward')
       >>> 0 < top.relative_error < 0.1
       True
     """
-    if callable(policy) and not isinstance(policy, (Policy, str)):
-        amp_fun = policy
-    else:
-        amp_fun = autocast(fun, policy)
-
+    if not isinstance(argnums, (int, Sequence)) or isinstance(argnums, str):
+        warnings.warn(
+            "numerics_diff(fun, policy) is deprecated and will stop working in jaxamp 0.3: "
+            "pass numerics_diff(fun, policy=...), as to find_nonfinite and range_report.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        argnums, policy = 0, argnums
+    if policy is None:
+        raise ValueError(
+            "numerics_diff needs the policy to compare with float32: "
+            "numerics_diff(fun, policy='mixed_bfloat16') (a jaxamp.Policy, a policy string, "
+            "or the mixed-precision version of fun)."
+        )
+    amp_fun, _ = tracing.under_policy(fun, policy)
     scale = scale_of(loss_scale)
 
     def diff(*args: Any, **kwargs: Any) -> NumericsDiff:
-        ref = tracing.trace(fun, argnums, args, kwargs, has_aux=has_aux)
-        amp = tracing.trace(amp_fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
+        ref = tracing.trace(fun, argnums, args, kwargs, has_aux=has_aux, grad=grad)
+        amp = tracing.trace(
+            amp_fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
+        )
         ref_last, ref_outs = _last_values(ref)
         amp_last, amp_outs = _last_values(amp)
         compared = [
@@ -280,23 +301,43 @@ def numerics_diff(
         ]
         ref_tree = jax.tree.unflatten(ref.out_tree, ref_outs)
         amp_tree = jax.tree.unflatten(amp.out_tree, amp_outs)
-        if scale is not None:  # the policy's loss and gradients, unscaled
+        if scale is not None and grad:  # the policy's loss and gradients, unscaled
             amp_tree = jax.tree.map(lambda v: np.asarray(v, np.float64) / scale, amp_tree)
-        grads, by_layer = [], {}
-        paths = jax.tree_util.tree_flatten_with_path(ref_tree[1])[0]
-        single = isinstance(argnums, int)
-        for (path, g), a in zip(paths, jax.tree.leaves(amp_tree[1]), strict=True):
-            grads.append((jax.tree_util.keystr(path), _relative(a, g)))
-            by_layer.setdefault(_owner(path, single), []).append((g, a))
-        root = _common_root(ref_last)
-        for owner, pairs in by_layer.items():
-            ref_flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g, _ in pairs])
-            amp_flat = np.concatenate([np.ravel(np.asarray(a, np.float64)) for _, a in pairs])
-            name = "/".join(p for p in (root, owner) if p)
-            compared.append(_pair(name, "backward", amp_flat, ref_flat))
-        layers = _layer_diffs(compared)
-        loss_ref = ref_tree[0][0] if has_aux else ref_tree[0]
-        loss_amp = amp_tree[0][0] if has_aux else amp_tree[0]
-        return NumericsDiff(tuple(layers), tuple(grads), (float(loss_ref), float(loss_amp)))
+        if not grad:
+            return NumericsDiff(
+                tuple(_layer_diffs(compared)), (), _losses(ref_tree, amp_tree, has_aux)
+            )
+        grads, backward = _gradient_pairs(ref_tree[1], amp_tree[1], argnums, ref_last)
+        layers = _layer_diffs(compared + backward)
+        return NumericsDiff(tuple(layers), tuple(grads), _losses(ref_tree[0], amp_tree[0], has_aux))
 
     return diff
+
+
+def _losses(ref: Any, amp: Any, has_aux: bool) -> tuple[float, float] | None:
+    """``(float32 loss, policy loss)`` of the two runs' values; ``None`` if not scalars."""
+    ref, amp = (ref[0], amp[0]) if has_aux else (ref, amp)
+    if np.shape(ref) != () or np.shape(amp) != ():
+        return None
+    return float(ref), float(amp)
+
+
+def _gradient_pairs(
+    ref_grads: Any, amp_grads: Any, argnums: int | Sequence[int], ref_last: dict[str, Any]
+) -> tuple[list[tuple[str, float | None]], list[_Pair]]:
+    """Each gradient leaf's relative error, and each layer's gradients compared at once
+    (its parameters' gradients, concatenated)."""
+    grads, by_layer = [], {}
+    paths = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
+    single = isinstance(argnums, int)
+    for (path, g), a in zip(paths, jax.tree.leaves(amp_grads), strict=True):
+        grads.append((jax.tree_util.keystr(path), _relative(a, g)))
+        by_layer.setdefault(_owner(path, single), []).append((g, a))
+    root = _common_root(ref_last)
+    pairs = []
+    for owner, leaves in by_layer.items():
+        ref_flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g, _ in leaves])
+        amp_flat = np.concatenate([np.ravel(np.asarray(a, np.float64)) for _, a in leaves])
+        name = "/".join(p for p in (root, owner) if p)
+        pairs.append(_pair(name, "backward", amp_flat, ref_flat))
+    return grads, pairs

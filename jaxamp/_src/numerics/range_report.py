@@ -17,7 +17,6 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src.autocast.api import autocast
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
@@ -29,7 +28,6 @@ from jaxamp._src.numerics.find_nonfinite import (
     warn_forward_only,
 )
 from jaxamp._src.numerics.ranges import LayerRange, RangeReport, Recommendation, beyond_float16
-from jaxamp._src.policy import Policy, get_policy
 
 __all__ = ["LayerRange", "RangeReport", "Recommendation", "range_report"]
 
@@ -159,9 +157,10 @@ def range_report(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
+    policy: Any = None,
     has_aux: bool = False,
     loss_scale: Any = None,
-    policy: Any = None,
+    grad: bool = True,
 ) -> Callable[..., RangeReport]:
     """Per layer, the largest |activation| and |gradient| of one step, and how many
     values float16 could not hold.
@@ -195,6 +194,8 @@ def range_report(
         size shows: LayerNorm statistics, softmax and the other work a policy keeps
         in float32 cannot overflow float16 and are left out. ``None`` (default): every
         value of ``fun`` as it runs.
+      grad: ``False`` measures the forward pass alone (``fun`` may then return
+        anything; ``RangeReport.forward_only`` says so).
 
     Returns:
       A function of ``fun``'s arguments returning a :class:`RangeReport`.
@@ -218,21 +219,14 @@ def range_report(
       ('float16', 8192.0)
     """
     scale = scale_of(loss_scale)
-    target, described = fun, None
-    if isinstance(policy, (Policy, str)):
-        target, described = autocast(fun, policy), str(get_policy(policy))
-    elif policy is not None:
-        if not callable(policy):
-            raise TypeError(
-                "policy must be a jaxamp.Policy, a policy string or the mixed-precision "
-                f"version of fun, got {type(policy).__name__}: {policy!r}."
-            )
-        target, described = policy, getattr(policy, "__name__", "the mixed-precision fun")
+    target, described = tracing.under_policy(fun, policy)
 
     def measure(args, kwargs, scale) -> RangeReport:
-        forward_only = ""
+        forward_only = "" if grad else "grad=False"
         try:
-            traced = tracing.trace(target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale)
+            traced = tracing.trace(
+                target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
+            )
         except tracing.NotALoss as e:
             warn_forward_only("range_report", e)
             forward_only = NON_SCALAR

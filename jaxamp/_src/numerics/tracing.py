@@ -21,9 +21,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxamp._src.autocast.api import autocast
 from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
 from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
+from jaxamp._src.policy import Policy, get_policy
 
 
 class NotALoss(TypeError):
@@ -98,6 +100,25 @@ def _scoped_class(cls: type, path: tuple[str, ...]) -> type:
             self.__class__ = scoped
 
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+
+
+def under_policy(fun: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], str | None]:
+    """``fun`` as the numerics tools run it under ``policy``, and how to name the policy.
+
+    ``policy`` is a :class:`jaxamp.Policy` or its string (``fun`` runs under
+    ``jaxamp.autocast``), the mixed-precision version of ``fun`` itself, or ``None``
+    (``fun`` as it is, and no name).
+    """
+    if policy is None:
+        return fun, None
+    if isinstance(policy, (Policy, str)):
+        return autocast(fun, policy), str(get_policy(policy))
+    if callable(policy):
+        return policy, getattr(policy, "__name__", "the mixed-precision fun")
+    raise TypeError(
+        "policy must be a jaxamp.Policy, a policy string or the mixed-precision version "
+        f"of fun, got {type(policy).__name__}: {policy!r}."
+    )
 
 
 def trace(
