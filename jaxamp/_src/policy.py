@@ -72,7 +72,7 @@ class Policy:
       output_dtype: dtype a model's outputs are returned in.
       reduce_dtype: dtype gradients are all-reduced in across devices. ``None``
         (the default) means float32 when ``compute_dtype`` is a 16-bit type and
-        ``param_dtype`` otherwise; read it through :attr:`grad_reduce_dtype`.
+        ``param_dtype`` otherwise; read it through ``grad_reduce_dtype``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -123,7 +123,7 @@ class Policy:
         return cast_floating(tree, self.output_dtype)
 
     def cast_to_reduce(self, tree: T) -> T:
-        """Casts floating leaves of ``tree`` to :attr:`grad_reduce_dtype`."""
+        """Casts floating leaves of ``tree`` to ``grad_reduce_dtype``."""
         return cast_floating(tree, self.grad_reduce_dtype)
 
     def with_output_dtype(self, output_dtype: Any) -> Policy:
@@ -147,6 +147,7 @@ PRESETS: dict[str, Policy] = {
     "bfloat16": Policy("bfloat16", "bfloat16", "bfloat16"),
     "float16": Policy("float16", "float16", "float16"),
 }
+"""The named policies ``get_policy`` accepts (with the ``p=,c=,o=`` grammar and jmp's)."""
 
 
 def _valid_choices() -> str:
@@ -188,16 +189,16 @@ def _parse_grammar(spec: str) -> Policy:
 
 
 def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
-    """Returns the :class:`Policy` named by ``spec``.
+    """Returns the ``Policy`` named by ``spec``.
 
     Args:
-      spec: a :class:`Policy` (returned as is), a ``jmp.Policy``, a preset name
+      spec: a ``Policy`` (returned as is), a ``jmp.Policy``, a preset name
         (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"bfloat16"``,
         ``"float16"``), a dtype name for all three dtypes (``"f32"``, ``"bf16"``,
         ``"full"``, ``"half"``), or jmp's grammar such as
         ``"params=float32,compute=bfloat16,output=float32"`` or ``"p=f32,c=bf16"``
         (compute defaults to params, output to compute). An extra key
-        ``reduce``/``r`` sets :attr:`Policy.reduce_dtype`.
+        ``reduce``/``r`` sets ``Policy.reduce_dtype``.
 
     Returns:
       The policy.

@@ -1,9 +1,9 @@
 """The precision audit: what a lowered program computes in which dtype, and what is wrong.
 
-:func:`read_lowered` walks the StableHLO module of a lowered function (see
-:mod:`jaxamp._src.audit.stablehlo`) and returns its matmuls and convolutions and
+``read_lowered`` walks the StableHLO module of a lowered function (see
+``jaxamp._src.audit.stablehlo``) and returns its matmuls and convolutions and
 its numerically sensitive operations, each with its dtype, layer, pass and the
-number of times it runs per call. :func:`find_problems` reads those lists the
+number of times it runs per call. ``find_problems`` reads those lists the
 way a reviewer of a mixed-precision program would:
 
 * a sensitive operation computed in a 16-bit type (an exponential, logarithm,
@@ -230,7 +230,7 @@ class PrecisionError(AssertionError):
     """Raised by ``PrecisionReport.check`` when a program has precision problems.
 
     Attributes:
-      problems: the :class:`Problem` list.
+      problems: the ``Problem`` list.
     """
 
     def __init__(self, problems: list[Problem]):
@@ -451,7 +451,7 @@ def _ignored(layer: str, ignore: tuple[str, ...]) -> bool:
 
 
 def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...] = ()) -> list:
-    """The :class:`Problem` list of a ``PrecisionReport`` (see the module docs)."""
+    """The ``Problem`` list of a ``PrecisionReport`` (see the module docs)."""
     compute = None if compute_dtype is None else canonical_dtype_name(compute_dtype)
     problems = []
     for op in report.sensitive:

@@ -1,6 +1,6 @@
 """Seeing precision: every matmul and convolution of a program, with its dtypes.
 
-A policy is a promise; the program is the proof. :func:`precision_report`
+A policy is a promise; the program is the proof. ``precision_report``
 lowers a function and lists each ``dot_general`` and ``convolution`` with its
 operand, result and (where the program states it) accumulation dtypes, whether
 it belongs to the forward or the backward pass, and the layer it came from,
@@ -156,8 +156,8 @@ class PrecisionReport:
 
     Each operation of the program is listed once, with ``executions``: how many
     times it runs per call. The report also lists the numerically sensitive
-    operations (``sensitive``) and can be audited with :meth:`problems` and
-    :meth:`check`.
+    operations (``sensitive``) and can be audited with ``problems`` and
+    ``check``.
 
     Attributes:
       ops: every matmul and convolution, in program order.
@@ -165,7 +165,7 @@ class PrecisionReport:
       source: ``"stablehlo"`` (lowered) or ``"hlo"`` (compiled).
       sensitive: the exponentials, logarithms, square roots, ``erf``, reductions,
         pooling sums, cumulative sums, scatter-adds and all-reduces
-        (:class:`jaxamp.debug.SensitiveOp`), read from the lowered program or, for a
+        (``jaxamp.debug.SensitiveOp``), read from the lowered program or, for a
         compiled report, from the compiled HLO in the dtype it computes them in
         (their ``executions`` then unknown).
     """
@@ -180,7 +180,7 @@ class PrecisionReport:
         """Parses compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``).
 
         Lowered StableHLO is read from the program itself, not from its text: use
-        :meth:`from_lowered` (or :func:`jaxamp.precision_report`).
+        ``from_lowered`` (or ``jaxamp.precision_report``).
 
         Raises:
           ValueError: for StableHLO text.
@@ -225,12 +225,12 @@ class PrecisionReport:
             in float32 on purpose.
 
         Returns:
-          A list of :class:`jaxamp.debug.Problem`; empty when the program is clean.
+          A list of ``jaxamp.debug.Problem``; empty when the program is clean.
         """
         return find_problems(self, compute_dtype, tuple(ignore))
 
     def check(self, compute_dtype: Any = None, *, ignore: Sequence[str] = ()) -> PrecisionReport:
-        """Raises :class:`jaxamp.debug.PrecisionError` listing :meth:`problems`; returns ``self``.
+        """Raises ``jaxamp.debug.PrecisionError`` listing ``problems``; returns ``self``.
 
         Examples:
           >>> import jax, jax.numpy as jnp
@@ -385,7 +385,7 @@ def _hlo_name(rest: str) -> str:
 
 
 def _hlo_matmul(match: re.Match, operands: list, result: str) -> MatmulOp | None:
-    """The :class:`MatmulOp` of a ``dot``, ``convolution`` or cuBLAS/cuDNN call."""
+    """The ``MatmulOp`` of a ``dot``, ``convolution`` or cuBLAS/cuDNN call."""
     op, rest = match.group("op"), match.group("rest")
     is_library_call = op == "custom-call" and any(t in rest for t in _HLO_MATMUL_TARGETS)
     if (op not in ("dot", "convolution") and not is_library_call) or len(operands) < 2:
@@ -446,7 +446,7 @@ def _hlo_family(op: str, rest: str, shape: tuple[int, ...], result_shape: tuple)
 def _hlo_sensitive(
     match: re.Match, operands: list, types: dict, computations: dict
 ) -> SensitiveOp | None:
-    """The :class:`SensitiveOp` of an HLO instruction, or ``None``.
+    """The ``SensitiveOp`` of an HLO instruction, or ``None``.
 
     An elementwise operation computes in its operand's dtype; a reduction, window,
     scatter or all-reduce in the narrowest of its operand's dtype and the dtype its
@@ -514,7 +514,7 @@ def precision_report(
         elementwise math in float32; see the module docs).
 
     Returns:
-      A function taking ``fun``'s arguments and returning a :class:`PrecisionReport`.
+      A function taking ``fun``'s arguments and returning a ``PrecisionReport``.
 
     Examples:
       >>> import jax.numpy as jnp

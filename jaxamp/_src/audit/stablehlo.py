@@ -1,6 +1,6 @@
 """Walking a lowered program: every operation, its full layer name and how often it runs.
 
-:func:`jaxamp.precision_report` reads the StableHLO module JAX lowers a
+``jaxamp.precision_report`` reads the StableHLO module JAX lowers a
 function to (``Lowered.compiler_ir("stablehlo")``), as MLIR objects rather than
 text, so that it can follow the program's structure:
 

@@ -1,10 +1,10 @@
 """Op-level automatic mixed precision for any JAX function, like ``torch.autocast``.
 
-:func:`autocast` wraps a function. Each call traces it with ``jax.make_jaxpr``
+``autocast`` wraps a function. Each call traces it with ``jax.make_jaxpr``
 on its arrays in their own dtypes, then evaluates the traced program with an
 interpreter (the "custom Jaxpr interpreter" pattern of the JAX docs) that
 binds every primitive again, with its inputs cast by the rules of
-:class:`jaxamp.AutocastRules`:
+``jaxamp.AutocastRules``:
 
 =========  ==========================================  ===================================
 rule       primitives (``jaxamp.AUTOCAST_RULES``)      inputs
@@ -42,7 +42,7 @@ transform the mixed-precision program. Inside it:
 * functions with custom derivatives (``jax.custom_jvp``/``custom_vjp``, such as
   ``jax.nn.relu`` and ``jax.nn.softplus``) and any other higher-order
   primitive run as traced: their rules were written for those dtypes;
-* :func:`autocast_float32` marks a function to be evaluated exactly as traced.
+* ``autocast_float32`` marks a function to be evaluated exactly as traced.
 
 Known limits: decisions ``fun`` makes in Python from dtypes (``if x.dtype ==
 ...``) are made once, at the traced dtypes; nested ``jit`` calls lose their own
@@ -80,20 +80,20 @@ def autocast(
     Each call traces ``fun`` on its arrays in their own dtypes, then evaluates
     the traced program with matmuls and convolutions on compute-dtype operands,
     numerically sensitive primitives in float32 and everything else in the dtype
-    that arrives (see the module docs and :class:`AutocastRules`). Arguments
+    that arrives (see the module docs and ``AutocastRules``). Arguments
     that are not arrays (Python numbers, strings, callables) are held static.
     Floating outputs come back in the dtypes they had in the traced program.
 
     Args:
       fun: the function, e.g. a Flax ``model.apply`` or an Equinox module.
-      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
+      policy: a ``jaxamp.Policy`` or a spec for ``jaxamp.get_policy``;
         its ``compute_dtype`` is the matmuls' operand dtype.
-      rules: the rule table; :data:`jaxamp.AUTOCAST_RULES` when ``None``.
+      rules: the rule table; ``jaxamp.AUTOCAST_RULES`` when ``None``.
       residuals: what the backward pass may keep when the compute dtype is 16-bit,
-        as in :func:`jaxamp.linen.apply_policy`: ``"compute_dtype"`` (16-bit
+        as in ``jaxamp.linen.apply_policy``: ``"compute_dtype"`` (16-bit
         activations and float32 statistics; float32 temporaries are recomputed),
         ``"dots"`` or ``"all"`` (JAX's default: fewer converts, more memory).
-        See :func:`jaxamp.checkpoint_residuals`.
+        See ``jaxamp.checkpoint_residuals``.
 
     Returns:
       A function with ``fun``'s signature.
@@ -171,10 +171,10 @@ class _GraphNodes:
 
 
 def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, Any, list[Any]]:
-    """Splits the NNX graph nodes of ``tree`` (see :func:`is_graph_node`) into their state.
+    """Splits the NNX graph nodes of ``tree`` (see ``is_graph_node``) into their state.
 
     Returns:
-      ``(nodes, state, others)``: the :class:`_GraphNodes`, the state of all the nodes
+      ``(nodes, state, others)``: the ``_GraphNodes``, the state of all the nodes
       (one ``nnx.State``, each variable once) and the other leaves of ``tree``.
     """
     leaves, treedef = jax.tree.flatten(tree, is_leaf=is_graph_node)
@@ -219,7 +219,7 @@ def interpreted(
 ) -> Callable[..., Any]:
     """``fun`` evaluated by the autocast interpreter with ``config``'s policy and rules.
 
-    Shared by :func:`autocast` and the policies' ``apply``. Non-array arguments are
+    Shared by ``autocast`` and the policies' ``apply``. Non-array arguments are
     held static. NNX graph nodes (``fun`` itself, the object of a bound method, and
     the modules, ``nnx.Optimizer``, ``nnx.Rngs``, other ``nnx.Pytree`` objects and
     ``nnx.Variable`` leaves anywhere in the arguments' pytrees) are split together
@@ -267,12 +267,12 @@ def interpreted(
 
 
 def autocast_float32(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks ``fun`` to be evaluated exactly as traced inside :func:`autocast`.
+    """Marks ``fun`` to be evaluated exactly as traced inside ``autocast``.
 
     The calls ``fun`` makes run under ``jax.named_scope("jaxamp_float32")``;
-    :func:`autocast` casts the inputs of every primitive in that scope back to
+    ``autocast`` casts the inputs of every primitive in that scope back to
     their traced dtypes, so a function traced in float32 (a sensitive matmul, a
-    loss) runs in float32. Outside :func:`autocast` it only names a scope.
+    loss) runs in float32. Outside ``autocast`` it only names a scope.
 
     Args:
       fun: the function to keep as traced.

@@ -1,9 +1,9 @@
-"""The interpreter behind :func:`jaxamp.autocast`.
+"""The interpreter behind ``jaxamp.autocast``.
 
 It evaluates a traced program equation by equation, the way
 ``jax.core.eval_jaxpr`` does (the "custom Jaxpr interpreter" pattern of the JAX
 docs), binding each primitive again on inputs cast by the rule its name has in
-:class:`jaxamp.AutocastRules`. Calls (nested ``jit``) are inlined; ``checkpoint``,
+``jaxamp.AutocastRules``. Calls (nested ``jit``) are inlined; ``checkpoint``,
 ``cond``, ``while``, ``scan`` and ``shard_map`` are rebuilt with their public
 APIs around interpreted bodies. The JAX internals it needs are kept in one
 section, with the versions they differ between.
@@ -227,7 +227,7 @@ def _is_vector_dot(eqn: Any) -> bool:
 def _compute(eqn: Any, env: _Env) -> list[Any]:
     """A matmul or convolution on compute-dtype operands, with a compute-dtype result.
 
-    A 16-bit compute dtype runs it under the matmul rule (:mod:`jaxamp._src.ops.matmul`),
+    A 16-bit compute dtype runs it under the matmul rule (``jaxamp._src.ops.matmul``),
     which casts the operands itself, so a float32 weight's 16-bit copy is not
     saved for the backward pass and its gradient comes out in float32. A vector dot
     takes the widest dtype its operands arrive in instead.
@@ -358,7 +358,7 @@ _IMPLICIT_BROADCAST = primitive_names(
 
 def _elementwise(eqn: Any, env: _Env) -> list[Any]:
     """An elementwise primitive; 16-bit operands it broadcasts are broadcast first, by
-    :func:`broadcast_summing_in_float32`, so their gradients are summed in float32."""
+    ``broadcast_summing_in_float32``, so their gradients are summed in float32."""
     values = _planned_inputs(eqn, env)
     out_shape = tuple(eqn.outvars[0].aval.shape)
     values = [

@@ -1,4 +1,4 @@
-"""The rule table of :func:`jaxamp.autocast`: which primitive runs in which dtype.
+"""The rule table of ``jaxamp.autocast``: which primitive runs in which dtype.
 
 Three sets of primitive names, read in this order (a name in two sets follows
 the first):
@@ -154,9 +154,9 @@ def _primitive_names(value: Iterable[Any], field: str) -> frozenset[str]:
 
 @dataclasses.dataclass(frozen=True)
 class AutocastRules:
-    """Which primitives :func:`jaxamp.autocast` runs in the compute dtype, in float32, or as given.
+    """Which primitives ``jaxamp.autocast`` runs in the compute dtype, in float32, or as given.
 
-    Frozen and hashable. Start from :data:`jaxamp.AUTOCAST_RULES` and replace a
+    Frozen and hashable. Start from ``jaxamp.AUTOCAST_RULES`` and replace a
     field to change it; entries may be primitive names or primitives
     (``jax.lax.tanh_p``). A primitive in two sets follows the first of
     ``compute``, ``float32``, ``promote``; a primitive in none runs as traced.
@@ -194,12 +194,13 @@ class AutocastRules:
 
 
 AUTOCAST_RULES = AutocastRules()
+"""The default rules of ``jaxamp.autocast``; change them with ``dataclasses.replace``."""
 
 
 def policy_rules(rules: AutocastRules | None = None) -> AutocastRules:
-    """The rules ``apply_policy`` evaluates a model with: :data:`AUTOCAST_RULES` for
+    """The rules ``apply_policy`` evaluates a model with: ``AUTOCAST_RULES`` for
     ``None``, else ``rules`` (validated). They are autocast's: a matmul the model writes
-    itself runs in the compute dtype as under :func:`jaxamp.autocast`, sensitive
+    itself runs in the compute dtype as under ``jaxamp.autocast``, sensitive
     primitives run in float32; layers a policy override keeps in float32 run as traced.
 
     Raises:

@@ -45,8 +45,8 @@ class CompareConfig:
     Attributes:
       model: ``"resnet50"`` (FashionMNIST, 28x28x1), ``"resnet18"``, ``"bert"`` (IMDB),
         or ``"auto"``: the model that shows AMP on this machine (see
-        :func:`jaxamp._src.compare.stats.choose_model`).
-      variants: variant names, or ``None`` for :func:`jaxamp.default_variants`.
+        ``jaxamp._src.compare.stats.choose_model``).
+      variants: variant names, or ``None`` for ``jaxamp.default_variants``.
       epochs: passes over the training examples.
       batch_size: examples per step.
       train_examples: training examples used (``None``: all).
@@ -55,7 +55,7 @@ class CompareConfig:
       seed: initialisation, shuffling and dropout seed (of the first run).
       seeds: runs with seeds ``seed, seed + 1, ...``; test accuracy is reported
         with its spread over them and read against that noise.
-      data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see :func:`jaxamp.data.load_dataset`).
+      data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see ``jaxamp.data.load_dataset``).
       data_dir: tensorflow-datasets data directory.
       bn_recalibration: before evaluation, run this many training batches through the
         model in training mode at the final weights, so that BatchNorm's running
@@ -446,7 +446,7 @@ def compare(
         ``model_choice`` says to what, and why).
       log: where to say which model runs, and that the dataset fell back to the
         embedded one.
-      dataset: a :class:`jaxamp.data.Dataset` to use instead of the model's own
+      dataset: a ``jaxamp.data.Dataset`` to use instead of the model's own
         (NHWC float32 images for ResNets, int32 token ids for BERT).
 
     Returns:

@@ -44,6 +44,7 @@ def _variants(value: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``jaxamp compare`` and its options, grouped as the report is."""
     parser = argparse.ArgumentParser(
         prog="jaxamp", description="Automatic mixed precision for JAX."
     )
@@ -55,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
         "order under several precision variants and compare time, memory and accuracy.",
     )
     defaults = CompareConfig()
+    for add in (_what_to_compare, _how_to_train, _which_data, _what_to_check, _model_shape):
+        add(compare, defaults)
+    compare.add_argument(
+        "--out", default=None, help="folder for report.json, report.md and PNG plots"
+    )
+    return parser
+
+
+def _what_to_compare(compare: argparse.ArgumentParser, defaults: CompareConfig) -> None:
+    """The model and the variants compared."""
     compare.add_argument(
         "--model",
         choices=MODELS,
@@ -70,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, from {', '.join(VARIANTS)} (default: fp32 against "
         "the variant auto_policy picks; bf16 and fp16 on a CPU)",
     )
+
+
+def _how_to_train(compare: argparse.ArgumentParser, defaults: CompareConfig) -> None:
+    """Epochs, batches, examples, learning rate and seeds."""
     compare.add_argument("--epochs", type=_positive, default=defaults.epochs)
     compare.add_argument("--batch-size", type=_positive, default=defaults.batch_size)
     compare.add_argument(
@@ -98,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="runs with seeds seed, seed+1, ...: accuracy is reported with its spread and "
         "read against it (default %(default)s)",
     )
+
+
+def _which_data(compare: argparse.ArgumentParser, defaults: CompareConfig) -> None:
+    """Where the data comes from."""
     compare.add_argument(
         "--data",
         choices=DATA_SOURCES,
@@ -106,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
         "tfds, else the fallback (default)",
     )
     compare.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
+
+
+def _what_to_check(compare: argparse.ArgumentParser, defaults: CompareConfig) -> None:
+    """BatchNorm recalibration and the numerics checks."""
     compare.add_argument(
         "--bn-recalibration",
         type=int,
@@ -121,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the per-layer divergence from fp32, the float16 range check and the "
         "search for the first non-finite layer of a diverging run",
     )
+
+
+def _model_shape(compare: argparse.ArgumentParser, defaults: CompareConfig) -> None:
+    """The shapes of the ResNet and of the BERT."""
     compare.add_argument(
         "--width",
         type=_positive,
@@ -134,10 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
             default=getattr(defaults, name.replace("-", "_")),
             help=f"BERT {name} (default %(default)s)",
         )
-    compare.add_argument(
-        "--out", default=None, help="folder for report.json, report.md and PNG plots"
-    )
-    return parser
 
 
 def missing_extra() -> str | None:

@@ -20,7 +20,7 @@ def divergence(
     """Per layer and pass, how far ``mixed`` departs from ``reference`` (both losses of the
     same arguments, differentiated with respect to the first; ``mixed``'s loss multiplied
     by ``loss_scale`` as its training step does): the fields of
-    :class:`jaxamp.numerics_diff`'s rows (``scale_error`` is the one to read)."""
+    ``jaxamp.numerics_diff``'s rows (``scale_error`` is the one to read)."""
     diff = numerics_diff(reference, policy=mixed, loss_scale=loss_scale)(*args)
     return [
         {

@@ -127,12 +127,13 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def _plots(report: dict[str, Any], out: Path) -> list[Path]:
-    import matplotlib
+    """Draws each plot of the report into ``out`` (PNG); returns their paths."""
+    import matplotlib  # the compare extra's: only a report with plots needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs, paths = report["runs"], []
+    paths = []
 
     def save(fig, name):
         fig.tight_layout()
@@ -140,15 +141,23 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(out / name)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
+    for name, draw in _PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, report)
+        save(fig, name)
+    numerics_checks.plot(report, out, save)
+    return paths
+
+
+def _plot_loss(ax: Any, report: dict[str, Any]) -> None:
+    for r in report["runs"]:
         ax.plot(r["losses"], label=r["variant"])
     ax.set(xlabel="step", ylabel="training loss", title=f"{report['model']}: loss")
     ax.legend()
-    save(fig, "loss.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    scaled = [r for r in runs if r.get("loss_scales")]
+
+def _plot_loss_scale(ax: Any, report: dict[str, Any]) -> None:
+    scaled = [r for r in report["runs"] if r.get("loss_scales")]
     for r in scaled:
         ax.plot(r["loss_scales"], label=r["variant"])
     ax.set(xlabel="step", ylabel="loss scale", yscale="log", title="dynamic loss scale")
@@ -156,73 +165,63 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
         ax.legend()
     else:
         ax.text(0.5, 0.5, "no loss-scaled variant", ha="center", transform=ax.transAxes)
-    save(fig, "loss_scale.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in runs:
+
+def _plot_underflow(ax: Any, report: dict[str, Any]) -> None:
+    for r in report["runs"]:
         steps = [u["step"] for u in r["underflow"]]
-        ax.plot(
-            steps, [100 * u["unscaled"] for u in r["underflow"]], label=f"{r['variant']}: unscaled"
-        )
+        unscaled = [100 * u["unscaled"] for u in r["underflow"]]
+        ax.plot(steps, unscaled, label=f"{r['variant']}: unscaled")
         if r.get("loss_scales"):
-            ax.plot(
-                steps,
-                [100 * u["scaled"] for u in r["underflow"]],
-                linestyle="--",
-                label=f"{r['variant']}: after loss scaling",
-            )
+            scaled = [100 * u["scaled"] for u in r["underflow"]]
+            ax.plot(steps, scaled, linestyle="--", label=f"{r['variant']}: after loss scaling")
     ax.set(
         xlabel="step",
         ylabel="% of gradient elements",
         title="gradients below 2$^{-24}$ (zero in float16)",
     )
     ax.legend()
-    save(fig, "underflow.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = [r["variant"] for r in runs]
-    ax.bar(names, [1e3 * r["step_time_median_s"] for r in runs], color="tab:blue")
+
+def _plot_time(ax: Any, report: dict[str, Any]) -> None:
+    runs = report["runs"]
+    times = [1e3 * r["step_time_median_s"] for r in runs]
+    ax.bar([r["variant"] for r in runs], times, color="tab:blue")
     for i, r in enumerate(runs):
-        ax.annotate(
-            f"{r['speedup_vs_fp32']:.2f}x",
-            (i, 1e3 * r["step_time_median_s"]),
-            ha="center",
-            va="bottom",
-        )
+        ax.annotate(f"{r['speedup_vs_fp32']:.2f}x", (i, times[i]), ha="center", va="bottom")
     ax.set(
         ylabel="median step time (ms)",
         title=f"time per step on {describe_hardware(report['environment'])}",
     )
-    save(fig, "time.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+
+def _plot_accuracy(ax: Any, report: dict[str, Any]) -> None:
+    runs = report["runs"]
     for i, r in enumerate(runs):
         seeds = r.get("test_accuracy_seeds") or [r["test_accuracy"]]
         ax.scatter([i] * len(seeds), seeds, color="tab:gray", s=12, zorder=3)
+        noise = r.get("accuracy_noise") or 0
         ax.errorbar(
-            i,
-            r["test_accuracy"],
-            yerr=r.get("accuracy_noise") or 0,
-            fmt="o",
-            color="tab:blue",
-            capsize=6,
-            zorder=4,
+            i, r["test_accuracy"], yerr=noise, fmt="o", color="tab:blue", capsize=6, zorder=4
         )
-        ax.annotate(
-            r.get("accuracy_verdict", ""),
-            (i, r["test_accuracy"]),
-            textcoords="offset points",
-            xytext=(8, 0),
-            va="center",
-        )
+        verdict = r.get("accuracy_verdict", "")
+        point = (i, r["test_accuracy"])
+        ax.annotate(verdict, point, textcoords="offset points", xytext=(8, 0), va="center")
     ax.set_xticks(range(len(runs)), [r["variant"] for r in runs])
     ax.set(
         ylabel="test accuracy",
         title="accuracy: each seed (grey), mean and noise vs fp32 (blue)",
     )
-    save(fig, "accuracy.png")
-    numerics_checks.plot(report, out, save)
-    return paths
+
+
+# The report's plots, each drawn on its own axes, by file name.
+_PLOTS = {
+    "loss.png": _plot_loss,
+    "loss_scale.png": _plot_loss_scale,
+    "underflow.png": _plot_underflow,
+    "time.png": _plot_time,
+    "accuracy.png": _plot_accuracy,
+}
 
 
 def write_report(report: dict[str, Any], out: str | Path) -> list[Path]:

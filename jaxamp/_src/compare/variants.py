@@ -10,7 +10,7 @@ name       params     compute               matmul precision        loss scaling
 ``fp16``   float32    float16, f32 accum.   default                 dynamic
 =========  =========  ====================  ======================  ============
 
-And the optimizer-state recipes of :data:`jaxamp.optim.OPTIMIZER_RECIPES` with
+And the optimizer-state recipes of ``jaxamp.optim.OPTIMIZER_RECIPES`` with
 bfloat16 params and compute (no loss scaling; non-finite steps still skipped),
 each named as the recipe is:
 
@@ -46,12 +46,12 @@ class Variant:
 
     Attributes:
       name: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
-      policy: the :class:`jaxamp.Policy` applied to the model.
+      policy: the ``jaxamp.Policy`` applied to the model.
       matmul_precision: ``jax.default_matmul_precision`` while tracing (affects
         float32 matmuls only), or ``None`` for JAX's default.
       dynamic_loss_scaling: wrap the optimizer in ``jaxamp.loss_scaled``.
       description: one line for reports.
-      optimizer_recipe: a key of :data:`jaxamp.optim.OPTIMIZER_RECIPES` whose optimizer
+      optimizer_recipe: a key of ``jaxamp.optim.OPTIMIZER_RECIPES`` whose optimizer
         wraps the inner one (its policy is ``policy``), or ``None``.
     """
 
@@ -121,7 +121,7 @@ for _name, _description in _RECIPE_DESCRIPTIONS.items():
 
 
 def get_variant(name: str) -> Variant:
-    """The :class:`Variant` called ``name``.
+    """The ``Variant`` called ``name``.
 
     Raises:
       ValueError: for an unknown name, listing the valid ones.
@@ -133,7 +133,7 @@ def get_variant(name: str) -> Variant:
 
 
 def default_variants(device=None) -> list[str]:
-    """``fp32`` against the variant :func:`jaxamp.auto_policy` picks.
+    """``fp32`` against the variant ``jaxamp.auto_policy`` picks.
 
     On a CPU, where ``auto_policy`` picks float32, ``bf16`` and ``fp16`` (with
     dynamic loss scaling, so that there is a loss-scale history to show) are

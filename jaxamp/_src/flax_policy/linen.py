@@ -106,7 +106,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...]):
 class PolicyModule(nn.Module):
     """A Linen module under a precision policy; itself a Linen module.
 
-    Made by :func:`jaxamp.linen.apply_policy`. It shares its scope with the wrapped
+    Made by ``jaxamp.linen.apply_policy``. It shares its scope with the wrapped
     module, so ``init`` and ``apply`` take the same arguments as the wrapped
     module's and return variables of the same structure: checkpoints,
     ``TrainState.create(apply_fn=model.apply, ...)`` and ``method=`` keep working,
@@ -238,7 +238,7 @@ def apply_policy(
     gradients; see ``jaxamp/_src/ops/matmul.py``), attention's softmax and normalisation
     statistics are computed in float32, ``batch_stats`` stay float32.
 
-    ``apply`` then evaluates the model with the rule table of :func:`jaxamp.autocast`
+    ``apply`` then evaluates the model with the rule table of ``jaxamp.autocast``
     (its ``float32`` and ``promote`` sets): wherever the model calls them itself,
     numerically sensitive primitives (the exponentials and sums of a softmax
     written out or called from ``jax.nn``/``flax.linen`` directly, ``logsumexp``,
@@ -246,16 +246,16 @@ def apply_policy(
     accumulates in float32, and a 16-bit value broadcast into an activation
     (a bias, a positional embedding) gets its gradient summed in float32.
     A matmul a custom module writes on a float32 param (``x @ self.param(...)``)
-    runs as written, in float32: :func:`jaxamp.precision_report`'s ``problems``
-    flags it, and :func:`jaxamp.autocast` casts such code.
+    runs as written, in float32: ``jaxamp.precision_report``'s ``problems``
+    flags it, and ``jaxamp.autocast`` casts such code.
 
     The policy is applied while the returned object's ``init``/``apply`` trace
     the module, so the module's code and its variables' structure are unchanged.
 
     Args:
       module: a Linen module.
-      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
-        ``None`` picks :func:`jaxamp.auto_policy`.
+      policy: a ``jaxamp.Policy`` or a spec for ``jaxamp.get_policy``;
+        ``None`` picks ``jaxamp.auto_policy``.
       overrides: per-class or per-path policies, e.g. ``{"head": "float32"}`` or
         ``{nn.Dense: "float32"}``. A class key covers its instances and all
         modules inside them; a string is a glob pattern matched against module
@@ -265,13 +265,13 @@ def apply_policy(
         ``"compute_dtype"`` (default; float32 temporaries such as normalisation
         and softmax intermediates are recomputed from 16-bit values),
         ``"dots"`` (only matmul, convolution and reduction outputs are kept) or
-        ``"all"`` (JAX's default). See :func:`jaxamp.checkpoint_residuals`.
-      rules: the :class:`jaxamp.AutocastRules` whose ``float32`` and ``promote`` sets
-        ``apply`` evaluates the model with (:data:`jaxamp.AUTOCAST_RULES` when
+        ``"all"`` (JAX's default). See ``jaxamp.checkpoint_residuals``.
+      rules: the ``jaxamp.AutocastRules`` whose ``float32`` and ``promote`` sets
+        ``apply`` evaluates the model with (``jaxamp.AUTOCAST_RULES`` when
         ``None``; its ``compute`` set is not used, layers decide their matmuls).
 
     Returns:
-      A :class:`PolicyModule` with ``init``, ``init_with_output`` and ``apply``.
+      A ``PolicyModule`` with ``init``, ``init_with_output`` and ``apply``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -46,7 +46,7 @@ def _set_value(variable: nnx.Variable, value: Any) -> None:
 
 def _policy_call(self, *args, **kwargs):
     """``__call__`` of a model under a policy: inputs cast, the call evaluated with the
-    policy's rules (see :func:`jaxamp.linen.apply_policy`), outputs cast."""
+    policy's rules (see ``jaxamp.linen.apply_policy``), outputs cast."""
     policy: Policy = getattr(self, _POLICY_ATTR)
     base_call = type(self).__mro__[1].__call__
     # Graph nodes among the arguments (an nnx.Rngs, Variables) are passed as they are:
@@ -131,28 +131,28 @@ def apply_policy(
 ) -> nnx.Module:
     """Puts an existing NNX model under a precision policy, in place, and returns it.
 
-    Every layer gets the settings :func:`jaxamp.linen.apply_policy` gives Linen
+    Every layer gets the settings ``jaxamp.linen.apply_policy`` gives Linen
     layers (``dtype``, ``param_dtype``, the 16-bit matmul rule as the layer's
     ``dot_general``/``einsum_op``/``conv_general_dilated``, a float32-softmax
     ``attention_fn``); existing parameters are
     cast to their layer's ``param_dtype``; ``BatchStat`` variables stay float32.
     The model's ``__call__`` casts floating inputs to the compute dtype, evaluates
     the call with the policy's rules (sensitive primitives in float32 wherever the
-    model calls them; see :func:`jaxamp.linen.apply_policy`) and casts its outputs
+    model calls them; see ``jaxamp.linen.apply_policy``) and casts its outputs
     to the output dtype. The model keeps its class for ``isinstance``
     (it becomes an instance of a subclass), works with ``nnx.Optimizer``,
     ``nnx.jit`` and ``nnx.grad``, and applying a policy again replaces the first.
 
     Args:
       model: an ``nnx.Module``.
-      policy: a :class:`jaxamp.Policy` or a spec for :func:`jaxamp.get_policy`;
-        ``None`` picks :func:`jaxamp.auto_policy`.
+      policy: a ``jaxamp.Policy`` or a spec for ``jaxamp.get_policy``;
+        ``None`` picks ``jaxamp.auto_policy``.
       overrides: per-class or per-path policies, e.g. ``{"head": "float32"}``
         (paths are attribute paths such as ``"blocks/0/attn"``).
       residuals: what the backward pass may save; see
-        :func:`jaxamp.linen.apply_policy`.
+        ``jaxamp.linen.apply_policy``.
       rules: the rule table the call is evaluated with; see
-        :func:`jaxamp.linen.apply_policy`.
+        ``jaxamp.linen.apply_policy``.
 
     Returns:
       ``model`` itself.

@@ -7,12 +7,12 @@ setting those attributes on every layer, plus three things Flax's defaults do
 not give:
 
 * matmul and convolution layers get the 16-bit matmul rule
-  (:mod:`jaxamp._src.ops.matmul`) as their ``dot_general``, ``einsum_op`` or
+  (``jaxamp._src.ops.matmul``) as their ``dot_general``, ``einsum_op`` or
   ``conv_general_dilated``, and a ``promote_dtype`` that leaves the float32
   kernel to the rule, which casts it to 16 bits on both passes and gives it a
   float32 gradient straight from the weight-gradient GEMM;
 * attention layers that use Flax's default ``attention_fn`` get
-  :func:`jaxamp.dot_product_attention` (16-bit matmuls, float32 softmax);
+  ``jaxamp.dot_product_attention`` (16-bit matmuls, float32 softmax);
 * embedding lookups gather in the parameter dtype and cast the gathered rows,
   so the gradient is scatter-added into the table in float32.
 
@@ -55,7 +55,7 @@ class LayerPlan:
       cast_output_to: dtype to cast the floating outputs to, or ``None``.
       matmul: the rule for a method Flax gives no matmul hook
         (``Embed.attend``, ``linen.Einsum``), which jaxamp then runs itself
-        (see :func:`run_unhooked`), or ``None``.
+        (see ``run_unhooked``), or ``None``.
     """
 
     attributes: tuple[tuple[str, Any], ...] = ()
@@ -94,7 +94,7 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         settings are made once, for ``__call__``).
 
     Returns:
-      A :class:`LayerPlan`; empty when the module has nothing to set, and for a
+      A ``LayerPlan``; empty when the module has nothing to set, and for a
       complex layer (a complex ``param_dtype`` or ``dtype``), which a real
       compute dtype would cast to real.
     """
@@ -175,7 +175,7 @@ def promote_keeping_kernel(*args: Any, dtype: Any = None, inexact: bool = True) 
 
 
 def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
-    """:func:`promote_keeping_kernel` with Flax NNX's signature."""
+    """``promote_keeping_kernel`` with Flax NNX's signature."""
     if has_complex(args):
         return nnx_dtypes.promote_dtype(args, dtype=None, inexact=inexact)
     out = nnx_dtypes.promote_dtype(args, dtype=dtype, inexact=inexact)
@@ -275,7 +275,7 @@ def resolve_policy(
 
     Args:
       default: the policy when no override matches.
-      overrides: as returned by :func:`normalize_overrides`.
+      overrides: as returned by ``normalize_overrides``.
       chain: ``(path, module)`` pairs from the module itself up to the root.
 
     Returns:

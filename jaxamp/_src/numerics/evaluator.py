@@ -1,7 +1,7 @@
 """Evaluating a loss and its gradient one primitive at a time, on concrete values.
 
-The numerics tools (:func:`jaxamp.find_nonfinite`, :func:`jaxamp.range_report`,
-:func:`jaxamp.numerics_diff`) trace ``jax.value_and_grad(fun)`` once, exactly as
+The numerics tools (``jaxamp.find_nonfinite``, ``jaxamp.range_report``,
+``jaxamp.numerics_diff``) trace ``jax.value_and_grad(fun)`` once, exactly as
 the training step would (``tracing.py``), then evaluate the program's equations
 one by one, handing each primitive's inputs and outputs to a visitor with where
 it runs: forward or backward, the layer (from the name stack that Flax Linen,
@@ -13,7 +13,7 @@ iteration that makes it. A ``shard_map`` is entered too: its body is evaluated o
 every shard at once, each value there being the shards' values stacked along one
 leading axis per manual mesh axis, and each primitive run per shard under a
 ``shard_map`` of its own on the same mesh (so that ``psum``, ``all_gather`` and the
-other collectives see every shard). A :class:`Tagger` can follow values through the
+other collectives see every shard). A ``Tagger`` can follow values through the
 program (``find_nonfinite`` follows where each inf and NaN comes from).
 
 This is a debugging path: nothing here runs in a training step.
@@ -54,7 +54,7 @@ class Site:
       iteration: the loop iterations it runs in (outermost first), ``()`` outside loops.
       sixteen_bit: per output, whether the program holds it in a 16-bit type (when
         evaluated widened, the value seen is its float32 counterpart).
-      eqn: the equation itself (for :func:`in_float32`).
+      eqn: the equation itself (for ``in_float32``).
 
     Inside a ``shard_map``'s body, the inputs and outputs a visitor is handed are the
     shards' values, stacked along one leading axis per manual mesh axis (in the mesh's
@@ -376,7 +376,7 @@ def evaluate(
 ) -> tuple[list[Any], list[Any]]:
     """Evaluates ``jaxpr`` on concrete ``args`` (tagged ``tags``), calling
     ``ctx.visit(site, inputs, outputs)`` after each primitive; a visitor that returns
-    ``True`` stops the evaluation (:func:`run` then returns early). Returns the outputs
+    ``True`` stops the evaluation (``run`` then returns early). Returns the outputs
     and their tags (all ``None`` without a tagger). ``where``: the source of the call
     ``jaxpr`` is the body of, for equations whose own traceback shows no model code."""
     values: dict[Any, Any] = {}

@@ -162,7 +162,7 @@ def find_nonfinite(
         A function returning anything else (activations) is checked forward only,
         with a warning, as with ``grad=False``.
       argnums: the arguments to differentiate with respect to.
-      policy: run ``fun`` under this policy (a :class:`jaxamp.Policy` or its string:
+      policy: run ``fun`` under this policy (a ``jaxamp.Policy`` or its string:
         ``fun`` runs under ``jaxamp.autocast``), or pass the mixed-precision version
         of ``fun`` itself; ``None`` (default): ``fun`` as it is.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
@@ -174,7 +174,7 @@ def find_nonfinite(
 
     Returns:
       A function of ``fun``'s arguments returning ``None`` when every value, forward
-      and backward, is finite, else a :class:`NonFinite`.
+      and backward, is finite, else a ``NonFinite``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -256,7 +256,7 @@ def merge_tags(tags: Sequence[Any]) -> Any:
 
 
 class _Origins:
-    """A :class:`evaluator.Tagger` that follows every inf and NaN to the operations that
+    """A ``evaluator.Tagger`` that follows every inf and NaN to the operations that
     made it. A value's tag is ``CONSTANT`` (from constants alone), ``None`` (finite,
     or not followed), or the set of the faults (indices in ``faults``) its non-finite
     elements come from."""

@@ -59,7 +59,7 @@ class NumericsDiff:
     """Where a policy departs from float32, layer by layer.
 
     Attributes:
-      layers: one :class:`LayerDiff` per (layer, phase), in the float32 run's order.
+      layers: one ``LayerDiff`` per (layer, phase), in the float32 run's order.
       gradients: ``(path, relative error)`` of each gradient leaf (``fun``'s gradient
         with respect to ``argnums``), e.g. ``("[0]['params']['Dense_0']['kernel']", 0.004)``.
       loss: ``(float32 loss, policy loss)``.
@@ -110,7 +110,7 @@ def _relative(amp: Any, ref: Any) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Pair:
-    """The norms of one layer's value in both runs, for its :class:`LayerDiff`."""
+    """The norms of one layer's value in both runs, for its ``LayerDiff``."""
 
     layer: str
     phase: str
@@ -138,7 +138,7 @@ def _pair(layer: str, phase: str, amp: Any | None, ref: Any) -> _Pair:
 
 
 def _layer_diffs(pairs: list[_Pair]) -> list[LayerDiff]:
-    """Each pair's :class:`LayerDiff`, its near-zero floor from the typical RMS of the
+    """Each pair's ``LayerDiff``, its near-zero floor from the typical RMS of the
     float32 values of its phase."""
     typical = {}
     for phase in {p.phase for p in pairs}:
@@ -237,7 +237,7 @@ def numerics_diff(
     Args:
       fun: the float32 loss (a floating scalar; ``(loss, aux)`` with ``has_aux``).
       argnums: what the gradient is taken with respect to.
-      policy: a :class:`jaxamp.Policy` or its string (``fun`` runs under
+      policy: a ``jaxamp.Policy`` or its string (``fun`` runs under
         ``jaxamp.autocast``), or the mixed-precision version of ``fun``. Required
         (given by keyword, as to the other numerics tools; a policy passed in
         ``argnums``'s place still works, with a ``DeprecationWarning``).
@@ -254,7 +254,7 @@ def numerics_diff(
       ValueError: without a policy.
 
     Returns:
-      A function of the losses' arguments returning a :class:`NumericsDiff`.
+      A function of the losses' arguments returning a ``NumericsDiff``.
 
     Examples:
       >>> import jax, jax.numpy as jnp

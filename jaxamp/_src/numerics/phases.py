@@ -85,7 +85,7 @@ def primal_equations(jaxpr: Any, needed: Sequence[bool]) -> tuple[set[int], list
 
 
 def _scan_primal(eqn: Any, needed: Sequence[bool]) -> tuple[set[int], list[bool]]:
-    """:func:`primal_equations` of a scan's body: a carry the next iteration reads to
+    """``primal_equations`` of a scan's body: a carry the next iteration reads to
     compute a needed value is needed too, until nothing more is (a fixed point)."""
     body, _ = open_jaxpr(eqn.params["jaxpr"])
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]

@@ -82,7 +82,7 @@ _WIDE, _NARROW = "float32", "16-bit"  # where an inf or a NaN was first made
 
 
 class _Measure:
-    """A :class:`evaluator.Tagger` that adds each value counted (``counted(sixteen_bit)``) to
+    """A ``evaluator.Tagger`` that adds each value counted (``counted(sixteen_bit)``) to
     its (layer, phase) statistics, and follows each inf and NaN to the operation that
     made it: one whose output is held in float32 (or computed there, for a policy),
     which float16 is not the cause of, or in 16 bits. A value's tag is the set of
@@ -166,7 +166,7 @@ def range_report(
     values float16 could not hold.
 
     ``jaxamp.range_report(loss_fn)(params, batch)`` evaluates the loss and its gradient
-    as :func:`jaxamp.find_nonfinite` does (one primitive at a time, under the model's
+    as ``jaxamp.find_nonfinite`` does (one primitive at a time, under the model's
     own policy) and records every floating value each layer computes. Run the model
     in float32 (or bfloat16) on one calibration batch to learn whether float16 will
     hold it; ``.overflows("float16")`` lists the layers that exceed 65504 and
@@ -188,7 +188,7 @@ def range_report(
         overflows float16 at this scale, the gradients are measured unscaled too
         (``RangeReport.unscaled``), to name a scale that fits.
       policy: the mixed-precision policy you mean to train with (a
-        :class:`jaxamp.Policy` or its string: ``fun`` runs under ``jaxamp.autocast``),
+        ``jaxamp.Policy`` or its string: ``fun`` runs under ``jaxamp.autocast``),
         or the mixed-precision version of ``fun`` itself. Then only the values that
         policy computes in 16 bits are counted, each computed in float32 so that its
         size shows: LayerNorm statistics, softmax and the other work a policy keeps
@@ -198,7 +198,7 @@ def range_report(
         anything; ``RangeReport.forward_only`` says so).
 
     Returns:
-      A function of ``fun``'s arguments returning a :class:`RangeReport`.
+      A function of ``fun``'s arguments returning a ``RangeReport``.
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -1,5 +1,5 @@
-"""What ``range_report`` measures and what it advises: :class:`LayerRange` per layer and
-phase, :class:`RangeReport` over a step, and its :class:`Recommendation`."""
+"""What ``range_report`` measures and what it advises: ``LayerRange`` per layer and
+phase, ``RangeReport`` over a step, and its ``Recommendation``."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class LayerRange:
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
-    """What :meth:`RangeReport.recommend` advises.
+    """What ``RangeReport.recommend`` advises.
 
     Attributes:
       dtype: ``"float16"`` or ``"bfloat16"``.
@@ -91,13 +91,13 @@ class RangeReport:
     """Per layer and phase, the range of the values of one evaluation.
 
     Attributes:
-      layers: one :class:`LayerRange` per (layer, phase), in the order first seen.
+      layers: one ``LayerRange`` per (layer, phase), in the order first seen.
       loss_scale: the scale the loss was multiplied by before differentiating (the
         multiplication itself is not counted: it is not a value of the model).
       policy: the policy the values were read under (only the values it holds in 16
         bits are counted), or ``None``: every value of ``fun`` as written.
       unscaled: when some gradient overflowed float16 at ``loss_scale`` (above 1): the
-        gradients' rows evaluated again at loss scale 1, so that :meth:`recommend`
+        gradients' rows evaluated again at loss scale 1, so that ``recommend``
         tells a loss scale too large from gradients float16 cannot hold.
       nonfinite: ``(layer, phase)`` of the rows holding inf or NaN, in the order the
         program first made one there.
@@ -113,11 +113,11 @@ class RangeReport:
     forward_only: str = ""
 
     def overflows(self, dtype: Any = "float16") -> list[LayerRange]:
-        """The layers whose values ``dtype`` cannot hold (:meth:`LayerRange.overflows`):
+        """The layers whose values ``dtype`` cannot hold (``LayerRange.overflows``):
         whose largest magnitude rounds to inf there (float16 holds up to 65504, and
         rounds values below 65520 to it), or that were already inf or NaN in a 16-bit
         type. Values inf or NaN in float32 too (a ``-inf`` mask fill, ``log(0)``) are
-        not ``dtype``'s range at fault and do not count (:attr:`nonfinite` lists them)."""
+        not ``dtype``'s range at fault and do not count (``nonfinite`` lists them)."""
         return [r for r in self.layers if r.overflows(dtype)]
 
     def recommend(self, underflow_threshold: float = 1e-3) -> Recommendation:

@@ -41,7 +41,7 @@ def source(eqn: Any, rules: Callable[[], dict[Any, str]] | None = None, fallback
     (``jax_traceback_in_locations_limit``), so a deep stack may show library code.
 
     ``rules``: a (cached) function giving, per call site of a ``custom_vjp``, where its
-    backward rule is (:func:`custom_vjp_rules`); an equation of that rule is named
+    backward rule is (``custom_vjp_rules``); an equation of that rule is named
     after it."""
     traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
     if traceback is None:
@@ -131,7 +131,7 @@ def _bwd_call_site(traceback: Any) -> Any:
 
 
 def custom_vjp_rules(jaxpr: Any) -> dict[Any, str]:
-    """Per call site (see :func:`_bwd_call_site`), where the backward rule of each
+    """Per call site (see ``_bwd_call_site``), where the backward rule of each
     ``custom_vjp_call`` of ``jaxpr`` (a forward program, searched through) is."""
     found: dict[Any, str] = {}
     for eqn in _equations(open_jaxpr(jaxpr)[0]):

@@ -105,7 +105,7 @@ def _scoped_class(cls: type, path: tuple[str, ...]) -> type:
 def under_policy(fun: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], str | None]:
     """``fun`` as the numerics tools run it under ``policy``, and how to name the policy.
 
-    ``policy`` is a :class:`jaxamp.Policy` or its string (``fun`` runs under
+    ``policy`` is a ``jaxamp.Policy`` or its string (``fun`` runs under
     ``jaxamp.autocast``), the mixed-precision version of ``fun`` itself, or ``None``
     (``fun`` as it is, and no name).
     """

@@ -30,7 +30,7 @@ barrier, so no dot can be rewritten after YNNPACK has taken it; it runs on CPUs
 with bf16 units and on CPUs without them alike. The ``native`` form is not
 safe on XLA:CPU for that reason.
 
-The form is chosen when a function is traced. :func:`use_matmul_form` (a
+The form is chosen when a function is traced. ``use_matmul_form`` (a
 context manager) or the environment variable ``JAXAMP_MATMUL_FORM`` overrides
 the choice for everything traced while it is set; a function ``jax.jit`` has
 already traced keeps the form it was traced with.
@@ -78,6 +78,7 @@ FORMS: dict[str, MatmulForm] = {
     "canonical": MatmulForm("canonical", canonical_layout=True),
     "upcast": MatmulForm("upcast", upcast=True),
 }
+"""The matmul forms by name (``JAXAMP_MATMUL_FORM`` and ``use_matmul_form`` take these)."""
 
 _OVERRIDE: contextvars.ContextVar[MatmulForm | None] = contextvars.ContextVar(
     "jaxamp_matmul_form", default=None
@@ -85,7 +86,7 @@ _OVERRIDE: contextvars.ContextVar[MatmulForm | None] = contextvars.ContextVar(
 
 
 def get_form(form: str | MatmulForm) -> MatmulForm:
-    """The :class:`MatmulForm` named ``form`` (a form is returned as it is).
+    """The ``MatmulForm`` named ``form`` (a form is returned as it is).
 
     Raises:
       ValueError: if ``form`` names no form; the message lists the valid names.
@@ -132,7 +133,7 @@ def use_matmul_form(form: str | MatmulForm) -> Iterator[MatmulForm]:
 
 
 def override() -> MatmulForm | None:
-    """The form :func:`use_matmul_form` or ``JAXAMP_MATMUL_FORM`` asks for, or ``None``."""
+    """The form ``use_matmul_form`` or ``JAXAMP_MATMUL_FORM`` asks for, or ``None``."""
     chosen = _OVERRIDE.get()
     if chosen is not None:
         return chosen
@@ -155,7 +156,7 @@ def platform_form(platform: str | None, dtype: Any) -> MatmulForm:
 def matmul_form(platform: str | None = None, dtype: Any = jnp.bfloat16) -> MatmulForm:
     """The form of the 16-bit GEMMs in ``dtype`` on ``platform`` (default: the default backend).
 
-    An override (:func:`use_matmul_form`, ``JAXAMP_MATMUL_FORM``) wins; else
+    An override (``use_matmul_form``, ``JAXAMP_MATMUL_FORM``) wins; else
     ``canonical`` for bfloat16 and ``upcast`` for float16 on CPUs, ``native``
     elsewhere. Without an override the form is chosen when a program is lowered,
     for the platform it is lowered for (a program exported for GPUs from a CPU

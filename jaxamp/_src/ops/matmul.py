@@ -1,7 +1,7 @@
 """The 16-bit matmul rule: one definition of the forward and both backward GEMMs.
 
 Every matmul jaxamp runs in a 16-bit compute dtype goes through
-:func:`amp_dot_general` (convolutions through :func:`amp_conv_general_dilated`):
+``amp_dot_general`` (convolutions through ``amp_conv_general_dilated``):
 ``apply_policy`` installs it as the ``dot_general`` of Flax's layers, the
 attention matmuls use it, and ``autocast`` rewrites ``dot_general`` to it. Its
 three GEMMs have one shape:
@@ -26,7 +26,7 @@ rule applied to the tangents and its transposes are the backward GEMMs above,
 again under the rule. ``jax.grad``, ``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``,
 ``jax.vmap``, ``jax.checkpoint``, ``shard_map`` and explicitly sharded types
 all apply, to any order. Inside, each GEMM takes the form
-:func:`jaxamp.ops.matmul_form` chooses for the backend (``jaxamp/_src/ops/forms.py``).
+``jaxamp.ops.matmul_form`` chooses for the backend (``jaxamp/_src/ops/forms.py``).
 Tools that look for ``lax.dot_general_p`` in a jaxpr (JAX's ``dots_saveable``
 checkpoint policy, for one) do not see these primitives; jaxamp's own residual
 modes (``jaxamp.checkpoint_residuals``) do.
@@ -353,9 +353,9 @@ def amp_dot_general(
         algorithms are replaced by the rule's own.
       preferred_element_type: the result dtype, or ``None`` for ``compute_dtype``.
       compute_dtype: the 16-bit dtype of the GEMM operands.
-      form: a :class:`jaxamp.ops.MatmulForm` or its name; ``None`` takes an override
-        (:func:`jaxamp.ops.use_matmul_form`) if one is set, else the form of the
-        platform the program is lowered for (:func:`jaxamp.ops.matmul_form`).
+      form: a ``jaxamp.ops.MatmulForm`` or its name; ``None`` takes an override
+        (``jaxamp.ops.use_matmul_form``) if one is set, else the form of the
+        platform the program is lowered for (``jaxamp.ops.matmul_form``).
       out_sharding: the result's sharding, as for ``lax.dot_general``.
 
     Returns:
@@ -574,11 +574,11 @@ def amp_conv_from_params(lhs, rhs, params: dict[str, Any], compute_dtype: Any) -
 
 @dataclasses.dataclass(frozen=True)
 class DotGeneral:
-    """:func:`amp_dot_general` as a ``dot_general`` for Flax layers (and an ``einsum``).
+    """``amp_dot_general`` as a ``dot_general`` for Flax layers (and an ``einsum``).
 
     Attributes:
       compute_dtype: the 16-bit dtype of the GEMM operands.
-      form: a :class:`jaxamp.ops.MatmulForm`, or ``None`` for :func:`jaxamp.ops.matmul_form`'s
+      form: a ``jaxamp.ops.MatmulForm``, or ``None`` for ``jaxamp.ops.matmul_form``'s
         choice where the GEMM is traced.
 
     Examples:
@@ -621,7 +621,7 @@ class DotGeneral:
         """``jnp.einsum`` whose contractions run under the rule, in the compute dtype.
 
         ``jnp.einsum`` caches its traces by its ``_dot_general`` argument, so the rule is
-        passed with the form :func:`jaxamp.ops.use_matmul_form` sets, if any: an einsum
+        passed with the form ``jaxamp.ops.use_matmul_form`` sets, if any: an einsum
         traced under another form is traced again, not taken from the cache.
         """
         if kwargs.get("preferred_element_type") is None:
@@ -632,7 +632,7 @@ class DotGeneral:
 
 @dataclasses.dataclass(frozen=True)
 class ConvGeneralDilated:
-    """:func:`amp_conv_general_dilated` as a ``conv_general_dilated`` for Flax layers."""
+    """``amp_conv_general_dilated`` as a ``conv_general_dilated`` for Flax layers."""
 
     compute_dtype: Any
 

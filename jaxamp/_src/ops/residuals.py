@@ -8,7 +8,7 @@ intermediates for the backward pass, which is why a Flax ResNet50 with
 bfloat16 layers saves 0.93x the activation bytes of the float32 model where
 PyTorch AMP saves about half.
 
-:func:`checkpoint_residuals` wraps a function in ``jax.checkpoint`` with a
+``checkpoint_residuals`` wraps a function in ``jax.checkpoint`` with a
 policy that decides, per primitive, which values may be saved:
 
 * ``"compute_dtype"``: outputs in a 16-bit (or integer or boolean) dtype, and
@@ -22,7 +22,7 @@ policy that decides, per primitive, which values may be saved:
   is recomputed. Least memory, most recomputation.
 * ``"all"``: no checkpoint, JAX's default.
 
-:func:`activation_bytes` measures the result from the jaxpr, on any backend.
+``activation_bytes`` measures the result from the jaxpr, on any backend.
 
 What a mixed-bfloat16 model saves with ``"compute_dtype"``:
 

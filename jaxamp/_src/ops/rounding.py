@@ -22,7 +22,7 @@ ROUNDINGS = ("nearest", "stochastic")
 
 
 def validate_rounding(rounding: str) -> str:
-    """Returns ``rounding`` if it is one of :data:`ROUNDINGS`, else raises ``ValueError``."""
+    """Returns ``rounding`` if it is one of ``ROUNDINGS``, else raises ``ValueError``."""
     if rounding not in ROUNDINGS:
         raise ValueError(
             f"Unknown rounding {rounding!r}. Valid choices: {', '.join(map(repr, ROUNDINGS))}."
@@ -34,8 +34,8 @@ STOCHASTIC_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def validate_stochastic_dtype(dtype: Any) -> np.dtype:
-    """``dtype`` as a ``np.dtype`` if :func:`stochastic_round` supports it (one of
-    :data:`STOCHASTIC_DTYPES`), else raises ``ValueError``."""
+    """``dtype`` as a ``np.dtype`` if ``stochastic_round`` supports it (one of
+    ``STOCHASTIC_DTYPES``), else raises ``ValueError``."""
     try:
         canonical = np.dtype(dtype)
     except TypeError:

@@ -57,7 +57,7 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
 
 
 class LossScaleStuckError(RuntimeError):
-    """Raised by :func:`raise_if_stuck` when training makes no progress."""
+    """Raised by ``raise_if_stuck`` when training makes no progress."""
 
 
 def scale_history(opt_state: Any) -> np.ndarray:

@@ -16,7 +16,7 @@ from jaxamp._src.policy import Policy, get_policy
 
 
 def get_loss_scale(opt_state: Any) -> jax.Array:
-    """The current loss scale (float32 scalar) of a :func:`jaxamp.loss_scaled` optimizer state.
+    """The current loss scale (float32 scalar) of a ``jaxamp.loss_scaled`` optimizer state.
 
     Examples:
       >>> import optax, jax.numpy as jnp, jaxamp
@@ -35,7 +35,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
 
     Args:
       loss: a scalar loss.
-      opt_state: an optimizer state containing a :func:`jaxamp.loss_scaled` state,
+      opt_state: an optimizer state containing a ``jaxamp.loss_scaled`` state,
         or an ``nnx.Optimizer``.
 
     Returns:
@@ -109,7 +109,7 @@ def reduce_gradients(
     gradients of its own examples. Floating leaves are cast to
     ``policy.grad_reduce_dtype`` (float32 under mixed policies unless the policy's
     ``reduce_dtype`` says otherwise), summed (or averaged) across ``axis_name``, and
-    returned in that dtype; under :func:`jaxamp.autocast` too (the reduction runs as
+    returned in that dtype; under ``jaxamp.autocast`` too (the reduction runs as
     traced there, so ``reduce=bf16`` is kept rather than widened to float32).
 
     Args:

@@ -42,7 +42,7 @@ from jaxamp._src.optim.scales import DynamicLossScale, LossScale, LossScaleState
 
 
 class LossScaledState(NamedTuple):
-    """State of :func:`loss_scaled` (every leaf an array).
+    """State of ``loss_scaled`` (every leaf an array).
 
     Attributes:
       loss_scale: the scale and its counters.
@@ -62,7 +62,7 @@ class LossScaledState(NamedTuple):
       nonfinite_grads: with ``record_nonfinite=True``, a tree shaped like the gradients
         of boolean scalars: which leaves were non-finite at the last skipped step (all
         ``False`` before any skip); else ``None``. Read it with
-        :func:`jaxamp.optim.nonfinite_gradients`. ``init`` sees only the params, so it takes
+        ``jaxamp.optim.nonfinite_gradients``. ``init`` sees only the params, so it takes
         the gradients' structure from them (see ``_gradient_structure``).
     """
 
@@ -195,8 +195,8 @@ def loss_scaled(
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps an optimizer with loss scaling, on-device skipping and float32 master params.
 
-    Scale the loss with :func:`jaxamp.scale_loss` (or take gradients with
-    :func:`jaxamp.value_and_grad`) and pass the scaled gradients to ``update``.
+    Scale the loss with ``jaxamp.scale_loss`` (or take gradients with
+    ``jaxamp.value_and_grad``) and pass the scaled gradients to ``update``.
 
     Args:
       inner: the optimizer, e.g. ``optax.chain(optax.clip_by_global_norm(1.0),
@@ -204,8 +204,8 @@ def loss_scaled(
         used only when they are all finite: under ``skip_with="select"`` it also
         runs on a step with non-finite gradients, and that step's updates and new
         state are discarded; under ``"cond"`` it does not run on such a step.
-      loss_scale: :class:`jaxamp.DynamicLossScale` (default),
-        :class:`jaxamp.StaticLossScale` or :class:`jaxamp.NoOpLossScale`.
+      loss_scale: ``jaxamp.DynamicLossScale`` (default),
+        ``jaxamp.StaticLossScale`` or ``jaxamp.NoOpLossScale``.
       axis_name: a mapped axis (``shard_map``, ``pmap``) over which gradients
         differ per device; the step is skipped everywhere if any device sees a
         non-finite gradient. Not needed under ``jit`` with sharded arrays.
@@ -231,8 +231,8 @@ def loss_scaled(
       seed: the seed of the stochastic rounding noise (``master_weights="stochastic"``).
       record_nonfinite: keep, in the state, which gradient leaves were non-finite at
         the last skipped step (one boolean per leaf, from the finiteness check's own
-        per-leaf results); :func:`jaxamp.optim.nonfinite_gradients` lists them, and
-        :func:`jaxamp.find_nonfinite` then finds the operation that made them. The
+        per-leaf results); ``jaxamp.optim.nonfinite_gradients`` lists them, and
+        ``jaxamp.find_nonfinite`` then finds the operation that made them. The
         record is shaped like the params given to ``init``, ``optax.LookaheadParams``
         taken as their fast params (the params ``optax.lookahead``'s gradients are
         of); ``update`` raises a ``ValueError`` for gradients of another shape.
@@ -273,7 +273,7 @@ def loss_scaled(
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """The settings of one :func:`loss_scaled` transformation, validated."""
+    """The settings of one ``loss_scaled`` transformation, validated."""
 
     inner: optax.GradientTransformationExtraArgs
     loss_scale: LossScale

@@ -13,7 +13,7 @@ recipe         state kept for 16-bit params            the new param            
 
 (1) per parameter, params and master only; the optimizer's moments come on top
 (8 bytes for Adam's two float32 moments, 4 for bfloat16 ones through
-:func:`jaxamp.with_state_dtype`).
+``jaxamp.with_state_dtype``).
 
 ``none`` is the naive baseline: an update smaller than half a unit in the last
 place of a 16-bit weight is lost every step, so the weight stalls. The other
@@ -43,6 +43,7 @@ from jaxamp._src.dtypes import FLOAT32, is_16bit_array, is_floating_array, is_in
 from jaxamp._src.ops.rounding import leaf_keys, new_key_data, step_key, stochastic_round
 
 MASTER_WEIGHTS = ("float32", "kahan", "stochastic", "none")
+"""How ``loss_scaled`` updates 16-bit params: the valid ``master_weights=`` choices."""
 
 
 def validate_master_weights(master_weights: str) -> str:

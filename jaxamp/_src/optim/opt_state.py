@@ -157,7 +157,7 @@ def _check_not_after_gradient_statistics(opt_state: Any) -> None:
 
 
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
-    """Finds the :class:`LossScaledState` inside an optimizer state.
+    """Finds the ``LossScaledState`` inside an optimizer state.
 
     Looks through any nesting: ``optax.chain``, ``optax.inject_hyperparams``,
     ``optax.multi_transform``, tuples, dicts, and ``nnx.Optimizer`` (pass the
@@ -201,7 +201,7 @@ def nonfinite_gradients(opt_state: Any) -> list[str]:
     """The gradient leaves that were non-finite at the last skipped step, as paths.
 
     Needs ``jaxamp.loss_scaled(..., record_nonfinite=True)`` somewhere in the optimizer
-    (found as :func:`jaxamp.get_loss_scale` finds it). Reads the state on the host.
+    (found as ``jaxamp.get_loss_scale`` finds it). Reads the state on the host.
 
     Examples:
       >>> import jax.numpy as jnp, optax

@@ -18,12 +18,14 @@ OPTIMIZER_RECIPES = {
     "bf16_stochastic": ("p=bf16,c=bf16,o=f32", "stochastic", "bfloat16"),
     "bf16_naive": ("p=bf16,c=bf16,o=f32", "none", None),
 }
+"""The named recipes of ``optimizer_recipe``: ``name: (params' policy, master_weights,
+state rounding dtype)``."""
 
 
 def optimizer_recipe(
     name: str, inner: optax.GradientTransformation, **loss_scaled_kwargs: Any
 ) -> tuple[Any, optax.GradientTransformationExtraArgs]:
-    """``(policy, optimizer)`` of a named recipe of :data:`OPTIMIZER_RECIPES`.
+    """``(policy, optimizer)`` of a named recipe of ``OPTIMIZER_RECIPES``.
 
     ``float32_params`` is standard AMP (float32 params, bfloat16 compute);
     the ``bf16_*`` recipes store params in bfloat16 and differ in how updates
@@ -32,12 +34,12 @@ def optimizer_recipe(
     6-bytes-per-parameter recipe).
 
     Args:
-      name: a key of :data:`OPTIMIZER_RECIPES`.
+      name: a key of ``OPTIMIZER_RECIPES``.
       inner: the optimizer, e.g. ``optax.adam(1e-3)``.
-      **loss_scaled_kwargs: passed to :func:`jaxamp.loss_scaled` (``loss_scale``, ``seed``...).
+      **loss_scaled_kwargs: passed to ``jaxamp.loss_scaled`` (``loss_scale``, ``seed``...).
 
     Returns:
-      The :class:`jaxamp.Policy` to apply to the model and the optax transformation.
+      The ``jaxamp.Policy`` to apply to the model and the optax transformation.
 
     Examples:
       >>> import optax, jaxamp

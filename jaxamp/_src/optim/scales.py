@@ -2,8 +2,8 @@
 
 A configuration is a frozen dataclass (static: safe to close over or to pass as
 a ``jit`` static argument); everything that changes lives in
-:class:`LossScaleState`, whose fields are all arrays. These objects are the
-rule; :func:`jaxamp.loss_scaled` applies it inside an optax transformation.
+``LossScaleState``, whose fields are all arrays. These objects are the
+rule; ``jaxamp.loss_scaled`` applies it inside an optax transformation.
 
 Unlike ``jmp.DynamicLossScale``, no configuration value is a pytree leaf that a
 flatten/unflatten round trip could drop (jmp 0.0.4 loses ``min_loss_scale``

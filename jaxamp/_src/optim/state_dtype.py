@@ -6,7 +6,7 @@ of any inner state in the dtypes asked for (one dtype, or one per state field
 such as ``{"mu": jnp.bfloat16, "nu": jnp.float32}``) and computes each update in
 float32: it casts the stored 16-bit leaves up, runs the inner update, and casts the
 new statistics down to their storage dtypes, to nearest or stochastically
-(unbiased, see :mod:`jaxamp._src.ops.rounding`), and every other floating leaf back to
+(unbiased, see ``jaxamp._src.ops.rounding``), and every other floating leaf back to
 the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
 
 A per-parameter statistic is a floating leaf that sits in a subtree of the state
@@ -52,7 +52,7 @@ _STATE_STREAM = 0x57A7E
 
 
 class StateDtypeState(NamedTuple):
-    """State of :func:`with_state_dtype` (every leaf an array).
+    """State of ``with_state_dtype`` (every leaf an array).
 
     Attributes:
       inner_state: the wrapped transformation's state, floating leaves in their
@@ -244,7 +244,7 @@ def with_state_dtype(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`StateDtypeState`.
+      ``StateDtypeState``.
 
     Raises:
       ValueError: for an unknown rounding, a dtype that is not floating, or a field

@@ -73,7 +73,7 @@ class ResNet(nn.Module):
 
     Attributes:
       stage_sizes: blocks per stage, e.g. ``(3, 4, 6, 3)`` for ResNet50.
-      block_cls: :class:`BottleneckBlock` or :class:`BasicBlock`.
+      block_cls: ``BottleneckBlock`` or ``BasicBlock``.
       num_classes: number of output logits.
       width: channels of the first stage (64 in the paper).
       dtype: Flax's per-layer compute dtype (``None``: inferred, float32 here); set it
