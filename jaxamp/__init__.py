@@ -59,58 +59,14 @@ __all__ = (
     "with_state_dtype",
 )
 
-# Top-level names of jaxamp 0.1 that moved into a namespace; served with a
-# DeprecationWarning until jaxamp 0.3.
+# Top-level names of jaxamp 0.1 that now live in a namespace only (or, for the sharding
+# helpers, nowhere): served with a DeprecationWarning until jaxamp 0.3.
 _MOVED = {
     **{
-        name: f"jaxamp.optim:{name}"
-        for name in (
-            "MASTER_WEIGHTS",
-            "OPTIMIZER_RECIPES",
-            "LossScaleState",
-            "LossScaleStuckError",
-            "LossScaledState",
-            "StateDtypeState",
-            "all_finite",
-            "find_loss_scaled_state",
-            "get_loss_scale",
-            "loss_scale_metrics",
-            "nonfinite_gradients",
-            "raise_if_stuck",
-            "reduce_gradients",
-            "scale_history",
-            "stochastic_round",
-            "underflow_fraction",
-        )
-    },
-    **{
-        name: f"jaxamp.debug:{name}"
-        for name in (
-            "LayerDiff",
-            "LayerRange",
-            "MatmulOp",
-            "NonFinite",
-            "NumericsDiff",
-            "PrecisionError",
-            "PrecisionReport",
-            "Problem",
-            "RangeReport",
-            "Recommendation",
-            "SensitiveOp",
-            "ValueRange",
-        )
-    },
-    **{
-        name: f"jaxamp.ops:{name}"
-        for name in (
-            "MATMUL_FORMS",
-            "MatmulForm",
-            "activation_bytes",
-            "dot_algorithm",
-            "matmul_form",
-            "saved_residuals",
-            "use_matmul_form",
-        )
+        name: f"{namespace.__name__}:{name}"
+        for namespace in (optim, debug, ops)
+        for name in namespace.__all__
+        if name not in __all__
     },
     **{
         name: f"jaxamp._src.deprecated:{name}"
