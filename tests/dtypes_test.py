@@ -1,4 +1,4 @@
-"""Tests for jaxamp/_src/dtypes.py and errors.py: the one dtype vocabulary and error shape."""
+"""Tests for jaxamp/_src/dtypes.py: the one dtype vocabulary."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from jaxamp._src import dtypes
-from jaxamp._src.errors import invalid_choice
 
 FLOATS = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -53,9 +52,3 @@ def test_canonical_dtype_names_the_bad_value_and_the_choices():
         dtypes.canonical_dtype("bf61", "compute dtype")
     with pytest.raises(ValueError, match="must be a floating dtype, got 'int32'"):
         dtypes.canonical_dtype(jnp.int32)
-
-
-def test_invalid_choice_lists_the_choices_in_order():
-    error = invalid_choice("form", "x", ("b", "a"), quote=True)
-    assert isinstance(error, ValueError)
-    assert str(error) == "Unknown form 'x'. Valid choices: 'b', 'a'."

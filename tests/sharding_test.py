@@ -1,5 +1,6 @@
 """Tests for examples/distributed_train.py (mixed precision on a mesh, in plain
-``jax.sharding``), ``jaxamp.optim.reduce_gradients``, and the deprecated sharding helpers.
+``jax.sharding``) and ``jaxamp.optim.reduce_gradients`` (the deprecated sharding helpers:
+deprecated_test.py).
 
 In-process tests use the 8 fake CPU devices the root conftest sets up; runs with
 other device counts, and the two-process run, are subprocesses.
@@ -58,25 +59,6 @@ def _run(args, devices=None, env_extra=None, timeout=240):
 
 
 @needs_8
-def test_the_deprecated_sharding_helpers_still_work_and_warn():
-    with pytest.warns(DeprecationWarning, match=r"jaxamp.data_parallel_mesh is deprecated"):
-        mesh = Mesh(np.asarray(jax.devices()), ("data",))
-    with pytest.warns(DeprecationWarning, match="examples/distributed_train.py"):
-        shard_batch = jaxamp.shard_batch
-    x = shard_batch(np.zeros((16, 3), np.float32), mesh)
-    assert x.sharding.spec == PartitionSpec("data") and len(x.addressable_shards) == 8
-    with pytest.raises(ValueError, match="A batch of 10 examples does not divide over the 8"):
-        shard_batch(np.zeros((10, 3)), mesh)
-    with pytest.raises(ValueError, match="scalar"):
-        shard_batch(np.float32(1.0), mesh)
-    with pytest.warns(DeprecationWarning):
-        assert jaxamp.replicated(mesh).spec == PartitionSpec()
-    with pytest.warns(DeprecationWarning):
-        specs = jaxamp.fsdp_shardings({"k": jnp.zeros((64, 512))}, mesh, min_size=256)
-    assert specs["k"].spec == PartitionSpec(None, "data")
-
-
-@needs_8
 def test_the_examples_fsdp_shardings_split_the_largest_divisible_dimension():
     mesh = Mesh(np.asarray(jax.devices()), ("data",))
     tree = {
@@ -85,7 +67,9 @@ def test_the_examples_fsdp_shardings_split_the_largest_divisible_dimension():
         "bias": jnp.zeros((512,)),
         "count": jnp.zeros([], jnp.int32),
     }
-    specs = {k: s.spec for k, s in distributed_train.fsdp_shardings(tree, mesh, 256).items()}
+    specs = {
+        k: s.spec for k, s in distributed_train.fsdp_shardings(tree, mesh, min_size=256).items()
+    }
     assert specs["kernel"] == PartitionSpec(None, "data")
     assert specs["bias"] == PartitionSpec("data")
     assert specs["odd"] == PartitionSpec(None, None)  # nothing divides by 8

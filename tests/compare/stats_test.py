@@ -12,7 +12,7 @@ from jaxamp._src.compare.stats import (
     choose_model,
     merge_seeds,
 )
-from tests.tiny_configs import TINY_BERT
+from tests.compare.app_test import TINY_BERT
 
 
 @pytest.mark.parametrize("units", [True, False])

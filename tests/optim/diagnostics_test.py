@@ -74,3 +74,17 @@ def test_underflow_fraction_follows_float16_rounding():
     flushed = jnp.array([0.5 * tiny, 0.3 * tiny], jnp.float32)
     assert float(jax.jit(jaxamp.optim.underflow_fraction)(kept)) == 0.0
     assert float(jax.jit(jaxamp.optim.underflow_fraction)(flushed)) == 1.0
+
+
+def test_raise_if_stuck_points_to_the_leaves_and_to_find_nonfinite():
+    params = {"w": jnp.ones(2)}
+    for record in (True, False):
+        tx = jaxamp.loss_scaled(optax.sgd(0.1), record_nonfinite=record)
+        state = tx.init(params)
+        for _ in range(3):
+            _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+        with pytest.raises(jaxamp.optim.LossScaleStuckError) as error:
+            jaxamp.optim.raise_if_stuck(state, max_consecutive_skips=3)
+        message = str(error.value)
+        assert "jaxamp.find_nonfinite" in message
+        assert ("['w']" in message) == record

@@ -1,4 +1,4 @@
-"""Tests for jaxamp/_src/models: parameter counts, shapes, causality, a policy on GPT-2."""
+"""Tests for jaxamp/_src/compare/models/gpt2.py: parameter count, causality, a policy."""
 
 import jax
 import jax.numpy as jnp
@@ -6,36 +6,14 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.models import (
-    BasicBlock,
-    BertClassifier,
-    BertConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
-    ResNet,
-    ResNet50,
-)
-from tests.tiny_configs import TINY_BERT, TINY_GPT2
-
-
-def flax_param_count(model, *inputs):
-    """Parameters of ``model`` for ``inputs``, from shapes only (nothing is allocated)."""
-    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *inputs))
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes["params"]))
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
+from jaxamp.models import GPT2Config, GPT2LMHeadModel
+from tests.compare.models.counting import flax_param_count
+from tests.tiny_configs import TINY_GPT2
 
 
 @pytest.mark.parametrize(
     ("model", "inputs", "expected"),
     [
-        pytest.param(ResNet50(1000), (jnp.zeros((1, 224, 224, 3)),), 25_557_032, id="resnet50"),
-        pytest.param(
-            BertClassifier(BertConfig()), (jnp.zeros((1, 8), jnp.int32),), 109_483_778, id="bert"
-        ),
         pytest.param(
             GPT2LMHeadModel(GPT2Config()), (jnp.zeros((1, 8), jnp.int32),), 124_439_808, id="gpt2"
         ),
@@ -43,32 +21,6 @@ def tokens():
 )
 def test_full_size_param_counts(model, inputs, expected):
     assert flax_param_count(model, *inputs) == expected
-
-
-def test_resnet_forward():
-    model = ResNet((1, 1), BasicBlock, num_classes=5, width=8)
-    images = jax.random.normal(jax.random.key(1), (2, 28, 28, 1))
-    variables = model.init(jax.random.key(0), images)
-    logits, updates = jax.jit(lambda v, x: model.apply(v, x, mutable=["batch_stats"]))(
-        variables, images
-    )
-    assert logits.shape == (2, 5) and logits.dtype == jnp.float32
-    assert jax.tree.structure(updates["batch_stats"]) == jax.tree.structure(
-        variables["batch_stats"]
-    )
-    eval_logits = model.apply(variables, images, train=False)
-    assert eval_logits.shape == (2, 5) and bool(jnp.all(jnp.isfinite(eval_logits)))
-
-
-def test_bert_forward(tokens):
-    model = BertClassifier(TINY_BERT)
-    mask = jnp.ones_like(tokens).at[:, -2:].set(0)
-    variables = model.init(jax.random.key(0), tokens)
-    logits = jax.jit(model.apply)(variables, tokens, mask)
-    assert logits.shape == (2, 3) and logits.dtype == jnp.float32
-    # Padded positions do not change the pooled output.
-    changed = jax.jit(model.apply)(variables, tokens.at[:, -1].set(7), mask)
-    np.testing.assert_allclose(changed, logits, rtol=1e-5, atol=1e-6)
 
 
 def test_gpt2_forward_is_causal(tokens):

@@ -1,0 +1,132 @@
+"""Tests for jaxamp/_src/numerics/numerics_diff.py: per-layer error against float32."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+from tests.gated_net import gated_setup
+from tests.numerics.nets import LinenNet, NnxNet, X, nnx_loss
+
+
+def test_numerics_diff_per_layer_under_autocast():
+    """Each row is the relative error one computes by hand: the layer's output captured
+    under autocast against float32, and the layer's parameter gradients."""
+    model = LinenNet()
+    params = jax.tree.map(jnp.abs, model.init(jax.random.key(0), X))
+    x = jnp.abs(X) + 0.1
+
+    def loss(params, x):
+        return jnp.mean(model.apply(params, x) ** 2)
+
+    same = jaxamp.numerics_diff(loss, policy="float32")(params, x)
+    assert all(r.relative_error == 0.0 for r in same.layers if r.relative_error is not None)
+    assert same.loss[0] == same.loss[1]
+    bf16 = jaxamp.numerics_diff(jax.jit(loss), policy="mixed_bfloat16")(params, x)
+    rows = {(r.layer, r.phase): r.relative_error for r in bf16.layers}
+
+    def relative(a, r):
+        a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+        return np.linalg.norm(a - r) / np.linalg.norm(r)
+
+    inter = lambda p, x: model.apply(p, x, capture_intermediates=True)[1]["intermediates"]
+    ref, amp = inter(params, x), jaxamp.autocast(inter, "mixed_bfloat16")(params, x)
+    g_ref = jax.grad(loss)(params, x)["params"]
+    g_amp = jax.grad(jaxamp.autocast(loss, "mixed_bfloat16"))(params, x)["params"]
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(tree)])
+    for name in ("embed", "amplify", "root", "head"):
+        expected = relative(amp[name]["__call__"][0], ref[name]["__call__"][0])
+        assert 1e-4 < expected < 0.05
+        assert rows[(f"LinenNet/{name}", "forward")] == pytest.approx(expected, rel=1e-6)
+    for name in ("embed", "amplify", "head"):
+        expected = relative(flat(g_amp[name]), flat(g_ref[name]))
+        assert rows[(f"LinenNet/{name}", "backward")] == pytest.approx(expected, rel=1e-6)
+    # worst: every comparable row, largest error first, and by phase
+    errors = sorted((e for e in rows.values() if e is not None), reverse=True)
+    assert [r.relative_error for r in bf16.worst(len(rows))] == errors
+    assert [r.relative_error for r in bf16.worst(2)] == errors[:2]
+    backward = bf16.worst(10, "backward")
+    assert {r.layer for r in backward} == {f"LinenNet/{n}" for n in ("embed", "amplify", "head")}
+    assert "activation rel. error" in bf16.table()
+    f16 = jaxamp.numerics_diff(loss, policy="mixed_float16")(params, x)
+    # float16 keeps 3 more mantissa bits than bfloat16: smaller errors, layer for layer
+    for (layer, phase), error in {(r.layer, r.phase): r.relative_error for r in f16.layers}.items():
+        if layer.startswith("LinenNet/"):
+            assert error < rows[(layer, phase)], (layer, phase)
+
+
+def test_numerics_diff_joins_nnx_gradients_to_their_layer():
+    model = NnxNet(nnx.Rngs(0))
+    diff = jaxamp.numerics_diff(nnx_loss, policy="mixed_bfloat16")(model, jnp.abs(X) + 0.1)
+    backward = {r.layer for r in diff.layers if r.phase == "backward"}
+    forward = {r.layer for r in diff.layers if r.phase == "forward"}
+    assert backward == {f"NnxNet/{n}" for n in ("embed", "amplify", "norm", "head")}, backward
+    assert backward <= forward  # one row of the table per layer, both columns filled
+    table = diff.table()
+    amplify = next(line for line in table.splitlines() if line.startswith("NnxNet/amplify "))
+    assert "-" not in amplify.split()[1:], table
+    assert dict(diff.gradients)["[0]['amplify']['kernel'].value"] > 0  # leaves keep their paths
+
+
+def test_numerics_diff_with_a_policy_applied_to_the_model():
+    model = LinenNet()
+    params = jax.tree.map(jnp.abs, model.init(jax.random.key(0), X))
+    amp = jaxamp.linen.apply_policy(model, "mixed_bfloat16")
+    ref = lambda p, x: jnp.mean(model.apply(p, x) ** 2)
+    mixed = lambda p, x: jnp.mean(amp.apply(p, x).astype(jnp.float32) ** 2)
+    diff = jaxamp.numerics_diff(ref, policy=mixed)(params, jnp.abs(X) + 0.1)
+    paths = dict(diff.gradients)
+    assert "[0]['params']['amplify']['kernel']" in paths
+    assert all(0 < e < 0.1 for e in paths.values())
+
+
+def test_numerics_diff_marks_rows_whose_float32_value_is_near_zero():
+    """A zero gate: the gate's output and the branch's gradients are exactly 0 in both
+    runs (identical: error 0, marked near zero). A gate of 1e-6: float16 flushes the
+    branch's gradients (a raw relative error of tens of %), but they are a millionth of
+    the typical gradient, so their scale error is small and the rows are marked."""
+    loss, params = gated_setup(0.0)
+    diff = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, X)
+    rows = {(r.layer, r.phase): r for r in diff.layers}
+    for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
+        assert rows[key].near_zero and rows[key].scale_error == 0.0, rows[key]
+        assert rows[key].relative_error == 0.0 and rows[key].cosine is None
+    for key in (("GatedNet/embed", "forward"), ("GatedNet/head", "backward")):
+        r = rows[key]
+        assert not r.near_zero and 1e-4 < r.scale_error < 0.05, r
+        assert r.scale_error == pytest.approx(r.relative_error)  # normal rows: the same number
+        assert 0.99 < r.cosine <= 1.0, r
+    same = jaxamp.numerics_diff(loss, policy="float32")(params, X)
+    assert all(r.scale_error == 0.0 for r in same.layers), same.layers
+
+    loss, params = gated_setup(1e-6)
+    diff = jaxamp.numerics_diff(loss, policy="mixed_float16")(params, X)
+    rows = {(r.layer, r.phase): r for r in diff.layers}
+    for key in (("GatedNet/gate", "forward"), ("GatedNet/branch", "backward")):
+        assert rows[key].near_zero and 0 < rows[key].scale_error < 1e-3, rows[key]
+    # float16 flushes most of the branch's gradients (1e-6 times the usual) to zero: the
+    # raw relative error, kept as it was, reads 46%
+    assert rows[("GatedNet/branch", "backward")].relative_error > 0.1
+    assert not rows[("GatedNet/gate", "backward")].near_zero  # the gate's own gradient
+
+
+def test_numerics_diff_takes_the_policy_by_keyword_and_says_when_it_is_missing():
+    params, x = {"w": jnp.full((4,), 0.3)}, jnp.ones((2, 4))
+    loss = lambda p, x: jnp.mean(jnp.tanh(x * p["w"]))
+    by_keyword = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, x)
+    with pytest.warns(DeprecationWarning, match=r"numerics_diff\(fun, policy=\.\.\.\)"):
+        positional = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, x)
+    assert positional == by_keyword
+    with pytest.raises(ValueError, match="numerics_diff needs the policy"):
+        jaxamp.numerics_diff(loss)
+
+
+def test_numerics_diff_forward_only_with_grad_false():
+    x = jnp.linspace(-2.0, 2.0, 8).reshape(2, 4)
+    out = lambda w, x: jnp.tanh(x * w)  # not a scalar: activations only
+    diff = jaxamp.numerics_diff(out, policy="mixed_bfloat16", grad=False)(jnp.ones(4), x)
+    assert diff.gradients == () and diff.loss is None
+    assert diff.layers and {r.phase for r in diff.layers} == {"forward"}
+    assert all(r.relative_error is not None and r.relative_error < 1e-2 for r in diff.layers)
