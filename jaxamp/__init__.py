@@ -12,7 +12,7 @@ from jaxamp._src.audit.report import precision_report
 from jaxamp._src.autocast.api import autocast, autocast_float32
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.deprecated import deprecation_getattr
+from jaxamp._src.deprecated import deprecation_getattr, install_moved_modules
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
 from jaxamp._src.numerics.numerics_diff import numerics_diff
 from jaxamp._src.numerics.range_report import range_report
@@ -74,3 +74,4 @@ _MOVED = {
     },
 }
 __getattr__ = deprecation_getattr(__name__, _MOVED)
+install_moved_modules()  # pickles written with 0.1 name its private module paths

@@ -1,17 +1,69 @@
 """Tests for jaxamp/_src/deprecated.py: the moved 0.1 names and sharding helpers warn."""
 
 import importlib
+import pathlib
+import pickle
+import re
+import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec
 
 import jaxamp
+from jaxamp._src.deprecated import MOVED_MODULES
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_a_moved_private_module_imports_as_its_new_home(old):
+    new = importlib.import_module(f"jaxamp._src.{MOVED_MODULES[old]}")
+    sys.modules.pop(f"jaxamp._src.{old}", None)  # imported before: import it afresh
+    with pytest.warns(DeprecationWarning, match=rf"jaxamp\._src\.{old} moved to"):
+        module = importlib.import_module(f"jaxamp._src.{old}")
+    assert module is new and sys.modules[f"jaxamp._src.{old}"] is new
+
+
+def _as_written_by_0_1(data: bytes, new: str, old: str) -> bytes:
+    """A protocol-2 pickle of today's objects, their module path as jaxamp 0.1 wrote it
+    (protocol 2 names a class as ``c<module>\\n<name>\\n``, with no frame lengths)."""
+    new_path, old_path = f"jaxamp._src.{new}\n".encode(), f"jaxamp._src.{old}\n".encode()
+    assert new_path in data
+    return data.replace(new_path, old_path)
+
+
+def test_an_optimizer_state_pickled_by_0_1_loads():
+    params = {"w": jnp.ones((4,), jnp.bfloat16), "b": jnp.zeros((2,))}
+    state = jaxamp.loss_scaled(optax.adam(1e-3)).init(params)
+    data = _as_written_by_0_1(pickle.dumps(state, protocol=2), "optim.loss_scaled", "loss_scaled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        loaded = pickle.loads(data)
+    assert type(loaded) is jaxamp.optim.LossScaledState
+    assert jax.tree.structure(loaded) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(state), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_docs_and_docstrings_use_no_deprecated_top_level_name():
+    """Examples a user copies must not warn: only the migration note names old names."""
+    root = pathlib.Path(__file__).parent.parent
+    names = "|".join(sorted(jaxamp._MOVED, key=len, reverse=True))
+    pattern = re.compile(rf"\bjaxamp\.({names})\b")
+    files = [root / "README.md", *(root / "docs").rglob("*.md")]
+    files += [*(root / "jaxamp").rglob("*.py"), *(root / "examples").rglob("*.py")]
+    found = [
+        f"{path.relative_to(root)}:{i}: {line.strip()}"
+        for path in files
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and " is now " not in line  # docs/index.md's migration note
+    ]
+    assert files and not found, found
 
 
 @pytest.mark.parametrize("name", sorted(jaxamp._MOVED))

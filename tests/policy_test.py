@@ -91,6 +91,13 @@ def test_bad_specs_name_the_bad_part(spec, fragment):
     assert fragment in str(e.value)
 
 
+def test_a_bad_dtype_is_named_once():
+    with pytest.raises(ValueError) as e:
+        get_policy("p=f32,c=bf17")
+    assert str(e.value).count("bf17") == 2, e.value  # the policy, then the bad part
+    assert "'compute'" in str(e.value) and "Valid choices: " in str(e.value)
+
+
 def test_non_string_spec_is_a_type_error():
     with pytest.raises(TypeError, match="got int"):
         get_policy(3)

@@ -3,11 +3,17 @@
 The sharding helpers below only wrapped ``jax.sharding``; ``examples/distributed_train.py``
 now shows the same in plain JAX. The record and state types moved to ``jaxamp.debug`` and
 ``jaxamp.optim``; ``deprecation_getattr`` serves their old top-level names with a warning.
+The private modules of 0.1 that a pickle may name (an optimizer state pickles as
+``jaxamp._src.loss_scaled.LossScaledState``) import as their new homes
+(``MOVED_MODULES``), so that pickles written with 0.1 still load.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -138,3 +144,71 @@ def fsdp_shardings(tree: Any, mesh: Mesh, axis: str = "data", min_size: int = 2*
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding that keeps a full copy on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+# 0.1's private modules (under jaxamp._src) whose contents moved as a whole: a pickle
+# written with 0.1 names its classes and functions by these paths.
+MOVED_MODULES = {
+    "attention": "ops.attention",
+    "autocast_interpreter": "autocast.interpreter",
+    "autocast_rules": "autocast.rules",
+    "cli": "compare.cli",
+    "compare_stats": "compare.stats",
+    "data": "compare.data",
+    "diagnostics": "optim.diagnostics",
+    "environment": "compare.environment",
+    "layers": "flax_policy.plan",
+    "linen_policy": "flax_policy.linen",
+    "loss_scale": "optim.scales",
+    "loss_scaled": "optim.loss_scaled",
+    "master_weights": "optim.master_weights",
+    "matmul": "ops.matmul",
+    "matmul_forms": "ops.forms",
+    "models": "compare.models",
+    "models.bert": "compare.models.bert",
+    "models.gpt2": "compare.models.gpt2",
+    "models.resnet": "compare.models.resnet",
+    "nnx_policy": "flax_policy.nnx",
+    "numerics.in_compare": "compare.numerics_checks",
+    "numerics.walk": "numerics.evaluator",
+    "precision_report": "audit.report",
+    "program_walk": "audit.stablehlo",
+    "report": "compare.report",
+    "residuals": "ops.residuals",
+    "rounding": "ops.rounding",
+    "scale_loss": "optim.gradients",
+    "state_dtype": "optim.state_dtype",
+    "variants": "compare.variants",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``jaxamp._src.<old>`` as the module it moved to (the same module object),
+    with a ``DeprecationWarning``."""
+
+    prefix = "jaxamp._src."
+
+    def find_spec(self, fullname, path=None, target=None):
+        old = fullname.removeprefix(self.prefix)
+        if not fullname.startswith(self.prefix) or old not in MOVED_MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        new = self.prefix + MOVED_MODULES[spec.name.removeprefix(self.prefix)]
+        warnings.warn(
+            f"{spec.name} moved to {new}; its old path is kept for pickles written with "
+            f"jaxamp 0.1 and will be removed in jaxamp {REMOVED_IN}.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module):
+        pass  # the module it moved to is already executed
+
+
+def install_moved_modules() -> None:
+    """Puts the finder for ``MOVED_MODULES`` on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModuleFinder())  # before the path finder: one module

@@ -121,6 +121,22 @@ def upcast(x: Any) -> Any:
     return x.astype(FLOAT32) if is_16bit_array(x) else x
 
 
+def float32_tree(tree: T) -> T:
+    """Every floating array leaf of ``tree`` as a float32 array of its own.
+
+    Unlike ``jaxamp.cast_floating(tree, float32)``, a leaf already in float32 is cast
+    too, so a weakly typed one (``jnp.asarray(1.0)``) becomes strongly typed: state
+    built from these leaves keeps one dtype from step to step.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> out = float32_tree({"w": jnp.ones(2, jnp.bfloat16), "s": jnp.asarray(1.0)})
+      >>> out["w"].dtype, out["s"].weak_type
+      (dtype('float32'), False)
+    """
+    return jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, tree)
+
+
 def upcast_tree(tree: T) -> T:
     """Every floating leaf of ``tree`` narrower than float32, in float32."""
     return jax.tree.map(upcast, tree)

@@ -180,12 +180,24 @@ def _parse_grammar(spec: str) -> Policy:
         name = _GRAMMAR_KEYS[key]
         if name in values:
             raise ValueError(f"Invalid policy {spec!r}: {name!r} is given twice.")
-        canonical_dtype(value, f"dtype {value!r} for {name!r} in policy {spec!r}")
+        canonical_dtype(value, f"dtype for {name!r} in policy {spec!r}:")
         values[name] = value
     reduce = values.pop("reduce", None)
     # jmp owns the grammar's defaults: compute follows params, output follows compute.
     parsed = jmp.get_policy(",".join(f"{k}={v}" for k, v in values.items()))
     return Policy(parsed.param_dtype, parsed.compute_dtype, parsed.output_dtype, reduce)
+
+
+def is_policy_spec(value: Any) -> bool:
+    """Whether ``get_policy`` takes ``value``: a ``Policy``, a ``jmp.Policy`` or a string.
+
+    Examples:
+      >>> is_policy_spec("mixed_bfloat16"), is_policy_spec(jmp.get_policy("c=bf16"))
+      (True, True)
+      >>> is_policy_spec(0)
+      False
+    """
+    return isinstance(value, (Policy, jmp.Policy, str))
 
 
 def get_policy(spec: str | Policy | jmp.Policy) -> Policy:

@@ -157,6 +157,26 @@ def test_clipping_sees_unscaled_gradients():
     np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)  # clipped to 0.5
 
 
+@pytest.mark.parametrize("master_weights", ["float32", "kahan", "stochastic", "none"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_weakly_typed_float32_param_beside_16_bit_ones_keeps_one_state_type(
+    dtype, master_weights
+):
+    """A param made with jnp.asarray(1.0) is weakly typed: the inner state built from it
+    is not, so the jitted update keeps one signature and compiles once."""
+    params = {"w": jnp.ones((4,), dtype), "s": jnp.asarray(1.0)}
+    assert params["s"].weak_type
+    tx = jaxamp.loss_scaled(optax.adam(1e-3), master_weights=master_weights)
+    state = tx.init(params)
+    weak = [x for x in jax.tree.leaves(state) if getattr(x, "weak_type", False)]
+    assert not weak, weak
+    update = jax.jit(tx.update)
+    grads = jax.tree.map(jnp.ones_like, params)
+    for _ in range(2):
+        _, state = update(grads, state, params)
+    assert update._cache_size() == 1
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16_bit_params_keep_a_float32_master(dtype):
     params = {"w": jnp.full(4, 1.0, dtype)}

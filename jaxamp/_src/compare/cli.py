@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 # The compare app needs the ``compare`` extra (tqdm, matplotlib, tensorflow-datasets,
-# scikit-learn, pillow); without it the command says which extra to install.
+# scikit-learn, pillow); without it the command says which extra to install. The app
+# imports some of them only when it uses them, so each is looked for up front.
 COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "PIL")
 try:
     from jaxamp._src.compare.app import MODELS, CompareConfig, compare
     from jaxamp._src.compare.data import DATA_SOURCES
     from jaxamp._src.compare.report import format_table, write_report
     from jaxamp._src.compare.variants import VARIANTS
-except ModuleNotFoundError as e:  # an optional dependency of the app is missing
-    if (e.name or "").split(".")[0] not in COMPARE_EXTRA:
+except ImportError as e:  # an optional dependency of the app is missing or broken
+    _broken = [m for m in COMPARE_EXTRA if m == (e.name or "").split(".")[0] or m in str(e)]
+    if not _broken:
         raise
-    _MISSING: str | None = e.name
+    _MISSING: str | None = f"{_broken[0]} ({e})"
 else:
     _MISSING = None
 
@@ -165,10 +168,14 @@ def _model_shape(compare: argparse.ArgumentParser, defaults: CompareConfig) -> N
 
 def missing_extra() -> str | None:
     """Why ``jaxamp compare`` cannot run here (the ``compare`` extra is missing), or ``None``."""
-    if _MISSING is None:
+    missing = _MISSING
+    if missing is None:
+        absent = [m for m in COMPARE_EXTRA if importlib.util.find_spec(m) is None]
+        missing = ", ".join(absent) if absent else None
+    if missing is None:
         return None
     return (
-        f"jaxamp compare needs the 'compare' extra (it could not import {_MISSING!r}): "
+        f"jaxamp compare needs the 'compare' extra (it could not import {missing}): "
         "pip install 'jaxamp[compare]' (from a checkout: pip install -e '.[compare]')"
     )
 

@@ -162,7 +162,7 @@ def find_nonfinite(
         A function returning anything else (activations) is checked forward only,
         with a warning, as with ``grad=False``.
       argnums: the arguments to differentiate with respect to.
-      policy: run ``fun`` under this policy (a ``jaxamp.Policy`` or its string:
+      policy: run ``fun`` under this policy (a ``jaxamp.Policy``, a ``jmp.Policy`` or a string:
         ``fun`` runs under ``jaxamp.autocast``), or pass the mixed-precision version
         of ``fun`` itself; ``None`` (default): ``fun`` as it is.
       has_aux: whether ``fun`` returns ``(loss, aux)``.

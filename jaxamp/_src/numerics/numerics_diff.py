@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jmp
 import numpy as np
 
 from jaxamp._src.numerics import evaluator, tracing
@@ -215,11 +217,41 @@ def _common_root(forward: dict[str, Any]) -> str:
     return ""
 
 
+def _policy_second(impl: Callable[..., Any]) -> Callable[..., Any]:
+    """0.1's ``numerics_diff(fun, policy, argnums=0, *, has_aux, loss_scale)`` call, kept
+    working until 0.3 with a ``DeprecationWarning``: a policy (anything but argnums) in
+    the second place moves to ``policy=``, and what follows it is ``argnums``."""
+
+    @functools.wraps(impl)
+    def numerics_diff(fun, *args, **kwargs):
+        if args and not _is_argnums(args[0]):
+            warnings.warn(
+                "numerics_diff(fun, policy) is deprecated and will stop working in jaxamp "
+                "0.3: pass numerics_diff(fun, policy=...), as to find_nonfinite and "
+                "range_report.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if "policy" in kwargs:
+                raise TypeError("numerics_diff got a policy both in second place and as policy=.")
+            kwargs["policy"], args = args[0], args[1:]
+        return impl(fun, *args, **kwargs)
+
+    return numerics_diff
+
+
+def _is_argnums(value: Any) -> bool:
+    if isinstance(value, int):
+        return True
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+@_policy_second
 def numerics_diff(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    policy: Policy | str | Callable[..., Any] | None = None,
+    policy: Policy | jmp.Policy | str | Callable[..., Any] | None = None,
     has_aux: bool = False,
     loss_scale: Any = None,
     grad: bool = True,
@@ -237,10 +269,11 @@ def numerics_diff(
     Args:
       fun: the float32 loss (a floating scalar; ``(loss, aux)`` with ``has_aux``).
       argnums: what the gradient is taken with respect to.
-      policy: a ``jaxamp.Policy`` or its string (``fun`` runs under
-        ``jaxamp.autocast``), or the mixed-precision version of ``fun``. Required
-        (given by keyword, as to the other numerics tools; a policy passed in
-        ``argnums``'s place still works, with a ``DeprecationWarning``).
+      policy: what ``jaxamp.get_policy`` takes (a ``jaxamp.Policy``, a ``jmp.Policy``
+        or a policy string; ``fun`` runs under ``jaxamp.autocast``), or the
+        mixed-precision version of ``fun``. Required (given by keyword, as to the
+        other numerics tools; 0.1's ``numerics_diff(fun, policy, argnums)``, with the
+        policy second, still works until 0.3, with a ``DeprecationWarning``).
       has_aux: whether the losses return ``(loss, aux)``.
       loss_scale: differentiate the policy's loss times this scale (a number or an
         optimizer state with ``jaxamp.loss_scaled``), as a float16 step does, and
@@ -272,14 +305,6 @@ def numerics_diff(
       >>> 0 < top.relative_error < 0.1
       True
     """
-    if not isinstance(argnums, (int, Sequence)) or isinstance(argnums, str):
-        warnings.warn(
-            "numerics_diff(fun, policy) is deprecated and will stop working in jaxamp 0.3: "
-            "pass numerics_diff(fun, policy=...), as to find_nonfinite and range_report.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        argnums, policy = 0, argnums
     if policy is None:
         raise ValueError(
             "numerics_diff needs the policy to compare with float32: "

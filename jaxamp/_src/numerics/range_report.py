@@ -188,7 +188,8 @@ def range_report(
         overflows float16 at this scale, the gradients are measured unscaled too
         (``RangeReport.unscaled``), to name a scale that fits.
       policy: the mixed-precision policy you mean to train with (a
-        ``jaxamp.Policy`` or its string: ``fun`` runs under ``jaxamp.autocast``),
+        ``jaxamp.Policy``, a ``jmp.Policy`` or a string: ``fun`` runs under
+        ``jaxamp.autocast``),
         or the mixed-precision version of ``fun`` itself. Then only the values that
         policy computes in 16 bits are counted, each computed in float32 so that its
         size shows: LayerNorm statistics, softmax and the other work a policy keeps

@@ -25,7 +25,7 @@ from jaxamp._src.autocast.api import autocast
 from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
 from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
-from jaxamp._src.policy import Policy, get_policy
+from jaxamp._src.policy import get_policy, is_policy_spec
 
 
 class NotALoss(TypeError):
@@ -105,18 +105,20 @@ def _scoped_class(cls: type, path: tuple[str, ...]) -> type:
 def under_policy(fun: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], str | None]:
     """``fun`` as the numerics tools run it under ``policy``, and how to name the policy.
 
-    ``policy`` is a ``jaxamp.Policy`` or its string (``fun`` runs under
-    ``jaxamp.autocast``), the mixed-precision version of ``fun`` itself, or ``None``
-    (``fun`` as it is, and no name).
+    ``policy`` is what ``jaxamp.get_policy`` takes (a ``jaxamp.Policy``, a
+    ``jmp.Policy`` or a policy string: ``fun`` runs under ``jaxamp.autocast``), the
+    mixed-precision version of ``fun`` itself, or ``None`` (``fun`` as it is, and no
+    name).
     """
     if policy is None:
         return fun, None
-    if isinstance(policy, (Policy, str)):
+    if is_policy_spec(policy):
         return autocast(fun, policy), str(get_policy(policy))
     if callable(policy):
         return policy, getattr(policy, "__name__", "the mixed-precision fun")
     raise TypeError(
-        "policy must be a jaxamp.Policy, a policy string or the mixed-precision version "
+        "policy must be a jaxamp.Policy, a jmp.Policy, a policy string or the "
+        "mixed-precision version "
         f"of fun, got {type(policy).__name__}: {policy!r}."
     )
 

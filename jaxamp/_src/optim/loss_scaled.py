@@ -35,11 +35,15 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxamp._src.dtypes import FLOAT32, is_16bit_array, is_floating_array, is_inexact_array
+from jaxamp._src.dtypes import (
+    float32_tree,
+    is_16bit_array,
+    is_floating_array,
+    is_inexact_array,
+)
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim import master_weights as masters
 from jaxamp._src.optim.scales import DynamicLossScale, LossScale, LossScaleState
-from jaxamp._src.policy import cast_floating
 
 
 class LossScaledState(NamedTuple):
@@ -320,7 +324,7 @@ def _validated_history_length(history_length: Any) -> int:
 def _init(config: _Config, params: Any) -> LossScaledState:
     has_16_bit = any(is_16bit_array(x) for x in jax.tree.leaves(params))
     master, compensation, key = masters.init(params, config.master_weights, config.seed)
-    inner_params = cast_floating(params, FLOAT32) if has_16_bit else params
+    inner_params = float32_tree(params) if has_16_bit else params
     return LossScaledState(
         loss_scale=config.loss_scale.init(),
         inner_state=config.inner.init(inner_params),

@@ -39,9 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.dtypes import FLOAT32, is_16bit_array, is_inexact_array
+from jaxamp._src.dtypes import float32_tree, is_16bit_array, is_inexact_array
 from jaxamp._src.ops.rounding import leaf_keys, new_key_data, step_key, stochastic_round
-from jaxamp._src.policy import cast_floating
 
 MASTER_WEIGHTS = ("float32", "kahan", "stochastic", "none")
 """How ``loss_scaled`` updates 16-bit params: the valid ``master_weights=`` choices."""
@@ -121,7 +120,7 @@ def inner_params(params: Any, master: Any, compensation: Any) -> Any:
     """The float32 params the inner optimizer sees (for weight decay and the like)."""
     if master is not None:
         return jax.tree.map(lambda m, p: m if is_16bit_array(p) else p, master, params)
-    f32 = cast_floating(params, FLOAT32)
+    f32 = float32_tree(params)
     if compensation is None:
         return f32
     compensation = valid_compensation(params, compensation)

@@ -201,7 +201,7 @@ def nonfinite_gradients(opt_state: Any) -> list[str]:
     """The gradient leaves that were non-finite at the last skipped step, as paths.
 
     Needs ``jaxamp.loss_scaled(..., record_nonfinite=True)`` somewhere in the optimizer
-    (found as ``jaxamp.get_loss_scale`` finds it). Reads the state on the host.
+    (found as ``jaxamp.optim.get_loss_scale`` finds it). Reads the state on the host.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -210,7 +210,7 @@ def nonfinite_gradients(opt_state: Any) -> list[str]:
       >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
       >>> state = tx.init(params)
       >>> _, state = tx.update({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}, state, params)
-      >>> jaxamp.nonfinite_gradients(state)
+      >>> jaxamp.optim.nonfinite_gradients(state)
       ["['b']"]
     """
     state = find_loss_scaled_state(opt_state)
