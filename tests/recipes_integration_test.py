@@ -14,8 +14,8 @@ them where users meet them, every step under ``jax.jit`` or ``nnx.jit``:
 * FSDP over 8 (fake CPU) devices for ``bf16_kahan`` and ``bf16_stochastic``:
   params and optimizer state placed as examples/distributed_train.py places them (FSDP); the Kahan
   compensation and the Adam moments come out of the jitted step sharded like
-  their params, the rounding keys replicated, and the sharded run's params are
-  bit-identical to the same run on one device.
+  their params, the rounding keys replicated, and on the same gradients the sharded
+  steps' params and state are bit-identical to the same steps on one device.
 """
 
 import jax
@@ -26,7 +26,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 import jaxamp
 from examples import distributed_train
@@ -244,29 +244,58 @@ def _ordinal(x):
     return np.where(bits & sign, -(bits & ~sign), bits)
 
 
-def _fsdp_run(name, *, sharded, seed=0, steps=4):
-    """``steps`` jitted steps of a Dense(512) on 256 features under recipe ``name``."""
+def _fsdp_setup(name, seed=0):
+    """A Dense(512) on 256 features under recipe ``name``: model, optimizer, params, state."""
     policy, tx = jaxamp.optimizer_recipe(name, optax.adam(1e-3), seed=seed)
     model = jaxamp.linen.apply_policy(nn.Dense(512), policy)
+    params = model.init(jax.random.key(5), jnp.zeros((1, 256)))["params"]
+    return model, tx, params, tx.init(params)
+
+
+def _fsdp_gradients(name, steps=4):
+    """The (loss-scaled) gradients of ``steps`` one-device training steps under ``name``.
+
+    Both runs of the FSDP test apply these same gradients. A gradient computed on a
+    sharded batch sums its examples in another order than on one device, which XLA
+    does not promise to round alike: on a Xeon with AMX, one element of the 256x512
+    bfloat16 kernel gradient came out one bfloat16 ulp apart.
+    """
+    model, tx, params, state = _fsdp_setup(name)
     x = jax.random.normal(jax.random.key(3), (16, 256))
     y = jax.random.normal(jax.random.key(4), (16, 512))
-    params = model.init(jax.random.key(5), x)["params"]
-    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        loss = lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+        _, grads = jaxamp.value_and_grad(loss)(params, opt_state=state)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, grads
+
+    gradients = []
+    for _ in range(steps):
+        params, state, grads = step(params, state)
+        gradients.append(grads)
+    return gradients
+
+
+def _fsdp_run(name, gradients, *, sharded, seed=0):
+    """The jitted optimizer steps of recipe ``name`` on ``gradients``, FSDP-sharded over
+    every device as examples/distributed_train.py shards them, or on one device."""
+    _, tx, params, state = _fsdp_setup(name, seed)
     if sharded:
         mesh = Mesh(np.asarray(jax.devices()), ("data",))
         params = jax.device_put(params, distributed_train.fsdp_shardings(params, mesh))
         state = jax.device_put(state, distributed_train.fsdp_shardings(state, mesh))
-        x, y = jax.device_put((x, y), NamedSharding(mesh, PartitionSpec("data")))
+        shardings = distributed_train.fsdp_shardings(params, mesh)
+        gradients = [jax.device_put(g, shardings) for g in gradients]
 
     @jax.jit
-    def step(params, state, x, y):
-        loss = lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
-        _, grads = jaxamp.value_and_grad(loss)(params, opt_state=state)
+    def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    for _ in range(steps):
-        params, state = step(params, state, x, y)
+    for grads in gradients:
+        params, state = step(params, state, grads)
     return params, state
 
 
@@ -278,7 +307,8 @@ def _adam_state(name, state):
 def test_fsdp_matches_one_device(name):
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    params, state = _fsdp_run(name, sharded=True)
+    gradients = _fsdp_gradients(name)
+    params, state = _fsdp_run(name, gradients, sharded=True)
     kernel = params["kernel"]
     assert kernel.dtype == jnp.bfloat16 and kernel.sharding.spec == PartitionSpec(None, "data")
     assert {s.data.shape for s in kernel.addressable_shards} == {(256, 64)}
@@ -299,7 +329,7 @@ def test_fsdp_matches_one_device(name):
         keys = [state.rounding_key, state.inner_state.rounding_key]
         assert all(k.dtype == jnp.uint32 and k.sharding.is_fully_replicated for k in keys)
 
-    ref_params, ref_state = _fsdp_run(name, sharded=False)
+    ref_params, ref_state = _fsdp_run(name, gradients, sharded=False)
     assert all(len(x.devices()) == 1 for x in jax.tree.leaves((ref_params, ref_state)))
     if name == "bf16_kahan":
         _assert_bits_equal(params, ref_params, "params")
@@ -312,7 +342,7 @@ def test_fsdp_matches_one_device(name):
     # rounding probabilities). Such an element rounds to the other bfloat16 neighbour;
     # the difference is then at most one bfloat16 ulp, in a handful of elements. The
     # noise itself is the same: a wrong key (another seed) changes most rounded elements.
-    other_seed, _ = _fsdp_run(name, sharded=False, seed=1)
+    other_seed, _ = _fsdp_run(name, gradients, sharded=False, seed=1)
     for what, a, b in [("params", params, ref_params), ("state", state, ref_state)]:
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             x, y = np.asarray(x), np.asarray(y)
