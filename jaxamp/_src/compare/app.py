@@ -188,7 +188,12 @@ def classification_metrics(
 
 
 class _Run:
-    """One variant: its model, optimizer, compiled steps and everything measured."""
+    """One variant: its model, optimizer, compiled steps and everything measured.
+
+    The compiled programs take the seed's key as an argument, so one ``_Run`` serves
+    every seed of a comparison: ``reset`` starts it again from a seed's initial
+    variables without compiling anything.
+    """
 
     def __init__(
         self,
@@ -201,7 +206,31 @@ class _Run:
         self.variant, self.task = variant, task
         self.model = apply_policy(task.module, variant.policy)
         self.tx = variant.optimizer(optax.adam(task.learning_rate))
-        self.params = variant.policy.cast_to_param(variables["params"])
+        self.reset(variables, config)
+        with variant.tracing():
+            start = time.perf_counter()
+            self.step = (
+                jax.jit(self._step)
+                .lower(self.params, self.state, self.opt_state, *sample, 0, self.key)
+                .compile()
+            )
+            self.compile_s = time.perf_counter() - start
+            eval_x = jnp.repeat(sample[0][:1], _eval_batch(config.batch_size), axis=0)
+            self.predict = (
+                jax.jit(lambda p, s, x: self.task.apply(self.model, p, s, x, False, None)[0])
+                .lower(self.params, self.state, eval_x)
+                .compile()
+            )
+            self.update_statistics = jax.jit(
+                lambda p, s, x, key: self.task.apply(self.model, p, s, x, True, key)[1]
+            )
+            self.activation_bytes = activation_bytes(
+                lambda p: self._loss(p, self.state, *sample, self.key)[0], self.params
+            )
+
+    def reset(self, variables: dict, config: CompareConfig) -> None:
+        """Starts this variant again from ``variables`` with ``config.seed``'s key."""
+        self.params = self.variant.policy.cast_to_param(variables["params"])
         self.state = variables.get("batch_stats", {})
         self.opt_state = self.tx.init(self.params)
         self.bytes_per_param = _bytes_per_param(self.params, self.opt_state)
@@ -215,41 +244,22 @@ class _Run:
         self.first_nonfinite: dict[str, Any] | None = None
         self.divergence: list[dict[str, Any]] | None = None
         self.divergence_loss_scale: dict[str, Any] | None = None
-        with variant.tracing():
-            start = time.perf_counter()
-            self.step = (
-                jax.jit(self._step)
-                .lower(self.params, self.state, self.opt_state, *sample, 0)
-                .compile()
-            )
-            self.compile_s = time.perf_counter() - start
-            eval_x = jnp.repeat(sample[0][:1], _eval_batch(config.batch_size), axis=0)
-            self.predict = (
-                jax.jit(lambda p, s, x: self.task.apply(self.model, p, s, x, False, None)[0])
-                .lower(self.params, self.state, eval_x)
-                .compile()
-            )
-            self.update_statistics = jax.jit(
-                lambda p, s, x: self.task.apply(self.model, p, s, x, True, self.key)[1]
-            )
-            self.activation_bytes = activation_bytes(
-                lambda p: self._loss(p, self.state, *sample, self.key)[0], self.params
-            )
+        self.recalibration_change: float | None = None
 
     def _loss(self, params, state, x, y, rng):
         logits, new_state = self.task.apply(self.model, params, state, x, True, rng)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), new_state
 
-    def _grads(self, params, state, opt_state, x, y, step):
-        rng = jax.random.fold_in(self.key, step)
+    def _grads(self, params, state, opt_state, x, y, step, key):
+        rng = jax.random.fold_in(key, step)
         loss = lambda p: self._loss(p, state, x, y, rng)
         if self.variant.dynamic_loss_scaling:
             return value_and_grad(loss, has_aux=True)(params, opt_state=opt_state)
         return jax.value_and_grad(loss, has_aux=True)(params)
 
-    def _step(self, params, state, opt_state, x, y, step):
-        (loss, state), grads = self._grads(params, state, opt_state, x, y, step)
+    def _step(self, params, state, opt_state, x, y, step, key):
+        (loss, state), grads = self._grads(params, state, opt_state, x, y, step, key)
         # What float16 would flush to zero, without and with this step's loss scale: two
         # reductions over the gradients, well under 1% of a ResNet50 step.
         scale = self.scale_of(opt_state)
@@ -279,7 +289,9 @@ class _Run:
     def train_step(self, x, y, step: int) -> None:
         before = (self.params, self.state, self.opt_state)
         start = time.perf_counter()
-        out = jax.block_until_ready(self.step(self.params, self.state, self.opt_state, x, y, step))
+        out = jax.block_until_ready(
+            self.step(self.params, self.state, self.opt_state, x, y, step, self.key)
+        )
         self.step_times.append(time.perf_counter() - start)
         self.params, self.state, self.opt_state, loss, (unscaled, scaled) = out
         if self.diagnose and self.first_nonfinite is None and not np.isfinite(float(loss)):
@@ -305,7 +317,7 @@ class _Run:
         before = self.state
         with self.variant.tracing():
             for x, _ in batches:
-                self.state = self.update_statistics(self.params, self.state, x)
+                self.state = self.update_statistics(self.params, self.state, x, self.key)
         changes = [
             float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
             for a, b in zip(jax.tree.leaves(self.state), jax.tree.leaves(before), strict=True)
@@ -354,7 +366,7 @@ class _Run:
             "f1": metrics["f1"],
             "skipped_steps": skipped,
             "final_loss_scale": final_scale,
-            "bn_recalibration_change": getattr(self, "recalibration_change", None),
+            "bn_recalibration_change": self.recalibration_change,
             "bytes_per_param": self.bytes_per_param,
             "divergence": self.divergence,
             "divergence_loss_scale": self.divergence_loss_scale,
@@ -468,11 +480,12 @@ def compare(
             log(note)
     dataset = dataset.subset(config.train_examples, config.test_examples)
     per_seed = []
+    compiled: dict[str, _Run] = {}  # one per variant, compiled once for all seeds
     for i in range(config.seeds):
         if config.seeds > 1:
             log(f"seed {config.seed + i} ({i + 1} of {config.seeds})")
         seeded = dataclasses.replace(config, seed=config.seed + i)
-        per_seed.append(_compare_once(seeded, dataset, log))
+        per_seed.append(_compare_once(seeded, dataset, log, compiled))
     report = merge_seeds(per_seed)
     report["config"] = dataclasses.asdict(config)
     report["model_choice"] = reason
@@ -482,9 +495,13 @@ def compare(
 
 
 def _compare_once(
-    config: CompareConfig, dataset: data_lib.Dataset, log: Callable[[str], None] = print
+    config: CompareConfig,
+    dataset: data_lib.Dataset,
+    log: Callable[[str], None] = print,
+    compiled: dict[str, _Run] | None = None,
 ) -> dict[str, Any]:
-    """One seed: every variant trained side by side."""
+    """One seed: every variant trained side by side (``compiled``: the variants' runs
+    from an earlier seed, reused and filled in)."""
     steps_per_epoch = len(dataset.train_x) // config.batch_size
     if steps_per_epoch < 1:
         raise ValueError(
@@ -496,9 +513,12 @@ def _compare_once(
         (dataset.train_x[: config.batch_size], dataset.train_y[: config.batch_size])
     )
     variables = task.module.init(jax.random.key(config.seed), sample[0][:1])
-    runs = []
-    for name in tqdm(names, desc="compile", unit="variant"):
-        runs.append(_Run(get_variant(name), task, variables, config, sample))
+    compiled = {} if compiled is None else compiled
+    for name in tqdm([n for n in names if n not in compiled], desc="compile", unit="variant"):
+        compiled[name] = _Run(get_variant(name), task, variables, config, sample)
+    runs = [compiled[name] for name in names]
+    for run in runs:
+        run.reset(variables, config)
     float16 = _numerics_before_training(runs, task, variables, sample, config, log)
 
     total = config.epochs * steps_per_epoch
