@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jaxamp
+from jaxamp._src.ops.residuals import saved_residuals
 from jaxamp.models import BasicBlock, BertClassifier, BertConfig, ResNet
 
 TINY_BERT = BertConfig(
@@ -266,3 +267,29 @@ def test_nnx_normalisation_layers_save_16_bit_residuals(norm):
     assert jaxamp.ops.activation_bytes(loss, params, rest) > 0
     grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
     assert {g.dtype for g in jax.tree.leaves(grads)} == {np.dtype("float32")}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_16_bit_cast_of_an_activation_is_saved_and_a_weights_copy_is_not(dtype):
+    """A float32 GELU cast to 16 bits for a matmul: its cast is kept, so the backward
+    pass does not redo the GELU (inside the weight gradient's transposing copy, where
+    XLA:CPU is slow); the 16-bit copy of the float32 weight is redone from the weight."""
+
+    def f(w, x):
+        h = jax.nn.gelu(x.astype(jnp.float32), approximate=False).astype(dtype)
+        return jnp.sum(jnp.dot(h, w.astype(dtype), preferred_element_type=jnp.float32))
+
+    w, x = jnp.full((64, 32), 0.01), jnp.linspace(-2, 2, 16 * 64).reshape(16, 64).astype(dtype)
+    wrapped = jax.jit(jaxamp.checkpoint_residuals(f))
+    saved = [
+        (tuple(aval.shape), np.dtype(aval.dtype))
+        for aval, description in saved_residuals(jaxamp.checkpoint_residuals(f), w, x)
+        if not description.startswith("from the argument")
+    ]
+    assert ((16, 64), np.dtype(dtype)) in saved, saved  # the activation's cast
+    assert ((64, 32), np.dtype(dtype)) not in saved, saved  # the weight's copy
+    assert ((16, 64), np.dtype(np.float32)) not in saved, saved  # no float32 GELU
+    grads = jax.jit(jax.grad(wrapped, argnums=(0, 1)))(w, x)
+    expected = jax.jit(jax.grad(f, argnums=(0, 1)))(w, x)
+    for g, e in zip(grads, expected, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
