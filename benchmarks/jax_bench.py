@@ -37,6 +37,7 @@ class Step:
     host_syncs: int
     flops: float | None
     sync: Callable[[Any], Any] = jax.block_until_ready
+    hlo_text: str | None = None  # the compiled program, for the profile's per-thunk table
 
 
 def _loss_fn(spec: ModelSpec, model: Any, batch_stats: Any, x, y, rng):
@@ -145,6 +146,7 @@ def build(
         activation_bytes=activation,
         converts=report.converts,
         host_syncs=count_host_syncs(compiled.as_text()),
+        hlo_text=compiled.as_text(),
         flops=float(cost.get("flops", 0.0)) if cost else None,
     )
 

@@ -17,14 +17,21 @@ step also runs under jaxamp's ``float32`` policy) and ``mlp`` (4 dense layers of
 update-heavy step where the optimizer is a large share of the time). For the
 MLP, analysis variants (``ANALYSIS_CHECKS``) split the extra time into the wait
 for the finiteness check and the check's own read of the gradients, and
-``loss_scaled(record_nonfinite=True)`` is timed beside the default.
+``loss_scaled(record_nonfinite=True)`` is timed beside the default. With
+``--torch``, the same MLP in PyTorch is timed too, a plain ``torch.optim.Adam`` step
+against the same step with ``torch.amp.GradScaler`` (float32, as PyTorch's loss
+scaling runs it on a CPU: unscale and check in place, then skip or step), the two
+alternated with each other in the same process: GradScaler's own overhead, the
+figure to hold jaxamp's against.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +119,35 @@ ANALYSIS_CHECKS = {
 }
 
 
+def torch_mlp_steps(batch_size: int, width: int = 1024, depth: int = 4) -> dict[str, Any]:
+    """The MLP in PyTorch: ``{"plain": step, "GradScaler": step}``, Adam on float32."""
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for i in range(depth):
+        layers.append(torch.nn.Linear(width, width))
+        if i < depth - 1:
+            layers.append(torch.nn.ReLU())
+    initial = torch.nn.Sequential(*layers)
+    inputs, targets = torch.randn(batch_size, width), torch.randn(batch_size, width)
+    steps = {}
+    for name in ("plain", "GradScaler"):
+        model = copy.deepcopy(initial)  # the same initial weights, parameters of its own
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", enabled=name == "GradScaler")
+
+        def step(model=model, optimizer=optimizer, scaler=scaler):
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+
+        steps[f"torch {name}"] = step
+    return steps
+
+
 @contextlib.contextmanager
 def _finiteness_check(check):
     """Replaces loss_scaled's check while a step is traced (``None``: the real one)."""
@@ -186,6 +222,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="folder for loss_scaling.json/.md")
+    parser.add_argument(
+        "--torch", action="store_true", help="mlp: also PyTorch's Adam with and without GradScaler"
+    )
     args = parser.parse_args(argv)
 
     if args.model == "mlp":
@@ -201,7 +240,11 @@ def main(argv=None):
         described = f"ResNet18, batch {batch_size}, {args.image_size}x{args.image_size}x3"
         name = "loss_scaling"
     records = []
-    with tqdm(total=2 * args.repeats, desc=f"loss scaling ({args.model})") as bar:
+    torch_steps = torch_mlp_steps(batch_size, args.width) if args.torch else {}
+    if torch_steps and args.model != "mlp":
+        parser.error("--torch is for --model mlp")
+    rounds = (3 if torch_steps else 2) * args.repeats
+    with tqdm(total=rounds, desc=f"loss scaling ({args.model})") as bar:
         times = time_alternating(
             {
                 name: (lambda f=f, s=states[name]: f(params, grads, s))
@@ -219,6 +262,11 @@ def main(argv=None):
             progress=bar,
         )
         records += _records("train_step", times)
+        if torch_steps:  # eager PyTorch on the CPU returns when the step is done
+            times = time_alternating(
+                torch_steps, args.warmup, args.repeats, sync=lambda _: None, progress=bar
+            )
+            records += _records("train_step", times, plain="torch plain")
 
     table = markdown_table(
         records,
@@ -242,8 +290,9 @@ def main(argv=None):
         )
 
 
-def _records(scope: str, times: dict[str, list[float]]) -> list[dict]:
-    plain = summarize(times["plain"])["median_s"]
+def _records(scope: str, times: dict[str, list[float]], plain: str = "plain") -> list[dict]:
+    baseline = times[plain]
+    plain = summarize(baseline)["median_s"]
     rows = []
     for name, values in times.items():
         s = summarize(values)
@@ -259,7 +308,7 @@ def _records(scope: str, times: dict[str, list[float]]) -> list[dict]:
                 # the median of the round-by-round ratios: each round's two steps ran
                 # back to back, so drift in the machine's speed cancels in the ratio
                 "paired_ratio_median": statistics.median(
-                    v / p for v, p in zip(values, times["plain"], strict=True)
+                    v / p for v, p in zip(values, baseline, strict=True)
                 ),
             }
         )

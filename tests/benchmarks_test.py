@@ -204,3 +204,91 @@ def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
     for r in records:
         assert r["min_s"] <= r["step_time_median_s"] <= r["max_s"] and r["n"] == 2
     assert (tmp_path / f"{name}.md").exists()
+
+
+def test_loss_scaling_benchmark_times_pytorch_gradscaler_beside_plain_adam(tmp_path):
+    pytest.importorskip("torch")
+    from benchmarks import loss_scaling
+
+    argv = ["--model", "mlp", "--width", "32", "--batch-size", "4", "--torch"]
+    loss_scaling.main([*argv, "--warmup", "1", "--repeats", "2", "--out", str(tmp_path)])
+    records = json.loads((tmp_path / "loss_scaling_mlp.json").read_text())["records"]
+    torch_rows = {r["variant"]: r for r in records if r["variant"].startswith("torch")}
+    assert set(torch_rows) == {"torch plain", "torch GradScaler"}
+    assert torch_rows["torch plain"]["ratio_to_plain"] == 1.0  # against torch's own plain
+    assert torch_rows["torch GradScaler"]["scope"] == "train_step"
+    steps = loss_scaling.torch_mlp_steps(4, 32)
+    for step in steps.values():  # each step trains a model of its own
+        step()
+
+
+def test_profile_puts_each_thunk_of_a_compiled_step_in_a_category(tmp_path):
+    from benchmarks import profile
+
+    argv = ["--models", "bert-tiny:2", "--warmup", "1", "--steps", "2", "--no-torch"]
+    profile.main([*argv, "--out", str(tmp_path)])
+    records = json.loads((tmp_path / "profile.json").read_text())["records"]
+    assert [(r["framework"], r["variant"]) for r in records] == [
+        ("jaxamp", "fp32"),
+        ("jaxamp", "bf16"),
+        ("flax", "bf16"),
+    ]
+    for r in records:
+        categories = r["profile"]["categories"]
+        assert categories["gemm"]["ms"] > 0 and categories["gemm"]["thunks"] > 0
+        assert categories["norm"]["thunks"] > 0 and categories["optimizer"]["thunks"] > 0
+        assert r["profile"]["unmatched_s"] == 0.0  # every traced thunk found in the HLO
+    bf16 = records[1]["profile"]["categories"]
+    assert sum(c["converts"] for c in bf16.values()) > 0
+    assert "| gemm |" in (tmp_path / "profile.md").read_text()
+    assert "| convert or copy |" in (tmp_path / "profile.md").read_text()
+
+
+def test_profile_categories_from_hlo_and_aten_names():
+    from benchmarks import profile
+
+    hlo = """HloModule m
+
+%fused_dot (p0: bf16[4,4], p1: bf16[4,4]) -> f32[4,4] {
+  %p0 = bf16[4,4]{1,0} parameter(0)
+  %p1 = bf16[4,4]{1,0} parameter(1)
+  ROOT %d = f32[4,4]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp(M)/dense/dot_general"}
+}
+
+%fused_cast (p0: f32[4,4]) -> bf16[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %c = bf16[4,4]{1,0} convert(%p0), metadata={op_name="jit(step)/jvp(M)/convert_element_type"}
+}
+
+%fused_norm (p0: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %r = f32[4,4]{1,0} rsqrt(%p0), metadata={op_name="jit(step)/jvp(M)/ln_1/rsqrt"}
+}
+
+%fused_adam (p0: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %m = f32[4,4]{1,0} multiply(%p0, %p0), metadata={op_name="jit(step)/mul"}
+}
+
+ENTRY %main (a: bf16[4,4], b: bf16[4,4]) -> f32[4,4] {
+  %a = bf16[4,4]{1,0} parameter(0)
+  %b = bf16[4,4]{1,0} parameter(1)
+  %gemm = f32[4,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_dot
+  %cast = bf16[4,4]{1,0} fusion(%gemm), kind=kLoop, calls=%fused_cast
+  %norm = f32[4,4]{1,0} fusion(%gemm), kind=kLoop, calls=%fused_norm
+  ROOT %adam = f32[4,4]{1,0} fusion(%norm), kind=kLoop, calls=%fused_adam
+}
+"""
+    thunks = profile.thunk_categories(hlo)
+    assert {k: v[0] for k, v in thunks.items() if k in ("gemm", "cast", "norm", "adam")} == {
+        "gemm": "gemm",
+        "cast": "convert",
+        "norm": "norm",
+        "adam": "optimizer",
+    }
+    assert thunks["cast"][1] == 1  # one convert inside
+    assert profile.torch_category("aten::addmm") == "gemm"
+    assert profile.torch_category("aten::native_layer_norm_backward") == "norm"
+    assert profile.torch_category("aten::_to_copy") == "convert"
+    assert profile.torch_category("aten::_foreach_addcdiv_") == "optimizer"
+    assert profile.torch_category("aten::add_") == "other"
