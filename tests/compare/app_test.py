@@ -6,6 +6,7 @@ import functools
 import itertools
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -272,6 +273,18 @@ def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkey
         assert run["test_accuracy_seeds"] == [r["runs"][i]["test_accuracy"] for r in alone]
         assert run["final_loss_seeds"] == [r["runs"][i]["final_loss"] for r in alone]
     assert together["runs"][0]["final_loss_seeds"][0] != together["runs"][0]["final_loss_seeds"][1]
+
+
+def test_default_variants_on_a_cpu_say_why_fp16_is_left_out():
+    from jaxamp._src.compare.variants import FP16_ON_CPU
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU's default variants")
+    logged = []
+    config = CompareConfig(data="embedded", numerics=False, **TINY_BERT)
+    report = compare(config, log=logged.append)
+    assert [r["variant"] for r in report["runs"]] == ["fp32", "bf16"]
+    assert FP16_ON_CPU in logged and "avx512_fp16" in FP16_ON_CPU
 
 
 def test_default_variants_and_config_errors():

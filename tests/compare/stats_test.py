@@ -7,6 +7,7 @@ import pytest
 from jaxamp._src import backend
 from jaxamp._src.compare.app import CompareConfig, compare
 from jaxamp._src.compare.stats import (
+    CPU_CONVNET,
     CPU_TRANSFORMER,
     accuracy_against_noise,
     choose_model,
@@ -24,7 +25,8 @@ def test_auto_picks_a_transformer_on_a_cpu_with_bf16_units(units, monkeypatch):
         assert config.model == "bert" and "bf16 GEMM units" in reason
         assert {k: getattr(config, k) for k in CPU_TRANSFORMER} == CPU_TRANSFORMER
     else:
-        assert config.model == "resnet50" and "no bf16 units" in reason
+        assert config.model == "resnet18" and config.width == 32 and "no bf16 units" in reason
+        assert {k: getattr(config, k) for k in CPU_CONVNET} == CPU_CONVNET
     asked, reason = choose_model(CompareConfig(model="resnet18"))
     assert asked.model == "resnet18" and "as asked" in reason
 

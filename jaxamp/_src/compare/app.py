@@ -27,7 +27,7 @@ from jaxamp._src.compare.environment import environment
 from jaxamp._src.compare.models.bert import BertClassifier, BertConfig
 from jaxamp._src.compare.models.resnet import ResNet18, ResNet50
 from jaxamp._src.compare.stats import choose_model, merge_seeds
-from jaxamp._src.compare.variants import Variant, default_variants, get_variant
+from jaxamp._src.compare.variants import FP16_ON_CPU, Variant, default_variants, get_variant
 from jaxamp._src.flax_policy.linen import apply_policy
 from jaxamp._src.ops.residuals import activation_bytes
 from jaxamp._src.optim.diagnostics import underflow_fraction
@@ -471,6 +471,8 @@ def compare(
         log(reason)
     policy, why = auto_policy(explain=True)
     log(f"auto_policy picks {policy}: {why}")
+    if config.variants is None and jax.default_backend() == "cpu":
+        log(FP16_ON_CPU)
     note = None
     if dataset is None:
         kind = "text" if config.model == "bert" else "images"

@@ -135,9 +135,10 @@ def get_variant(name: str) -> Variant:
 def default_variants(device=None) -> list[str]:
     """``fp32`` against the variant ``jaxamp.auto_policy`` picks.
 
-    On a CPU, where ``auto_policy`` picks float32, ``bf16`` and ``fp16`` (with
-    dynamic loss scaling, so that there is a loss-scale history to show) are
-    compared with ``fp32``.
+    On a CPU, where ``auto_policy`` picks float32, ``bf16`` is compared with
+    ``fp32``; ``fp16`` is not (``FP16_ON_CPU`` says why; ``--variants
+    fp32,bf16,fp16`` adds it). Elsewhere, where ``auto_policy`` picks float32 (a GPU
+    without tensor cores), ``bf16`` and ``fp16`` (with dynamic loss scaling) are.
 
     Examples:
       >>> default_variants()[0]
@@ -145,8 +146,15 @@ def default_variants(device=None) -> list[str]:
     """
     device = device or jax.devices()[0]
     picked = auto_policy(device)
-    if picked == PRESETS["mixed_bfloat16"]:
+    if picked == PRESETS["mixed_bfloat16"] or device.platform == "cpu":
         return ["fp32", "bf16"]
     if picked == PRESETS["mixed_float16"]:
         return ["fp32", "fp16"]
     return ["fp32", "bf16", "fp16"]
+
+
+FP16_ON_CPU = (
+    "fp16 is not among the default variants on a CPU: XLA:CPU has no float16 GEMM "
+    "kernels (not even with avx512_fp16), so float16 runs slower than float32 there "
+    "(docs/benchmarks.md); --variants fp32,bf16,fp16 compares it too, with its loss scaling"
+)
