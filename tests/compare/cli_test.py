@@ -110,3 +110,12 @@ def test_python_dash_m_and_help():
         [sys.executable, "-m", "jaxamp"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and "compare" in result.stderr
+
+
+def test_help_says_what_the_cpu_defaults_are(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fp32 and bf16 on a CPU" in text
+    assert "ResNet18 of width 32 on a CPU without bf16 units" in text
+    assert "bf16 and fp16 on a CPU" not in text

@@ -97,3 +97,16 @@ def test_compare_over_seeds():
         assert run["accuracy_verdict"] in ("baseline", "within noise", "better", "worse")
     with pytest.raises(ValueError, match="seeds must be >= 1"):
         CompareConfig(seeds=0)
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_auto_keeps_the_shape_a_user_gave(units, monkeypatch):
+    flags = {"avx", "avx2", "fma", *(["avx512f", "avx512_bf16"] if units else [])}
+    monkeypatch.setattr(backend, "cpu_info", lambda: ("a CPU", flags))
+    given = {"layers": 1, "seq_len": 32} if units else {"width": 16}
+    config, reason = choose_model(CompareConfig(**given))
+    assert {k: getattr(config, k) for k in given} == given
+    for k, v in (CPU_TRANSFORMER if units else CPU_CONVNET).items():
+        if k not in given:
+            assert getattr(config, k) == v, k
+    assert "as given: " + ", ".join(f"{k}={v}" for k, v in given.items()) in reason

@@ -74,15 +74,16 @@ def _what_to_compare(compare: argparse.ArgumentParser, defaults: CompareConfig) 
         choices=MODELS,
         default=defaults.model,
         help="resnet50/resnet18 on FashionMNIST, bert on IMDB; auto: the model that shows "
-        "AMP on this machine (a BERT-shaped transformer on a CPU with bf16 units, else "
-        "ResNet50) (default %(default)s)",
+        "AMP on this machine (ResNet50 on a GPU or TPU, a BERT-shaped transformer on a CPU "
+        "with bf16 units, a ResNet18 of width 32 on a CPU without bf16 units; the shape "
+        "options below that you set are kept) (default %(default)s)",
     )
     compare.add_argument(
         "--variants",
         type=_variants,
         default=None,
         help=f"comma-separated, from {', '.join(VARIANTS)} (default: fp32 against "
-        "the variant auto_policy picks; bf16 and fp16 on a CPU)",
+        "the variant auto_policy picks; fp32 and bf16 on a CPU)",
     )
 
 

@@ -50,16 +50,31 @@ def choose_model(config: Any) -> tuple[Any, str]:
             "not convolutions, so a BERT-shaped transformer (width 768) shows what AMP buys "
             "here; on GPUs the reference experiment is ResNet50 (--model resnet50)"
         )
-        return dataclasses.replace(config, model="bert", **CPU_TRANSFORMER), reason
+        return _auto_shape(config, {"model": "bert", **CPU_TRANSFORMER}, reason)
     if jax.default_backend() == "cpu":
         reason = (
             "auto: a ResNet18 of width 32; this CPU lists no bf16 units, so 16-bit compute "
             "saves activation memory here but no time, which a small convnet shows in "
             "minutes (the reference experiment, ResNet50: --model resnet50)"
         )
-        return dataclasses.replace(config, **CPU_CONVNET), reason
+        return _auto_shape(config, CPU_CONVNET, reason)
     reason = "auto: ResNet50, the reference experiment"
     return dataclasses.replace(config, model="resnet50"), reason
+
+
+def _auto_shape(config: Any, shape: dict[str, Any], reason: str) -> tuple[Any, str]:
+    """``config`` with ``shape``'s values for the options left at their defaults.
+
+    A shape option the user set (``--width 16``) is kept, and the reason says so; one
+    set to its default value is not told apart from one left alone.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    kept = {k: getattr(config, k) for k in shape if getattr(config, k) != defaults[k]}
+    kept.pop("model", None)
+    config = dataclasses.replace(config, **{k: v for k, v in shape.items() if k not in kept})
+    if kept:
+        reason += "; kept as given: " + ", ".join(f"{k}={v}" for k, v in kept.items())
+    return config, reason
 
 
 def _standard_error_of_difference(a: list[float], b: list[float], n_test: int) -> tuple[float, str]:
