@@ -15,7 +15,8 @@ category by reading that instruction in the compiled program:
   or exp-and-reduce, erf/tanh/logistic, ``Dropout`` and its random bits);
 * ``convert`` (shown as "convert or copy"): a thunk that only converts, copies or
   moves data (transposes included);
-* ``optimizer``: the update after the gradient (no ``jvp``/``transpose`` in its name);
+* ``optimizer``: the update after the gradient: a thunk with an op outside the
+  gradient's scope (no ``jvp`` in its name), the gradient's last ops fused in or not;
 * ``other``: the remaining elementwise work and reductions (bias and residual adds,
   the loss, the embedding gathers).
 
@@ -135,10 +136,12 @@ def classify(instruction: _Instruction, computations: dict[str, list[_Instructio
         return "gemm"
     if opcodes - {"fusion"} <= _MOVES:
         return "convert"
-    if names and not any("jvp(" in n for n in names):
-        return "optimizer"
     if any("Dropout" in n or "threefry" in n or "random_bits" in n for n in names):
         return "dropout"
+    # The update after the gradient: XLA fuses the first optimizer ops with the
+    # gradient's last (a cast, a dot's output) in 16-bit steps, so one is enough.
+    if any("jvp(" not in n for n in names):
+        return "optimizer"
     if any(_NORM.search(n) for n in names) or "rsqrt" in opcodes:
         return "norm"
     if any("softmax" in n for n in names) or {"exponential", "reduce"} <= opcodes:

@@ -270,21 +270,37 @@ def test_profile_categories_from_hlo_and_aten_names():
   ROOT %m = f32[4,4]{1,0} multiply(%p0, %p0), metadata={op_name="jit(step)/mul"}
 }
 
+%fused_grad_and_adam (p0: bf16[4,4]) -> f32[4,4] {
+  %p0 = bf16[4,4]{1,0} parameter(0)
+  %g = f32[4,4]{1,0} convert(%p0), metadata={op_name="jit(step)/transpose(jvp(M))/dense/convert_element_type"}
+  ROOT %nu = f32[4,4]{1,0} multiply(%g, %g), metadata={op_name="jit(step)/integer_pow"}
+}
+
+%fused_keys (p0: u32[4,4]) -> u32[4,4] {
+  %p0 = u32[4,4]{1,0} parameter(0)
+  ROOT %x = u32[4,4]{1,0} xor(%p0, %p0), metadata={op_name="jit(step)/threefry2x32"}
+}
+
 ENTRY %main (a: bf16[4,4], b: bf16[4,4]) -> f32[4,4] {
   %a = bf16[4,4]{1,0} parameter(0)
   %b = bf16[4,4]{1,0} parameter(1)
   %gemm = f32[4,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_dot
   %cast = bf16[4,4]{1,0} fusion(%gemm), kind=kLoop, calls=%fused_cast
   %norm = f32[4,4]{1,0} fusion(%gemm), kind=kLoop, calls=%fused_norm
-  ROOT %adam = f32[4,4]{1,0} fusion(%norm), kind=kLoop, calls=%fused_adam
+  %adam = f32[4,4]{1,0} fusion(%norm), kind=kLoop, calls=%fused_adam
+  %keys = u32[4,4]{1,0} fusion(%adam), kind=kLoop, calls=%fused_keys
+  ROOT %fused_update = f32[4,4]{1,0} fusion(%cast), kind=kLoop, calls=%fused_grad_and_adam
 }
 """
     thunks = profile.thunk_categories(hlo)
-    assert {k: v[0] for k, v in thunks.items() if k in ("gemm", "cast", "norm", "adam")} == {
+    shown = ("gemm", "cast", "norm", "adam", "keys", "fused_update")
+    assert {k: v[0] for k, v in thunks.items() if k in shown} == {
         "gemm": "gemm",
         "cast": "convert",
         "norm": "norm",
         "adam": "optimizer",
+        "keys": "dropout",  # a dropout key split outside the gradient is still dropout
+        "fused_update": "optimizer",  # an Adam update with the gradient's last cast fused in
     }
     assert thunks["cast"][1] == 1  # one convert inside
     assert profile.torch_category("aten::addmm") == "gemm"
