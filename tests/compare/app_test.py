@@ -14,6 +14,7 @@ import pytest
 import jaxamp
 from jaxamp._src.compare import data
 from jaxamp._src.compare.app import CompareConfig, classification_metrics, compare
+from jaxamp._src.compare.variants import FP16_ON_CPU
 
 TINY_BERT = dict(
     model="bert",
@@ -276,8 +277,6 @@ def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkey
 
 
 def test_default_variants_on_a_cpu_say_why_fp16_is_left_out():
-    from jaxamp._src.compare.variants import FP16_ON_CPU
-
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU's default variants")
     logged = []

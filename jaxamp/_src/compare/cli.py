@@ -14,6 +14,7 @@ try:
     from jaxamp._src.compare.app import MODELS, CompareConfig, compare
     from jaxamp._src.compare.data import DATA_SOURCES
     from jaxamp._src.compare.report import format_table, write_report
+    from jaxamp._src.compare.stats import CPU_CONVNET
     from jaxamp._src.compare.variants import VARIANTS
 except ImportError as e:  # an optional dependency of the app is missing or broken
     _broken = [m for m in COMPARE_EXTRA if m == (e.name or "").split(".")[0] or m in str(e)]
@@ -75,7 +76,8 @@ def _what_to_compare(compare: argparse.ArgumentParser, defaults: CompareConfig) 
         default=defaults.model,
         help="resnet50/resnet18 on FashionMNIST, bert on IMDB; auto: the model that shows "
         "AMP on this machine (ResNet50 on a GPU or TPU, a BERT-shaped transformer on a CPU "
-        "with bf16 units, a ResNet18 of width 32 on a CPU without bf16 units; the shape "
+        f"with bf16 units, a ResNet18 of width {CPU_CONVNET['width']} on a CPU without bf16 "
+        "units; the shape "
         "options below that you set are kept) (default %(default)s)",
     )
     compare.add_argument(

@@ -53,13 +53,13 @@ def choose_model(config: Any) -> tuple[Any, str]:
         return _auto_shape(config, {"model": "bert", **CPU_TRANSFORMER}, reason)
     if jax.default_backend() == "cpu":
         reason = (
-            "auto: a ResNet18 of width 32; this CPU lists no bf16 units, so 16-bit compute "
+            f"auto: a ResNet18 of width {CPU_CONVNET['width']}; this CPU lists no bf16 "
+            "units, so 16-bit compute "
             "saves activation memory here but no time, which a small convnet shows in "
             "minutes (the reference experiment, ResNet50: --model resnet50)"
         )
         return _auto_shape(config, CPU_CONVNET, reason)
-    reason = "auto: ResNet50, the reference experiment"
-    return dataclasses.replace(config, model="resnet50"), reason
+    return _auto_shape(config, {"model": "resnet50"}, "auto: ResNet50, the reference experiment")
 
 
 def _auto_shape(config: Any, shape: dict[str, Any], reason: str) -> tuple[Any, str]:
@@ -70,7 +70,6 @@ def _auto_shape(config: Any, shape: dict[str, Any], reason: str) -> tuple[Any, s
     """
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     kept = {k: getattr(config, k) for k in shape if getattr(config, k) != defaults[k]}
-    kept.pop("model", None)
     config = dataclasses.replace(config, **{k: v for k, v in shape.items() if k not in kept})
     if kept:
         reason += "; kept as given: " + ", ".join(f"{k}={v}" for k, v in kept.items())

@@ -145,8 +145,10 @@ def default_variants(device=None) -> list[str]:
       'fp32'
     """
     device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return ["fp32", "bf16"]
     picked = auto_policy(device)
-    if picked == PRESETS["mixed_bfloat16"] or device.platform == "cpu":
+    if picked == PRESETS["mixed_bfloat16"]:
         return ["fp32", "bf16"]
     if picked == PRESETS["mixed_float16"]:
         return ["fp32", "fp16"]
