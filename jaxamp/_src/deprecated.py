@@ -153,7 +153,7 @@ MOVED_MODULES = {
     "autocast_interpreter": "autocast.interpreter",
     "autocast_rules": "autocast.rules",
     "cli": "compare.cli",
-    "compare_stats": "compare.stats",
+    "compare_stats": "compare.choice",
     "data": "compare.data",
     "diagnostics": "optim.diagnostics",
     "environment": "compare.environment",

@@ -13,7 +13,8 @@ import pytest
 
 import jaxamp
 from jaxamp._src.compare import data
-from jaxamp._src.compare.app import CompareConfig, classification_metrics, compare
+from jaxamp._src.compare.accuracy import SEEDS_NOISE, classification_metrics
+from jaxamp._src.compare.app import CompareConfig, OptionError, compare
 from jaxamp._src.compare.variants import FP16_ON_CPU
 
 TINY_BERT = dict(
@@ -175,7 +176,7 @@ def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_train
     sample = (x, jnp.array([0, 1, 2, 0]))
     task = compare_lib._Task(_Squeezed(), True, 1e-3)
     variables = task.module.init(jax.random.key(0), x)
-    config = CompareConfig(variants=("fp16",), batch_size=4)
+    config = CompareConfig(variants=("fp32", "fp16"), batch_size=4)
     run = compare_lib._Run(get_variant("fp16"), task, variables, config, sample)
     compare_lib._numerics_before_training([run], task, variables, sample, config, print)
     errors = [d["relative_error"] for d in run.divergence if d["phase"] == "backward"]
@@ -222,8 +223,8 @@ def test_resnet_with_batch_norm_recalibration():
     assert report["dataset"]["test_examples"] == 32
     # the running statistics were recomputed at the final weights: they moved
     assert all(r["bn_recalibration_change"] > 1e-3 for r in report["runs"])
-    plain = dataclasses.replace(config, variants=("fp16",), bn_recalibration=0)
-    assert compare(plain, dataset=dataset)["runs"][0]["bn_recalibration_change"] is None
+    plain = dataclasses.replace(config, bn_recalibration=0)
+    assert compare(plain, dataset=dataset)["runs"][1]["bn_recalibration_change"] is None
 
 
 def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter():
@@ -266,13 +267,28 @@ def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkey
         original(self, variant, *args)
 
     monkeypatch.setattr(compare_lib._Run, "__init__", counting_init)
-    config = CompareConfig(variants=("bf16",), data="embedded", numerics=False, **TINY_BERT)
+    config = CompareConfig(variants=("fp32", "bf16"), data="embedded", numerics=False, **TINY_BERT)
     together = compare(dataclasses.replace(config, seeds=2), log=lambda _: None)
-    assert built == ["bf16"]  # compiled once, for both seeds
+    assert built == ["fp32", "bf16"]  # compiled once, for both seeds
     alone = [compare(dataclasses.replace(config, seed=s), log=lambda _: None) for s in (0, 1)]
     for i, run in enumerate(together["runs"]):
         assert run["test_accuracy_seeds"] == [r["runs"][i]["test_accuracy"] for r in alone]
         assert run["final_loss_seeds"] == [r["runs"][i]["final_loss"] for r in alone]
+        assert run["test_correct_seeds"] == [r["runs"][i]["test_correct_seeds"][0] for r in alone]
+        n = together["dataset"]["test_examples"]
+        for correct, accuracy in zip(
+            run["test_correct_seeds"], run["test_accuracy_seeds"], strict=True
+        ):
+            assert len(correct) == n and sum(correct) == round(accuracy * n)
+    bf16 = together["runs"][1]  # paired by seed and example, from the predictions themselves
+    fp32_correct = np.array(together["runs"][0]["test_correct_seeds"], bool)
+    bf16_correct = np.array(bf16["test_correct_seeds"], bool)
+    assert bf16["discordant"] == [
+        [int(np.sum(f & ~b)), int(np.sum(~f & b))]
+        for f, b in zip(fp32_correct, bf16_correct, strict=True)
+    ]
+    assert bf16["accuracy_noise_from"] == SEEDS_NOISE
+    assert together["runs"][0]["accuracy_verdict"] == "baseline"
     assert together["runs"][0]["final_loss_seeds"][0] != together["runs"][0]["final_loss_seeds"][1]
 
 
@@ -308,6 +324,84 @@ def test_default_variants_and_config_errors():
         )
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"variants": ("fp32", "fp32")}, "variant(s) fp32 given more than once in fp32, fp32"),
+        ({"variants": ("fp32", "bf16", "BF16")}, "variant(s) bf16 given more than once"),
+        ({"variants": ("bf16", "fp16")}, "lack fp32, the baseline every speed-up and accuracy"),
+        ({"variants": ()}, "variants is empty"),
+        ({"bn_recalibration": -3}, "bn_recalibration must be >= 0"),
+        ({"learning_rate": float("nan")}, "learning_rate must be a finite number > 0, got nan"),
+        ({"learning_rate": 0.0}, "learning_rate must be a finite number > 0, got 0.0"),
+        ({"learning_rate": -1e-3}, "learning_rate must be a finite number > 0, got -0.001"),
+        ({"learning_rate": float("inf")}, "learning_rate must be a finite number > 0, got inf"),
+        ({"test_examples": 0}, "test_examples must be >= 1 or None"),
+        ({"train_examples": 16, "batch_size": 32}, "batch_size 32 exceeds the 16 training"),
+    ],
+)
+def test_options_that_cannot_run_are_refused_when_given(options, message):
+    with pytest.raises(OptionError) as e:
+        CompareConfig(**options)
+    assert message in str(e.value), str(e.value)
+
+
+def _no_work(monkeypatch):
+    """Makes loading data or compiling a variant fail the test: the errors must come first."""
+    from jaxamp._src.compare import app as compare_lib
+
+    def fail(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(compare_lib._Run, "__init__", fail)
+    monkeypatch.setattr(data, "load_digits_28x28", fail)
+    monkeypatch.setattr(data, "load_python_docs", fail)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"model": "resnet18", "heads": 4}, "heads=4 do(es) nothing for model 'resnet18'"),
+        ({"model": "resnet50", "seq_len": 32}, "seq_len applies to bert"),
+        ({"model": "bert", "width": 16}, "width=16 do(es) nothing for model 'bert'"),
+        ({"model": "bert", "bn_recalibration": 5}, "bn_recalibration applies to resnet50"),
+    ],
+)
+def test_options_of_another_model_are_refused_before_any_work(options, message, monkeypatch):
+    _no_work(monkeypatch)
+    with pytest.raises(OptionError) as e:
+        compare(CompareConfig(data="embedded", **options), log=lambda _: None)
+    assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("units", [True, False])
+def test_options_of_the_model_auto_did_not_pick_are_refused(units, monkeypatch):
+    from jaxamp._src import backend
+
+    flags = {"avx2", *(["avx512_bf16"] if units else [])}
+    monkeypatch.setattr(backend, "cpu_info", lambda: ("a CPU", flags))
+    _no_work(monkeypatch)
+    other = {"width": 16} if units else {"heads": 4}
+    with pytest.raises(OptionError, match=r"nothing for model '\w+' \(auto: "):
+        compare(CompareConfig(data="embedded", **other), log=lambda _: None)
+
+
+def test_a_batch_larger_than_the_data_and_data_that_cannot_be_had_are_refused(monkeypatch):
+    with pytest.raises(OptionError, match="batch_size 128 exceeds the 100 training examples"):
+        compare(
+            CompareConfig(model="resnet18", width=8, batch_size=128),
+            dataset=data.load_digits_28x28().subset(100, 10),
+        )
+
+    def offline(*args, **kwargs):
+        raise data.DatasetUnavailable("FashionMNIST: no network")
+
+    monkeypatch.setattr(data, "load_fashion_mnist", offline)
+    _no_work(monkeypatch)
+    with pytest.raises(OptionError, match="data 'tfds': FashionMNIST: no network"):
+        compare(CompareConfig(model="resnet18", data="tfds"), log=lambda _: None)
+
+
 def test_classification_metrics():
     labels = np.array([0, 0, 0, 1, 1, 2])
     predictions = np.array([0, 0, 1, 1, 1, 1])  # class 2 never predicted
@@ -341,39 +435,28 @@ PARITY = CompareConfig(
 )
 
 
-def test_accuracy_parity_on_real_data_one_seed():
-    """The three-seed parity test's small twin: one seed, within 2 points (18 images)."""
-    report = compare(PARITY, dataset=_digits_half_split())
+def _parity(report):
     accuracy = {r["variant"]: r["test_accuracy"] for r in report["runs"]}
+    verdicts = {r["variant"]: r["accuracy_verdict"] for r in report["runs"]}
     assert accuracy["fp32"] > 0.95, accuracy
-    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.02, accuracy
-    assert abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.02, accuracy
+    for name in ("bf16", "fp16"):  # the paired one-sided test finds neither worse than fp32
+        assert verdicts[name] != "worse", (verdicts, accuracy, report["runs"])
+
+
+def test_accuracy_parity_on_real_data():
+    """bf16, and fp16 with loss scaling, are not worse than fp32 on real digits: a narrow
+    ResNet18, three seeds, read by the report's own paired test (by seed and by example:
+    899 test images)."""
+    report = compare(dataclasses.replace(PARITY, seeds=3), dataset=_digits_half_split())
+    assert report["seeds"] == [0, 1, 2]
+    _parity(report)
 
 
 @pytest.mark.slow
-def test_accuracy_parity_on_real_data():
-    """bf16 and fp16 with loss scaling reach fp32's test accuracy within 1 point.
-
-    A narrow ResNet18 on real handwritten digits, same seed and steps for every
-    variant, accuracy averaged over three seeds.
-    """
-    config = CompareConfig(
-        model="resnet18",
-        width=16,
-        variants=("fp32", "bf16", "fp16"),
-        epochs=5,
-        batch_size=32,
-        train_examples=None,
-        test_examples=None,
-        numerics=False,  # not what this test is about; the checks are tested above
-        seeds=3,
-    )
-    report = compare(config, dataset=_digits_half_split())
-    assert report["seeds"] == [0, 1, 2]
-    accuracy = {r["variant"]: r["test_accuracy"] for r in report["runs"]}  # mean over seeds
-    assert accuracy["fp32"] > 0.95, accuracy
-    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.01, accuracy
-    assert abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.01, accuracy
+def test_accuracy_parity_on_real_data_more_seeds():
+    """The same with eight seeds: a smaller loss would show."""
+    report = compare(dataclasses.replace(PARITY, seeds=8), dataset=_digits_half_split())
+    _parity(report)
 
 
 @pytest.mark.slow
@@ -387,7 +470,4 @@ def test_accuracy_parity_full_size():
         train_examples=None,
         test_examples=None,
     )
-    report = compare(config)
-    accuracy = {r["variant"]: r["test_accuracy"] for r in report["runs"]}
-    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.01, accuracy
-    assert abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.01, accuracy
+    _parity(compare(config))

@@ -119,3 +119,67 @@ def test_help_says_what_the_cpu_defaults_are(capsys):
     assert "fp32 and bf16 on a CPU" in text
     assert "ResNet18 of width 32 on a CPU without bf16 units" in text
     assert "bf16 and fp16 on a CPU" not in text
+
+
+def _no_run(monkeypatch):
+    from jaxamp._src.compare import cli
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the comparison ran before the options were checked")
+
+    monkeypatch.setattr(cli, "compare", fail)
+
+
+def test_an_unwritable_out_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    _no_run(monkeypatch)
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    for out in (blocker / "report", "/proc/jaxamp-report"):
+        assert main(["compare", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out '{out}' cannot be written" in err, err
+    writable = tmp_path / "new" / "report"
+    monkeypatch.setattr(
+        "jaxamp._src.compare.cli.compare",
+        lambda config: (_ for _ in ()).throw(SystemExit(7)),  # stop right after the checks
+    )
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--out", str(writable)])
+    assert e.value.code == 7 and writable.is_dir() and not list(writable.iterdir())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variants", "fp32,fp32"], "variant(s) fp32 given more than once"),
+        (["--variants", "bf16,fp16"], "lack fp32, the baseline"),
+        (["--bn-recalibration", "-3"], "bn_recalibration must be >= 0"),
+        (["--learning-rate", "nan"], "learning_rate must be a finite number > 0, got nan"),
+        (["--learning-rate", "0"], "learning_rate must be a finite number > 0, got 0.0"),
+        (["--model", "resnet18", "--heads", "4"], "heads=4 do(es) nothing for model 'resnet18'"),
+        (["--train-examples", "8", "--batch-size", "32"], "batch_size 32 exceeds the 8"),
+    ],
+)
+def test_options_that_cannot_run_print_one_line_and_exit_2(argv, message, monkeypatch, capsys):
+    from jaxamp._src.compare import app
+
+    def fail(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(app._Run, "__init__", fail)
+    assert main(["compare", "--data", "embedded", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxamp compare: error: ") and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_data_that_cannot_be_had_prints_one_line_and_exits_2(monkeypatch, capsys):
+    from jaxamp._src.compare import data
+
+    def offline(*args, **kwargs):
+        raise data.DatasetUnavailable("FashionMNIST cannot be downloaded here (no network)")
+
+    monkeypatch.setattr(data, "load_fashion_mnist", offline)
+    assert main(["compare", "--model", "resnet18", "--data", "tfds"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "FashionMNIST cannot be downloaded here" in err, err

@@ -1,6 +1,9 @@
 """Tests for jaxamp/_src/compare/numerics_checks.py: the divergence table and its plot."""
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxamp
@@ -69,3 +72,89 @@ def test_divergence_plot_has_no_made_up_values_and_labels_what_it_shows(tmp_path
         assert "fp32" in ax.get_title() and phase in ax.get_title()
     assert "max(‖fp32‖" in fig.axes[0].get_ylabel()
     plt.close(fig)
+
+
+class _Attention(nn.Module):
+    """Scores of up to about 14, then a softmax: by hand (``exp / sum``, as a float16
+    fault: exp(14) overflows float16) or ``jax.nn.softmax`` (which jaxamp keeps in
+    float32)."""
+
+    by_hand: bool
+
+    @nn.compact
+    def __call__(self, x, attention_mask=None, train: bool = True):  # compare's text signature
+        scores = 4.0 * nn.Dense(16, name="scores")(x)
+        if self.by_hand:
+            e = jnp.exp(scores)
+            weights = e / jnp.sum(e, axis=-1, keepdims=True)
+        else:
+            weights = jax.nn.softmax(scores, axis=-1)
+        return nn.Dense(3, name="head")(weights)
+
+
+def _divergence_of(module, variants):
+    from jaxamp._src.compare import app as compare_lib
+    from jaxamp._src.compare.app import CompareConfig
+    from jaxamp._src.compare.variants import get_variant
+
+    x = 0.8 * jax.random.normal(jax.random.key(1), (32, 8))
+    sample = (x, jnp.arange(32) % 3)
+    task = compare_lib._Task(module, False, 1e-3)
+    variables = task.module.init(jax.random.key(0), x)
+    config = CompareConfig(variants=("fp32", *variants), batch_size=32)
+    runs = [compare_lib._Run(get_variant(v), task, variables, config, sample) for v in variants]
+    compare_lib._numerics_before_training(runs, task, variables, sample, config, print)
+    return {r.variant.name: r.divergence for r in runs}
+
+
+def test_a_hand_written_float16_softmax_is_flagged_above_its_floor():
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    faulty = _divergence_of(_Attention(by_hand=True), ("fp16", "bf16"))
+    rows = {(d["layer"], d["phase"]): d for d in faulty["fp16"]}
+    fault = rows[("_Attention", "forward")]  # the softmax's output, outside the Dense layers
+    assert fault["flagged"] and fault["scale_error"] > 0.05, fault
+    assert np.isfinite(fault["floor"]) and fault["floor"] < 0.005, fault
+    assert not rows[("_Attention/scores", "forward")]["flagged"]  # before the fault: fine
+    assert not any(d["flagged"] for d in faulty["bf16"]), faulty["bf16"]  # bf16's range holds
+    report = {"runs": [{"variant": name, "divergence": rows} for name, rows in faulty.items()]}
+    text = "\n".join(in_compare.markdown(report))
+    assert "fp16: 4 of 6 rows flagged" in text, text  # the softmax, the head, both gradients
+    assert "Flagged: _Attention forward" in text and "⚠" in text, text
+
+    healthy = _divergence_of(_Attention(by_hand=False), ("fp16", "bf16"))
+    for name, rows in healthy.items():
+        assert not any(d["flagged"] for d in rows), (name, rows)
+        # every layer within its floor (the loss itself, below 1%, is no layer)
+        layers = [d for d in rows if d["layer"] and d["floor"] and not d["near_zero"]]
+        ratios = [d["scale_error"] / d["floor"] for d in layers]
+        assert len(ratios) == 5 and max(ratios) < in_compare.FLAG_RATIO, (name, ratios)
+
+
+def test_floors_need_no_16bit_arithmetic_and_flag_by_the_stated_rule():
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    model = GatedNet(1.0)
+    params = model.init(jax.random.key(0), X)
+    loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
+    # rounding to float32 changes nothing: a float32 policy has no floor of its own
+    assert all(v == 0 for v in in_compare.input_sensitivity(loss, jnp.float32, params, X).values())
+    own = in_compare.rounding_error(loss, params, X)  # float32 against float64
+    assert own and all(0 <= v < 1e-5 for v in own.values()), own
+    assert any(v > 0 for v in own.values()), own
+    bf16 = in_compare.input_sensitivity(loss, jnp.bfloat16, params, X)
+    assert all(v < 0.05 for v in bf16.values()) and any(v > 1e-4 for v in bf16.values()), bf16
+
+    def row(error, floor_inputs, rounding):
+        rows = [{"layer": "a", "phase": "forward", "scale_error": error}]
+        inputs, wide = {("a", "forward"): floor_inputs}, {("a", "forward"): rounding}
+        return in_compare.with_floor(rows, jnp.bfloat16, inputs, wide)[0]
+
+    grow = 2.0**16  # eps(bfloat16) / eps(float32)
+    assert row(0.05, 0.01, 1e-7)["floor"] == pytest.approx(0.01)
+    assert row(0.05, 0.001, 1e-7)["floor"] == pytest.approx(1e-7 * grow)
+    assert row(0.05, 0.01, 1e-7)["flagged"]  # 5 times its floor, above 1%
+    assert not row(0.03, 0.01, 1e-7)["flagged"]  # 3 times: within the model's sensitivity
+    assert not row(0.009, 0.001, 0.0)["flagged"]  # under 1%: no fault to chase
+    assert row(float("inf"), 0.01, 1e-7)["flagged"]  # not finite where the floor is
+    assert not row(float("inf"), float("inf"), 1e-7)["flagged"]

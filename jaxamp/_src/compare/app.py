@@ -9,6 +9,7 @@ their speed ratio is measured side by side in one process.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -23,11 +24,14 @@ from tqdm.auto import tqdm
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.compare import data as data_lib
 from jaxamp._src.compare import numerics_checks
+from jaxamp._src.compare.accuracy import classification_metrics, merge_seeds
+from jaxamp._src.compare.choice import choose_model
 from jaxamp._src.compare.environment import environment
 from jaxamp._src.compare.models.bert import BertClassifier, BertConfig
 from jaxamp._src.compare.models.resnet import ResNet18, ResNet50
-from jaxamp._src.compare.stats import choose_model, merge_seeds
 from jaxamp._src.compare.variants import FP16_ON_CPU, Variant, default_variants, get_variant
+from jaxamp._src.dtypes import is_16bit
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.flax_policy.linen import apply_policy
 from jaxamp._src.ops.residuals import activation_bytes
 from jaxamp._src.optim.diagnostics import underflow_fraction
@@ -101,20 +105,101 @@ class CompareConfig:
 
     def __post_init__(self):
         if self.model not in MODELS:
-            raise ValueError(f"Unknown model {self.model!r}. Valid choices: {', '.join(MODELS)}.")
+            raise OptionError(str(invalid_choice("model", self.model, MODELS)))
         names = ("epochs", "batch_size", "width", "layers", "hidden", "heads", "seq_len", "seeds")
         for name in names:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}).")
-        for name in self.variants or ():
-            get_variant(name)
-        if self.data not in data_lib.DATA_SOURCES:
-            raise ValueError(
-                f"Unknown data source {self.data!r}. Valid choices: "
-                f"{', '.join(data_lib.DATA_SOURCES)}."
+                raise OptionError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("train_examples", "test_examples"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise OptionError(f"{name} must be >= 1 or None (all), got {getattr(self, name)}.")
+        if self.bn_recalibration < 0:
+            raise OptionError(
+                f"bn_recalibration must be >= 0 (0: evaluate with the statistics as trained), "
+                f"got {self.bn_recalibration}."
             )
+        rate = self.learning_rate
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise OptionError(f"learning_rate must be a finite number > 0, got {rate}.")
+        if self.hidden % self.heads:
+            raise OptionError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}).")
+        if self.variants is not None:
+            _check_variants(self.variants)
+        if self.data not in data_lib.DATA_SOURCES:
+            raise OptionError(str(invalid_choice("data source", self.data, data_lib.DATA_SOURCES)))
+        if self.train_examples is not None and self.batch_size > self.train_examples:
+            raise OptionError(
+                f"batch_size {self.batch_size} exceeds the {self.train_examples} training "
+                "examples asked for (train_examples): no full batch to train on."
+            )
+
+
+class OptionError(ValueError):
+    """An option of ``jaxamp compare`` that cannot run: names the value and what is valid.
+
+    Raised before any work (the command line prints it in one line and exits 2).
+    """
+
+
+def _check_variants(variants: tuple[str, ...]) -> None:
+    """Known names, each once, fp32 (the baseline every verdict is read against) among them."""
+    if not variants:
+        raise OptionError("variants is empty; give fp32 and at least one other, e.g. fp32,bf16.")
+    for name in variants:
+        try:
+            get_variant(name)
+        except ValueError as e:
+            raise OptionError(str(e)) from None
+    names = [get_variant(v).name for v in variants]
+    repeated = sorted({v for v in names if names.count(v) > 1})
+    if repeated:
+        raise OptionError(
+            f"variant(s) {', '.join(repeated)} given more than once in {', '.join(variants)}; "
+            "give each once."
+        )
+    if "fp32" not in names:
+        raise OptionError(
+            f"variants {', '.join(variants)} lack fp32, the baseline every speed-up and "
+            f"accuracy verdict is read against; add it: fp32,{','.join(names)}."
+        )
+
+
+# The options that shape one kind of model only: set on another, they would do nothing.
+_MODEL_OPTIONS = {
+    "width": ("resnet50", "resnet18"),
+    "bn_recalibration": ("resnet50", "resnet18"),
+    "layers": ("bert",),
+    "hidden": ("bert",),
+    "heads": ("bert",),
+    "seq_len": ("bert",),
+    "vocab_size": ("bert",),
+}
+
+
+def check_options(config: CompareConfig, reason: str = "") -> None:
+    """Refuses options set away from their defaults that the model ``config`` runs ignores.
+
+    Args:
+      config: the config after ``model="auto"`` is resolved.
+      reason: why that model runs (said in the error when ``auto`` picked it).
+
+    Raises:
+      OptionError: naming the options, the model, and the models they apply to.
+    """
+    defaults = CompareConfig()
+    given = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    ignored = [
+        name
+        for name, models in _MODEL_OPTIONS.items()
+        if config.model not in models and given[name] != getattr(defaults, name)
+    ]
+    if ignored:
+        applies = "; ".join(f"{n} applies to {', '.join(_MODEL_OPTIONS[n])}" for n in ignored)
+        picked = f" ({reason})" if reason.startswith("auto") else ""
+        raise OptionError(
+            f"{', '.join(f'{n}={given[n]}' for n in ignored)} do(es) nothing for model "
+            f"{config.model!r}{picked}: {applies}. Leave it out, or choose that model."
+        )
 
 
 @dataclasses.dataclass
@@ -160,32 +245,6 @@ def _task(config: CompareConfig, num_classes: int) -> _Task:
 
 def _eval_batch(batch_size: int) -> int:
     return max(batch_size, 256)
-
-
-def classification_metrics(
-    labels: np.ndarray, predictions: np.ndarray, num_classes: int
-) -> dict[str, float]:
-    """Accuracy and macro-averaged precision, recall and F1.
-
-    Examples:
-      >>> m = classification_metrics(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]), 2)
-      >>> round(m["accuracy"], 2), round(m["precision"], 3), round(m["recall"], 2)
-      (0.75, 0.833, 0.75)
-    """
-    confusion = np.zeros((num_classes, num_classes), np.int64)
-    np.add.at(confusion, (labels, predictions), 1)
-    tp = np.diag(confusion).astype(np.float64)
-    predicted, actual = confusion.sum(0), confusion.sum(1)
-    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
-    recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
-    denom = precision + recall
-    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
-    return {
-        "accuracy": float(tp.sum() / max(len(labels), 1)),
-        "precision": float(precision.mean()),
-        "recall": float(recall.mean()),
-        "f1": float(f1.mean()),
-    }
 
 
 class _Run:
@@ -325,7 +384,7 @@ class _Run:
         ]
         self.recalibration_change = max(changes, default=0.0)
 
-    def evaluate(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, float]:
+    def evaluate(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, Any]:
         predictions = []
         x = dataset.test_x
         for start in range(0, len(x), batch_size):
@@ -333,9 +392,9 @@ class _Run:
             padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk), 0)])
             logits = self.predict(self.params, self.state, padded)
             predictions.append(np.asarray(jnp.argmax(logits, -1))[: len(chunk)])
-        return classification_metrics(
-            dataset.test_y, np.concatenate(predictions), dataset.num_classes
-        )
+        predictions = np.concatenate(predictions)
+        metrics = classification_metrics(dataset.test_y, predictions, dataset.num_classes)
+        return {**metrics, "correct": (predictions == dataset.test_y).astype(int).tolist()}
 
     def record(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, Any]:
         metrics = self.evaluate(dataset, _eval_batch(batch_size))
@@ -362,6 +421,7 @@ class _Run:
             "activation_bytes": self.activation_bytes,
             "final_loss": float(self.losses[-1]),
             "test_accuracy": metrics["accuracy"],
+            "test_correct": metrics["correct"],
             "precision": metrics["precision"],
             "recall": metrics["recall"],
             "f1": metrics["f1"],
@@ -388,12 +448,14 @@ _NOT_REPRODUCED = {
 
 
 def _numerics_before_training(runs, task, variables, sample, config, log) -> dict | None:
-    """Per-layer divergence of each variant from float32 at the initial weights, and
-    the float16 range check when a variant computes in float16 (``config.numerics``)."""
+    """Per-layer divergence of each variant from float32 at the initial weights, on the
+    first training batch as training sees it (BatchNorm on the batch's statistics), each
+    layer beside its floor; and the float16 range check when a variant computes in
+    float16 (``config.numerics``)."""
     if not config.numerics:
         return None
     rng = jax.random.key(config.seed + 2)
-    x, y = (v[: min(4, len(v))] for v in sample)
+    x, y = sample
     params = variables["params"]
     state = variables.get("batch_stats", {})
 
@@ -403,6 +465,8 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
             return loss.mean()
 
+    args = (params, state, x, y)
+    floors: dict[Any, Any] = {}  # per 16-bit dtype; the float64 comparison shared by all
     for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
         scale = None
         if run.variant.dynamic_loss_scaling:  # where the optimizer takes its first step
@@ -411,9 +475,15 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             )
             run.divergence_loss_scale = taken
             scale = taken["initial"] if taken["used"] is None else taken["used"]
-        run.divergence = numerics_checks.divergence(
-            reference, run.loss_fn(rng), params, state, x, y, loss_scale=scale
-        )
+        dtype = np.dtype(run.variant.policy.compute_dtype)
+        rows = numerics_checks.divergence(reference, run.loss_fn(rng), *args, loss_scale=scale)
+        if is_16bit(dtype):  # a float32 variant has no 16-bit rounding to put a floor under
+            if "float64" not in floors:
+                floors["float64"] = numerics_checks.rounding_error(reference, *args)
+            if dtype not in floors:
+                floors[dtype] = numerics_checks.input_sensitivity(reference, dtype, *args)
+            rows = numerics_checks.with_floor(rows, dtype, floors[dtype], floors["float64"])
+        run.divergence = rows
     float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
     if not float16:
         return None
@@ -468,6 +538,7 @@ def compare(
       as the mean over seeds, with its spread and a verdict against fp32).
     """
     config, reason = choose_model(config)
+    check_options(config, reason)
     if reason.startswith("auto"):
         log(reason)
     policy, why = auto_policy(explain=True)
@@ -478,10 +549,20 @@ def compare(
     if dataset is None:
         kind = "text" if config.model == "bert" else "images"
         tokenizer = data_lib.HashingTokenizer(config.vocab_size, config.seq_len)
-        dataset, note = data_lib.load_dataset(kind, config.data, config.data_dir, tokenizer)
+        try:
+            dataset, note = data_lib.load_dataset(kind, config.data, config.data_dir, tokenizer)
+        except data_lib.DatasetUnavailable as e:
+            raise OptionError(
+                f"data {config.data!r}: {e} (--data auto falls back to the embedded dataset)"
+            ) from e
         if note:
             log(note)
     dataset = dataset.subset(config.train_examples, config.test_examples)
+    if config.batch_size > len(dataset.train_x):
+        raise OptionError(
+            f"batch_size {config.batch_size} exceeds the {len(dataset.train_x)} training "
+            f"examples of {dataset.name}: no full batch to train on."
+        )
     per_seed = []
     compiled: dict[str, _Run] = {}  # one per variant, compiled once for all seeds
     for i in range(config.seeds):
@@ -506,10 +587,6 @@ def _compare_once(
     """One seed: every variant trained side by side (``compiled``: the variants' runs
     from an earlier seed, reused and filled in)."""
     steps_per_epoch = len(dataset.train_x) // config.batch_size
-    if steps_per_epoch < 1:
-        raise ValueError(
-            f"batch_size {config.batch_size} exceeds the {len(dataset.train_x)} training examples."
-        )
     names = list(config.variants or default_variants())
     task = _task(config, dataset.num_classes)
     sample = jax.device_put(
@@ -555,7 +632,7 @@ def _compare_once(
         for run in tqdm(runs, desc="BatchNorm statistics", unit="variant"):
             run.recalibrate(calibration)
     records = [run.record(dataset, config.batch_size) for run in runs]
-    baseline = next((r for r in records if r["variant"] == "fp32"), records[0])
+    baseline = next(r for r in records if r["variant"] == "fp32")
     for r in records:
         r["speedup_vs_fp32"] = baseline["step_time_median_s"] / r["step_time_median_s"]
     return {

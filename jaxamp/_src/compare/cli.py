@@ -11,10 +11,10 @@ import sys
 # imports some of them only when it uses them, so each is looked for up front.
 COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "PIL")
 try:
-    from jaxamp._src.compare.app import MODELS, CompareConfig, compare
+    from jaxamp._src.compare.app import MODELS, CompareConfig, OptionError, compare
+    from jaxamp._src.compare.choice import CPU_CONVNET
     from jaxamp._src.compare.data import DATA_SOURCES
-    from jaxamp._src.compare.report import format_table, write_report
-    from jaxamp._src.compare.stats import CPU_CONVNET
+    from jaxamp._src.compare.report import check_writable, format_table, write_report
     from jaxamp._src.compare.variants import VARIANTS
 except ImportError as e:  # an optional dependency of the app is missing or broken
     _broken = [m for m in COMPARE_EXTRA if m == (e.name or "").split(".")[0] or m in str(e)]
@@ -191,12 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare":
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "out")}
-        try:
+        try:  # every option, the output folder and the data checked before any work
+            if args.out:
+                check_writable(args.out)
             config = CompareConfig(**fields)
-        except ValueError as e:
+            report = compare(config)
+        except OptionError as e:
             print(f"jaxamp compare: error: {e}", file=sys.stderr)
             return 2
-        report = compare(config)
         print()
         print(format_table(report))
         print(f"\ndata: {report['dataset']['source']}")

@@ -9,9 +9,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
 from jaxamp._src.numerics.numerics_diff import NEAR_ZERO, numerics_diff
 from jaxamp._src.numerics.range_report import range_report
+from jaxamp._src.policy import cast_floating
+
+# A layer is flagged when the variant's error exceeds FLAG_RATIO times its floor (the
+# error the float32 model's own conditioning accounts for: see ``with_floor``) and is at
+# least FLAG_MINIMUM (an error below 1% is no fault to chase). Healthy variants of the
+# default models sit at 0.01-0.9 times their floor.
+FLAG_RATIO = 4.0
+FLAG_MINIMUM = 0.01
 
 
 def divergence(
@@ -34,6 +45,91 @@ def divergence(
         for r in diff.layers
         if r.relative_error is not None
     ]
+
+
+def rounded_inputs(reference: Callable, dtype: Any) -> Callable:
+    """``reference`` with its floating arguments (params, inputs) rounded to ``dtype`` and
+    back to float32 first: the model's own sensitivity to one 16-bit rounding of what it
+    is given, with no 16-bit arithmetic inside (the floor of ``divergence_with_floor``)."""
+
+    def perturbed(*args: Any) -> Any:
+        rounded = cast_floating(cast_floating(args, dtype), jnp.float32)
+        return reference(*rounded)
+
+    return perturbed
+
+
+def in_float64(reference: Callable) -> Callable:
+    """``reference`` computed in float64: its floating arguments cast up first. Call it
+    with ``jax.enable_x64(True)`` in force."""
+
+    def wide(*args: Any) -> Any:
+        return reference(*cast_floating(args, jnp.float64))
+
+    return wide
+
+
+def rounding_error(reference: Callable, *args: Any) -> dict[tuple[str, str], float]:
+    """Per (layer, pass), the ``scale_error`` of the float32 ``reference`` against itself
+    computed in float64 (``in_float64``): the float32 model's own rounding error."""
+    with jax.enable_x64(True):
+        return _by_key(divergence(in_float64(reference), reference, *args))
+
+
+def input_sensitivity(reference: Callable, dtype: Any, *args: Any) -> dict[tuple[str, str], float]:
+    """Per (layer, pass), the ``scale_error`` of the float32 ``reference`` with its params and
+    inputs rounded to ``dtype`` (``rounded_inputs``) against ``reference``."""
+    return _by_key(divergence(reference, rounded_inputs(reference, dtype), *args))
+
+
+def with_floor(
+    rows: list[dict[str, Any]],
+    dtype: Any,
+    inputs: dict[tuple[str, str], float],
+    rounding: dict[tuple[str, str], float],
+) -> list[dict[str, Any]]:
+    """``divergence``'s rows of a variant computing in ``dtype``, each beside its floor and
+    whether it is ``flagged``.
+
+    Two floors, neither with any 16-bit arithmetic, each a ``scale_error`` of the
+    float32 model itself:
+
+    * ``floor_inputs`` (``input_sensitivity``): its params and inputs rounded to
+      ``dtype``: what the model makes of one 16-bit rounding of what it is given,
+      nonlinear effects (a ReLU or a max-pool that flips) included.
+    * ``floor_rounding`` (``rounding_error``): its error against float64, times
+      ``eps(dtype) / eps(float32)``: what rounding *every* operation at the 16-bit
+      dtype's precision would give, as the float32 model's own rounding error predicts
+      (a BatchNorm whose backward pass cancels amplifies every rounding).
+
+    ``floor`` is the larger: the error the model's own conditioning accounts for. AMP
+    rounds less than every operation (float32 accumulation; norms, softmax and the loss
+    in float32), so its error sits at or below the floor where it does what it should.
+    A row is ``flagged`` when its error is not finite while the floor is (a range fault:
+    overflow, a NaN), or is at least ``FLAG_MINIMUM`` and more than ``FLAG_RATIO`` times
+    the floor.
+    """
+    grow = float(jnp.finfo(dtype).eps / jnp.finfo(jnp.float32).eps)
+    for row in rows:
+        key = (row["layer"], row["phase"])
+        row["floor_inputs"] = inputs.get(key)
+        row["floor_rounding"] = None if key not in rounding else rounding[key] * grow
+        known = [f for f in (row["floor_inputs"], row["floor_rounding"]) if f is not None]
+        row["floor"] = max(known) if known else None
+        row["flagged"] = _flagged(row["scale_error"], row["floor"])
+    return rows
+
+
+def _by_key(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    return {(r["layer"], r["phase"]): r["scale_error"] for r in rows}
+
+
+def _flagged(error: float, floor: float | None) -> bool:
+    if floor is None or not math.isfinite(floor):
+        return False
+    if not math.isfinite(error):
+        return True
+    return bool(error >= FLAG_MINIMUM and error > FLAG_RATIO * floor)
 
 
 def first_step_taken(
@@ -120,28 +216,44 @@ def markdown(report: dict[str, Any], limit: int = 12) -> list[str]:
             ]
     runs = [r for r in report["runs"] if r.get("divergence")]
     if runs:
-        lines += ["", _EXPLANATION, *_loss_scale_lines(runs), *_table(runs, limit)]
+        lines += ["", _EXPLANATION]
+        if any("floor" in d for r in runs for d in r["divergence"]):
+            lines += ["", _FLOOR, *_floor_lines(runs)]
+        lines += ["", _SKIPPED, *_loss_scale_lines(runs), *_table(runs, limit)]
     return lines
 
 
 _EXPLANATION = (
-    "Per-layer divergence from fp32 at the initial weights, on 4 examples of the first batch "
-    "(`jaxamp.numerics_diff`): each layer's output (forward) and the gradients of its "
+    "Per-layer divergence from fp32 at the initial weights, on the first training batch as "
+    "training sees it (BatchNorm normalising with that batch's statistics; "
+    "`jaxamp.numerics_diff`): each layer's output (forward) and the gradients of its "
     "parameters (backward, unscaled), under each variant against the model in true float32. "
-    f"Each number is ‖amp − fp32‖ / max(‖fp32‖, {NEAR_ZERO:g} · typical), typical being the "
+    f"Each error is ‖amp − fp32‖ / max(‖fp32‖, {NEAR_ZERO:g} · typical), typical being the "
     "usual size of that pass's fp32 values (the median over the model's layers of their RMS, "
-    "times √ of the layer's element count). For a layer of ordinary size this is its relative "
-    "error: 0.01 is 1%, and 1 or more means the variant's value differs from fp32's by as much "
-    f"as the value itself. A layer whose fp32 RMS is below {NEAR_ZERO:g} of the typical is "
-    "marked ≈0 in fp32 (the output of a zero-initialised scale, such as the last BatchNorm of "
-    "a ResNet block, and the gradients of the branch it silences; vanishing gradients): its "
-    "own relative error would be 0/0 or rounding noise, so it is measured against that floor. "
-    "0 means identical to fp32, bit for bit; inf, not finite. A float16 step whose gradients "
-    "overflow at its loss scale is skipped in training and the scale backed off; skipped "
-    "steps are not compared: a loss-scaled variant is compared at the scale of the first step "
-    "its optimizer took on these examples (said below when it is not the initial one). "
-    "report.json has every row, with its raw relative error and the cosine similarity of the "
-    "two values; divergence.png plots them."
+    "times √ of the layer's element count): for a layer of ordinary size, its relative error "
+    f"(0.01 is 1%). A layer whose fp32 RMS is below {NEAR_ZERO:g} of the typical is marked ≈0 "
+    "in fp32 (the output of a zero-initialised scale and the gradients of the branch it "
+    "silences): it is measured against that floor instead of its own size. 0 means identical "
+    "to fp32, bit for bit; inf, not finite."
+)
+_FLOOR = (
+    "Beside each error, its floor: the error the float32 model's own conditioning accounts "
+    "for, with no 16-bit arithmetic. It is the larger of two: the float32 model with its "
+    "params and inputs rounded once to the variant's 16-bit dtype, and the float32 model's "
+    "own rounding error against float64 scaled up to the 16-bit dtype's precision (what "
+    "rounding every operation at that precision would give). A layer whose floor is high "
+    "(a BatchNorm over few values, a backward pass that cancels) amplifies any rounding, and "
+    "its error there is the model's sensitivity, not AMP's fault. AMP rounds less than "
+    "every operation, so where it does what it should its error sits at or below the floor; "
+    f"a row is flagged (⚠) when its error is at least {FLAG_MINIMUM:g} and more than "
+    f"{FLAG_RATIO:g} times its floor, or not finite where the floor is."
+)
+_SKIPPED = (
+    "A float16 step whose gradients overflow at its loss scale is skipped in training and "
+    "the scale backed off; skipped steps are not compared: a loss-scaled variant is compared "
+    "at the scale of the first step its optimizer took on these examples (said below when it "
+    "is not the initial one). report.json has every row, with its raw relative error, its "
+    "two floors and the cosine similarity of the two values; divergence.png plots them."
 )
 
 
@@ -174,22 +286,62 @@ def _loss_scale_lines(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _ratio(row: dict[str, Any]) -> float:
+    """A row's error over its floor (0 without a floor, inf for a floor of 0)."""
+    floor, error = row.get("floor"), row["scale_error"]
+    if floor is None or error == 0:
+        return 0.0
+    return error / floor if floor > 0 else math.inf
+
+
+def _floor_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """Per variant with floors: how its errors stand against them, and what is flagged."""
+    lines = []
+    for run in runs:
+        rows = [d for d in run["divergence"] if d.get("floor") is not None]
+        if not rows:
+            continue
+        ratios = sorted(_ratio(d) for d in rows if not d["near_zero"])
+        flagged = [d for d in rows if d["flagged"]]
+        summary = f"{run['variant']}: {len(flagged)} of {len(rows)} rows flagged"
+        if ratios:
+            median = ratios[len(ratios) // 2]
+            summary += (
+                f"; error over floor: median {median:.2g}, largest {ratios[-1]:.2g} "
+                "(rows not ≈0 in fp32)"
+            )
+        if flagged:
+            named = ", ".join(f"{d['layer'] or '(no layer)'} {d['phase']}" for d in flagged[:5])
+            summary += f". Flagged: {named}" + (" ..." if len(flagged) > 5 else "")
+        lines += ["", summary + "."]
+    return lines
+
+
 def _table(runs: list[dict[str, Any]], limit: int) -> list[str]:
-    """The ``limit`` rows that depart most (largest scale error over the variants)."""
+    """The ``limit`` rows that stand highest over their floor (largest over the variants;
+    without floors, the largest errors)."""
     rows: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for run in runs:
         for d in run["divergence"]:
             rows.setdefault((d["layer"], d["phase"]), {})[run["variant"]] = d
-    worst = sorted(rows, key=lambda k: -max(d["scale_error"] for d in rows[k].values()))
+
+    def order(key: tuple[str, str]) -> tuple[float, float]:
+        cells = rows[key].values()
+        return (-max(_ratio(d) for d in cells), -max(d["scale_error"] for d in cells))
+
+    worst = sorted(rows, key=order)
     near_zero = [k for k in rows if any(d["near_zero"] for d in rows[k].values())]
     header = ["layer", "pass", "note", *(_label(r) for r in runs)]
     zeros = "none is ≈0 in fp32"
     if near_zero:
         examples = ", ".join(f"{k[0]} {k[1]}" for k in near_zero[:3])
         zeros = f"{len(near_zero)} are ≈0 in fp32 (e.g. {examples})"
+    floors = any("floor" in d for r in runs for d in r["divergence"])
+    what = "stand highest over their floor" if floors else "depart most"
     lines = [
         "",
-        f"The {min(limit, len(worst))} rows that depart most, of {len(rows)}; {zeros}:",
+        f"The {min(limit, len(worst))} rows that {what}, of {len(rows)}; {zeros}"
+        + ("; each cell is error (floor):" if floors else ":"),
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
@@ -215,7 +367,13 @@ def _label(run: dict[str, Any]) -> str:
 def _fmt(row: dict[str, Any] | None) -> str:
     if row is None:
         return "-"
-    value = row["scale_error"]
+    text = _number(row["scale_error"])
+    if row.get("floor") is not None:
+        text += f" ({_number(row['floor'])})" + (" ⚠" if row["flagged"] else "")
+    return text
+
+
+def _number(value: float) -> str:
     if value == 0:
         return "0"
     return "inf" if math.isinf(value) else f"{value:.2e}"
@@ -225,11 +383,17 @@ def plot_series(run: dict[str, Any], phase: str) -> dict[str, list[Any]]:
     """What ``divergence.png`` draws of one variant and pass: ``x`` and ``y``, the layers
     (their index in the program's order) and scale errors on the log axis, and the
     indices of the rows it marks instead: ``near_zero`` (≈0 in fp32), ``identical``
-    (error 0, fp32 not ≈0) and ``not_finite``."""
+    (error 0, fp32 not ≈0) and ``not_finite``; ``floor_x`` and ``floor_y``, the floors
+    (positive ones: the log axis), and ``flagged``, the indices of flagged rows."""
     rows = [d for d in run["divergence"] if d["phase"] == phase]
     series: dict[str, list[Any]] = {"x": [], "y": [], "near_zero": [], "identical": []}
-    series["not_finite"] = []
+    series.update(not_finite=[], floor_x=[], floor_y=[], flagged=[])
     for i, d in enumerate(rows):
+        if d.get("floor"):
+            series["floor_x"].append(i)
+            series["floor_y"].append(d["floor"])
+        if d.get("flagged"):
+            series["flagged"].append(i)
         error = d["scale_error"]
         if not math.isfinite(error):
             series["not_finite"].append(i)
@@ -249,8 +413,9 @@ _MARKS += (("not_finite", "^", "not finite"),)
 
 
 def plot(report: dict[str, Any], out: Path, save: Callable) -> None:
-    """``divergence.png``: per layer, each variant's scale error, forward and backward;
-    rows ≈0 in fp32, identical or not finite are marks along the edge, not values."""
+    """``divergence.png``: per layer, each variant's scale error, forward and backward, and
+    its floor (dashed); flagged rows crossed in red; rows ≈0 in fp32, identical or not
+    finite are marks along the edge, not values."""
     import matplotlib.pyplot as plt
 
     runs = [  # the variant that is float32 itself is the reference: 0 everywhere
@@ -273,6 +438,15 @@ def _plot_phase(ax: Any, runs: list[dict[str, Any]], phase: str) -> None:
     for i, run in enumerate(runs):
         series, color = plot_series(run, phase), f"C{i}"
         ax.plot(series["x"], series["y"], "o-", ms=3, lw=1, color=color, label=_label(run))
+        if series["floor_x"]:
+            floor = f"{run['variant']}: floor (fp32's own conditioning)"
+            ax.plot(series["floor_x"], series["floor_y"], "--", lw=1, color=color, label=floor)
+        flagged = [(x, y) for x, y in zip(series["x"], series["y"], strict=True)]
+        flagged = [p for p in flagged if p[0] in series["flagged"]]
+        if flagged:
+            xs, ys = zip(*flagged, strict=True)
+            ax.plot(xs, ys, "x", color="red", ms=8, mew=2)
+            marked.add("flagged")
         for key, marker, _ in _MARKS:
             height = 0.97 - 0.03 * i if key == "not_finite" else 0.03 + 0.03 * i
             xs = series[key]
@@ -281,6 +455,8 @@ def _plot_phase(ax: Any, runs: list[dict[str, Any]], phase: str) -> None:
     for key, marker, text in _MARKS:  # one legend entry per kind of mark, in grey
         if key in marked:
             ax.plot([], [], marker, color="grey", label=text)
+    if "flagged" in marked:
+        ax.plot([], [], "x", color="red", mew=2, label=f"flagged: > {FLAG_RATIO:g}x its floor")
     what = (
         "in the order the program runs them (their outputs)"
         if phase == "forward"

@@ -7,6 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxamp._src.compare import numerics_checks
+from jaxamp._src.compare.accuracy import (
+    ALPHA,
+    ONE_SEED_NOISE,
+    ONE_SEED_TEST,
+    SEEDS_NOISE,
+    SEEDS_TEST,
+)
+from jaxamp._src.compare.app import OptionError
 from jaxamp._src.compare.environment import describe_hardware
 
 # (record key, header, format)
@@ -24,7 +32,9 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("test_accuracy", "test acc", "{:.4f}"),
     ("test_accuracy_sd", "sd over seeds", "{:.4f}"),
     ("accuracy_vs_fp32", "vs fp32", "{:+.4f}"),
-    ("accuracy_noise", "noise (2 SE)", "{:.4f}"),
+    ("accuracy_ci95", "95% CI", "[{:+.4f}, {:+.4f}]"),
+    ("accuracy_p_worse", "p (worse)", "{:.2g}"),
+    ("discordant", "only fp32 / only it right", "{}"),
     ("accuracy_verdict", "accuracy", "{}"),
     ("precision", "precision", "{:.4f}"),
     ("recall", "recall", "{:.4f}"),
@@ -39,6 +49,10 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
     value = record.get(key)
     if value is None:
         return "-"
+    if key == "discordant":  # per seed (only fp32 right, only the variant right), summed
+        return f"{sum(d[0] for d in value)} / {sum(d[1] for d in value)}"
+    if isinstance(value, list):
+        return fmt.format(*value)
     return fmt.format(value * _SCALED.get(key, 1))
 
 
@@ -78,18 +92,7 @@ def format_markdown(report: dict[str, Any]) -> str:
     if report.get("auto_policy"):
         picked = report["auto_policy"]
         lines.append(f"- `jaxamp.auto_policy()` picks `{picked['policy']}`: {picked['reason']}")
-    seeds = report.get("seeds") or [config.get("seed", 0)]
-    lines.append(
-        f"- Seeds: {', '.join(str(x) for x in seeds)}. Test accuracy is the mean over seeds; a "
-        "difference from fp32 is called one only outside the noise: two standard errors of "
-        "the difference, from the seeds' spread"
-        + (
-            "; final loss, precision, recall, F1, memory and the curves are the first seed's."
-            if len(seeds) > 1
-            else " when there are several, here from the test set's sampling error alone "
-            "(one seed: the seed-to-seed spread, often larger, is not in it)."
-        )
-    )
+    lines += accuracy_lines(report)
     if config.get("bn_recalibration") and report["model"].startswith("resnet"):
         lines.append(
             "- Evaluation: BatchNorm statistics recomputed on "
@@ -124,6 +127,43 @@ def format_markdown(report: dict[str, Any]) -> str:
             "a GPU."
         )
     return "\n".join(lines) + "\n"
+
+
+def accuracy_lines(report: dict[str, Any]) -> list[str]:
+    """What the accuracy verdicts account for, and what they cannot know."""
+    seeds = report.get("seeds") or [report["config"].get("seed", 0)]
+    n = report["dataset"]["test_examples"]
+    lines = [
+        f"- Seeds: {', '.join(str(x) for x in seeds)}. Test accuracy is the mean over seeds, "
+        f"every variant scored on the same {n} test examples. Each variant is read against "
+        "fp32 paired: by example (only the examples one gets right and the other wrong, the "
+        "discordant ones, tell them apart)"
+        + (
+            " and by seed (a seed fixes the initialisation and the batch order)."
+            if len(seeds) > 1
+            else "."
+        )
+        + f" The verdict asks one-sided whether the variant is worse than fp32 (p < {ALPHA:g}: "
+        f"worse; the opposite question's p < {ALPHA:g}: better; else no difference detected).",
+    ]
+    if len(seeds) > 1:
+        spread = report.get("fp32_seed_spread")
+        lines.append(
+            f"- Test: {SEEDS_TEST}. It accounts for {SEEDS_NOISE}. "
+            + (
+                f"fp32 against fp32 of another seed differs by {spread:.4f} on average. "
+                if spread is not None
+                else ""
+            )
+            + "Final loss, precision, recall, F1, memory and the curves are the first seed's."
+        )
+    else:
+        lines.append(
+            f"- Test: {ONE_SEED_TEST}; its interval from the paired standard error. It accounts "
+            f"for {ONE_SEED_NOISE}: with one seed a difference it calls real may still be "
+            "training's own spread, which fp32 shows against itself from another seed."
+        )
+    return lines
 
 
 def _plots(report: dict[str, Any], out: Path) -> list[Path]:
@@ -197,21 +237,29 @@ def _plot_time(ax: Any, report: dict[str, Any]) -> None:
 
 def _plot_accuracy(ax: Any, report: dict[str, Any]) -> None:
     runs = report["runs"]
+    base = next(r for r in runs if r["variant"] == "fp32")["test_accuracy"]
     for i, r in enumerate(runs):
         seeds = r.get("test_accuracy_seeds") or [r["test_accuracy"]]
         ax.scatter([i] * len(seeds), seeds, color="tab:gray", s=12, zorder=3)
-        noise = r.get("accuracy_noise") or 0
+        ci = r.get("accuracy_ci95")
+        yerr = None
+        if ci is not None:  # the interval of the difference, drawn around fp32 + difference
+            yerr = [[r["accuracy_vs_fp32"] - ci[0]], [ci[1] - r["accuracy_vs_fp32"]]]
         ax.errorbar(
-            i, r["test_accuracy"], yerr=noise, fmt="o", color="tab:blue", capsize=6, zorder=4
+            i, r["test_accuracy"], yerr=yerr, fmt="o", color="tab:blue", capsize=6, zorder=4
         )
         verdict = r.get("accuracy_verdict", "")
+        if r.get("accuracy_p_worse") is not None:
+            verdict += f"\np(worse) {r['accuracy_p_worse']:.2g}"
         point = (i, r["test_accuracy"])
         ax.annotate(verdict, point, textcoords="offset points", xytext=(8, 0), va="center")
+    ax.axhline(base, color="tab:blue", lw=0.8, ls=":", label="fp32 (mean over seeds)")
     ax.set_xticks(range(len(runs)), [r["variant"] for r in runs])
     ax.set(
         ylabel="test accuracy",
-        title="accuracy: each seed (grey), mean and noise vs fp32 (blue)",
+        title="accuracy: each seed (grey); mean, 95% CI of the paired difference (blue)",
     )
+    ax.legend(fontsize=8, loc="lower left")
 
 
 # The report's plots, each drawn on its own axes, by file name.
@@ -222,6 +270,26 @@ _PLOTS = {
     "time.png": _plot_time,
     "accuracy.png": _plot_accuracy,
 }
+
+
+def check_writable(out: str | Path) -> None:
+    """Creates ``out`` and writes a file into it, so that a run whose report could not be
+    saved stops before it starts.
+
+    Raises:
+      OptionError: naming the folder and why it cannot be written.
+    """
+    out = Path(out)
+    probe = out / ".jaxamp-write-check"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OptionError(
+            f"--out {str(out)!r} cannot be written ({e.strerror or e}); "
+            "give a folder you can write."
+        ) from None
 
 
 def write_report(report: dict[str, Any], out: str | Path) -> list[Path]:

@@ -1,0 +1,293 @@
+"""How ``jaxamp compare`` scores a variant and reads its accuracy against fp32's.
+
+Every variant is scored on the same test examples, and with several seeds each
+seed fixes the initialisation and the batch order of every variant. So the
+comparison with fp32 is **paired**, twice over:
+
+* **Test-set sampling**, paired by example: only the examples one run gets right
+  and the other wrong (the discordant ones) tell the two apart. With one seed the
+  verdict is McNemar's exact test on them (a binomial test of the discordant
+  examples against one half).
+* **Training's own spread**, paired by seed: fp32 against fp32 from another seed
+  differs too. With several seeds, the difference of each seed's pair is taken, and
+  the mean difference is read against both noises at once: the seeds' spread of
+  the paired differences and the test set's sampling error of the per-example
+  differences (averaged over seeds), their degrees of freedom combined by
+  Welch-Satterthwaite, in a t-test. With one seed the training spread is unknown,
+  and the report says so.
+
+The question is one-sided: is the variant worse than fp32 by more than the noise?
+A variant is ``"worse"`` when the one-sided p-value of that question is below
+``ALPHA``, ``"better"`` when the p-value of the opposite question is, and
+``"no difference detected"`` otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+# The one-sided level of each verdict.
+ALPHA = 0.05
+VERDICTS = ("baseline", "worse", "better", "no difference detected")
+
+
+def classification_metrics(
+    labels: np.ndarray, predictions: np.ndarray, num_classes: int
+) -> dict[str, float]:
+    """Accuracy and macro-averaged precision, recall and F1, as scikit-learn defines them.
+
+    The macro average is over the classes present in ``labels`` or ``predictions``
+    (a class absent from both says nothing about the classifier); a precision or
+    recall with no example to count is 0 (scikit-learn's ``zero_division=0``), and
+    F1 is the mean of the per-class F1 scores.
+
+    Examples:
+      >>> m = classification_metrics(np.array([0, 0, 1, 1]), np.array([0, 1, 1, 1]), 10)
+      >>> round(m["accuracy"], 2), round(m["precision"], 3), round(m["recall"], 2)
+      (0.75, 0.833, 0.75)
+    """
+    labels, predictions = np.asarray(labels), np.asarray(predictions)
+    confusion = np.zeros((num_classes, num_classes), np.int64)
+    np.add.at(confusion, (labels, predictions), 1)
+    tp = np.diag(confusion).astype(np.float64)
+    predicted, actual = confusion.sum(0), confusion.sum(1)
+    present = (predicted + actual) > 0
+    precision = np.divide(tp, predicted, out=np.zeros_like(tp), where=predicted > 0)
+    recall = np.divide(tp, actual, out=np.zeros_like(tp), where=actual > 0)
+    denom = precision + recall
+    f1 = np.divide(2 * precision * recall, denom, out=np.zeros_like(tp), where=denom > 0)
+
+    def macro(values: np.ndarray) -> float:
+        return float(values[present].mean()) if present.any() else 0.0
+
+    return {
+        "accuracy": float(tp.sum() / max(len(labels), 1)),
+        "precision": macro(precision),
+        "recall": macro(recall),
+        "f1": macro(f1),
+    }
+
+
+def _binomial_tail(k: int, n: int) -> float:
+    """``P(X >= k)`` for ``X ~ Binomial(n, 1/2)``, exactly."""
+    if k <= 0:
+        return 1.0
+    return float(Fraction(sum(math.comb(n, i) for i in range(k, n + 1)), 2**n))
+
+
+@dataclasses.dataclass(frozen=True)
+class McNemar:
+    """McNemar's exact test of one variant against fp32 on the same examples.
+
+    Attributes:
+      only_fp32: examples fp32 gets right and the variant wrong.
+      only_variant: examples the variant gets right and fp32 wrong.
+      p_worse: one-sided p-value of "the variant is worse" (the chance of at least
+        ``only_fp32`` of the discordant examples going fp32's way if neither is better).
+      p_better: the same, of "the variant is better".
+      p_two_sided: ``min(1, 2 * min(p_worse, p_better))``.
+    """
+
+    only_fp32: int
+    only_variant: int
+    p_worse: float
+    p_better: float
+    p_two_sided: float
+
+
+def mcnemar(fp32_correct: Sequence[bool], variant_correct: Sequence[bool]) -> McNemar:
+    """McNemar's exact test from the two runs' per-example correctness.
+
+    Examples:
+      >>> test = mcnemar([True] * 30 + [False] * 10, [False] * 30 + [False] * 10)
+      >>> test.only_fp32, test.only_variant, test.p_worse < 1e-8
+      (30, 0, True)
+    """
+    a = np.asarray(fp32_correct, bool)
+    v = np.asarray(variant_correct, bool)
+    b, c = int(np.sum(a & ~v)), int(np.sum(~a & v))
+    worse, better = _binomial_tail(b, b + c), _binomial_tail(c, b + c)
+    return McNemar(b, c, worse, better, min(1.0, 2.0 * min(worse, better)))
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedDifference:
+    """A variant's accuracy minus fp32's, read against the noise the runs can measure.
+
+    Attributes:
+      difference: mean over seeds of (variant accuracy - fp32 accuracy).
+      ci95: two-sided 95% interval of the difference.
+      p_worse: one-sided p-value of "the variant is worse than fp32".
+      p_better: one-sided p-value of "the variant is better than fp32".
+      test: the test the p-values come from.
+      noise: which noises the test accounts for, and which it cannot.
+      discordant: per seed, ``(only_fp32, only_variant)``: the examples only fp32
+        gets right, and those only the variant does.
+      verdict: one of ``VERDICTS`` (not ``"baseline"``).
+    """
+
+    difference: float
+    ci95: tuple[float, float]
+    p_worse: float
+    p_better: float
+    test: str
+    noise: str
+    discordant: tuple[tuple[int, int], ...]
+    verdict: str
+
+
+ONE_SEED_TEST = "McNemar's exact test on the discordant test examples"
+ONE_SEED_NOISE = (
+    "test-set sampling, paired by example; not training's seed-to-seed spread, which one "
+    "seed cannot measure (--seeds 3 measures it)"
+)
+SEEDS_TEST = (
+    "t-test of the mean paired difference (seeds' spread and test-set sampling combined, "
+    "Welch-Satterthwaite degrees of freedom)"
+)
+SEEDS_NOISE = (
+    "training's seed-to-seed spread, paired by seed, and test-set sampling, paired by example"
+)
+
+
+def paired_difference(
+    fp32_correct: Sequence[Sequence[bool]], variant_correct: Sequence[Sequence[bool]]
+) -> PairedDifference:
+    """Reads a variant's accuracy against fp32's, paired by example and by seed.
+
+    Args:
+      fp32_correct: per seed, whether fp32 got each test example right.
+      variant_correct: the same for the variant, seeds and examples in the same order.
+
+    Returns:
+      The ``PairedDifference``: with one seed, from McNemar's exact test (its
+      interval from the paired standard error); with several, from the t-test
+      described in this module's docstring.
+
+    Examples:
+      >>> fp32 = [[True] * 60 + [False] * 40]
+      >>> same = paired_difference(fp32, fp32)
+      >>> same.verdict, same.difference
+      ('no difference detected', 0.0)
+    """
+    from scipy import stats  # scikit-learn's dependency, in the compare extra
+
+    f = np.asarray(fp32_correct, bool)
+    v = np.asarray(variant_correct, bool)
+    if f.shape != v.shape or f.ndim != 2 or f.shape[1] == 0:
+        raise ValueError(
+            f"paired_difference needs (seeds, examples) arrays of one shape, got {f.shape} "
+            f"and {v.shape}."
+        )
+    seeds, n = f.shape
+    tests = [mcnemar(a, b) for a, b in zip(f, v, strict=True)]
+    discordant = tuple((t.only_fp32, t.only_variant) for t in tests)
+    per_example = (v.astype(np.float64) - f).mean(0)  # D_i, averaged over seeds
+    per_seed = (v.astype(np.float64) - f).mean(1)  # d_s
+    difference = float(per_seed.mean())
+    se_test2 = float(per_example.var(ddof=1)) / n if n > 1 else 0.0
+    if seeds == 1:
+        (test,) = tests
+        se = math.sqrt(se_test2)
+        p_worse, p_better = test.p_worse, test.p_better
+        half = float(stats.norm.ppf(0.975)) * se
+        name, noise = ONE_SEED_TEST, ONE_SEED_NOISE
+    else:
+        se_train2 = float(per_seed.var(ddof=1)) / seeds
+        se = math.sqrt(se_train2 + se_test2)
+        terms = se_train2**2 / (seeds - 1) + (se_test2**2 / (n - 1) if n > 1 else 0.0)
+        df = (se**4 / terms) if terms > 0 else float("inf")
+        if se > 0:
+            p_worse = float(stats.t.cdf(difference / se, df))
+            p_better = float(stats.t.sf(difference / se, df))
+        else:  # every seed and example the same: no noise, the sign decides
+            p_worse = 0.0 if difference < 0 else 1.0
+            p_better = 0.0 if difference > 0 else 1.0
+        half = float(stats.t.ppf(0.975, df)) * se
+        name, noise = SEEDS_TEST, SEEDS_NOISE
+    verdict = "no difference detected"
+    if p_worse < ALPHA:
+        verdict = "worse"
+    elif p_better < ALPHA:
+        verdict = "better"
+    return PairedDifference(
+        difference,
+        (difference - half, difference + half),
+        p_worse,
+        p_better,
+        name,
+        noise,
+        discordant,
+        verdict,
+    )
+
+
+def accuracy_against_fp32(runs: list[dict[str, Any]]) -> None:
+    """Adds accuracy mean, spread and the paired verdict against fp32 to each run record.
+
+    Args:
+      runs: one record per variant, fp32's among them, each with
+        ``test_accuracy_seeds`` and ``test_correct_seeds`` (per seed, per test
+        example, 1 where the prediction is right).
+
+    Raises:
+      ValueError: without an fp32 run, the baseline every verdict is read against.
+    """
+    baseline = next((r for r in runs if r["variant"] == "fp32"), None)
+    if baseline is None:
+        raise ValueError(
+            "The accuracy verdicts need the fp32 run, the baseline; variants: "
+            f"{', '.join(r['variant'] for r in runs)}."
+        )
+    for r in runs:
+        accs = r["test_accuracy_seeds"]
+        r["test_accuracy"] = statistics.mean(accs)
+        r["test_accuracy_sd"] = statistics.stdev(accs) if len(accs) > 1 else None
+        r["test_accuracy_min"], r["test_accuracy_max"] = min(accs), max(accs)
+        if r is baseline:
+            r.update(accuracy_vs_fp32=None, accuracy_verdict="baseline")
+            continue
+        paired = paired_difference(baseline["test_correct_seeds"], r["test_correct_seeds"])
+        r.update(
+            accuracy_vs_fp32=paired.difference,
+            accuracy_ci95=list(paired.ci95),
+            accuracy_p_worse=paired.p_worse,
+            accuracy_p_better=paired.p_better,
+            accuracy_test=paired.test,
+            accuracy_noise_from=paired.noise,
+            discordant=[list(d) for d in paired.discordant],
+            accuracy_verdict=paired.verdict,
+        )
+
+
+def merge_seeds(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the per-seed reports: the first seed's records, accuracy over all.
+
+    Step times are the median of the seeds' medians; the curves and memory are
+    the first seed's.
+    """
+    report = per_seed[0]
+    for i, run in enumerate(report["runs"]):
+        runs = [r["runs"][i] for r in per_seed]
+        run["test_accuracy_seeds"] = [r["test_accuracy"] for r in runs]
+        run["test_correct_seeds"] = [r["test_correct"] for r in runs]
+        run["final_loss_seeds"] = [r["final_loss"] for r in runs]
+        run["step_time_median_s"] = statistics.median(r["step_time_median_s"] for r in runs)
+        run["examples_per_s"] = report["config"]["batch_size"] / run["step_time_median_s"]
+        del run["test_correct"]
+    baseline = next(r for r in report["runs"] if r["variant"] == "fp32")
+    for r in report["runs"]:
+        r["speedup_vs_fp32"] = baseline["step_time_median_s"] / r["step_time_median_s"]
+    accuracy_against_fp32(report["runs"])
+    report["seeds"] = [r["config"]["seed"] for r in per_seed]
+    fp32 = baseline["test_accuracy_seeds"]
+    pairs = [abs(a - b) for i, a in enumerate(fp32) for b in fp32[i + 1 :]]
+    report["fp32_seed_spread"] = statistics.mean(pairs) if pairs else None
+    return report

@@ -1,0 +1,218 @@
+"""Tests for jaxamp/_src/compare/accuracy.py: metrics against scikit-learn, the paired
+verdicts against scipy and against simulated runs whose truth is known."""
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from scipy import stats
+from sklearn.metrics import accuracy_score, precision_recall_fscore_support
+
+from jaxamp._src.compare.accuracy import (
+    ALPHA,
+    ONE_SEED_NOISE,
+    SEEDS_NOISE,
+    accuracy_against_fp32,
+    classification_metrics,
+    mcnemar,
+    merge_seeds,
+    paired_difference,
+)
+
+
+@st.composite
+def label_sets(draw):
+    """Labels and predictions over up to 10 classes, some classes absent from both."""
+    num_classes = draw(st.integers(2, 10))
+    present = draw(st.lists(st.integers(0, num_classes - 1), min_size=1, unique=True))
+    n = draw(st.integers(1, 60))
+    labels = draw(st.lists(st.sampled_from(present), min_size=n, max_size=n))
+    predictions = draw(st.lists(st.integers(0, num_classes - 1), min_size=n, max_size=n))
+    return np.array(labels), np.array(predictions), num_classes
+
+
+@settings(max_examples=60, deadline=None)
+@given(label_sets())
+@example((np.array([0, 1, 2, 3]), np.array([0, 1, 2, 3]), 10))  # 4 of 10 classes, perfect
+@example((np.array([0, 0, 1]), np.array([2, 2, 2]), 3))  # only a class never labelled
+def test_metrics_are_scikit_learns(case):
+    labels, predictions, num_classes = case
+    ours = classification_metrics(labels, predictions, num_classes)
+    precision, recall, f1, _ = precision_recall_fscore_support(
+        labels, predictions, average="macro", zero_division=0
+    )
+    assert ours["accuracy"] == pytest.approx(accuracy_score(labels, predictions))
+    assert ours["precision"] == pytest.approx(precision)
+    assert ours["recall"] == pytest.approx(recall)
+    assert ours["f1"] == pytest.approx(f1)
+
+
+def test_a_perfect_classifier_on_four_of_ten_classes_scores_one():
+    m = classification_metrics(np.array([0, 1, 2, 3] * 5), np.array([0, 1, 2, 3] * 5), 10)
+    assert m == {"accuracy": 1.0, "precision": 1.0, "recall": 1.0, "f1": 1.0}
+
+
+@st.composite
+def paired_correctness(draw):
+    n = draw(st.integers(1, 400))
+    fp32 = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    variant = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    return np.array(fp32), np.array(variant)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paired_correctness())
+@example((np.array([True] * 30 + [False] * 970), np.array([False] * 30 + [False] * 970)))
+def test_mcnemar_is_scipys_exact_binomial_test(case):
+    fp32, variant = case
+    test = mcnemar(fp32, variant)
+    b, c = int(np.sum(fp32 & ~variant)), int(np.sum(~fp32 & variant))
+    assert (test.only_fp32, test.only_variant) == (b, c)
+    if b + c == 0:
+        assert test.p_worse == test.p_better == test.p_two_sided == 1.0
+        return
+    greater = stats.binomtest(b, b + c, 0.5, alternative="greater").pvalue
+    less = stats.binomtest(b, b + c, 0.5, alternative="less").pvalue
+    assert test.p_worse == pytest.approx(greater, rel=1e-9, abs=1e-300)
+    assert test.p_better == pytest.approx(less, rel=1e-9, abs=1e-300)
+    two_sided = stats.binomtest(b, b + c, 0.5).pvalue
+    assert test.p_two_sided == pytest.approx(two_sided, rel=1e-9, abs=1e-300)
+
+
+def test_thirty_losses_and_no_gains_on_1000_examples_is_worse():
+    """The case an unpaired test called "within noise" (0.750 against 0.720)."""
+    fp32 = np.array([True] * 750 + [False] * 250)
+    variant = fp32.copy()
+    variant[:30] = False
+    paired = paired_difference([fp32], [variant])
+    assert paired.difference == pytest.approx(-0.030)
+    assert paired.discordant == ((30, 0),)
+    assert paired.p_worse == pytest.approx(0.5**30)  # McNemar, one-sided
+    assert paired.verdict == "worse"
+    _, high = paired.ci95  # 1.96 paired standard errors: sqrt(0.0291 / 1000)
+    assert high - paired.difference == pytest.approx(1.96 * (0.0291 / 1000) ** 0.5, rel=1e-3)
+    assert high < 0
+    assert paired.noise == ONE_SEED_NOISE
+
+
+def test_no_discordant_example_is_no_difference():
+    fp32 = np.array([True] * 60 + [False] * 40)
+    paired = paired_difference([fp32, fp32], [fp32, fp32])
+    assert paired.verdict == "no difference detected"
+    assert paired.difference == 0.0 and paired.p_worse == 1.0
+
+
+def _simulate(rng, seeds, n, deficit):
+    """Per seed, fp32's and a variant's correctness on ``n`` shared test examples: each
+    example has a difficulty, each seed's training moves every run's accuracy (the runs of
+    one seed together, and each on its own), and the variant loses ``deficit``."""
+    difficulty = rng.normal(1.5, 1.5, n)  # an easy test set: about 80% right
+    fp32, variant = [], []
+    for _ in range(seeds):
+        shared = rng.normal(0, 0.1)  # what the seed's initialisation and batches do
+        for out, shift in ((fp32, 0.0), (variant, deficit)):
+            own = rng.normal(0, 0.1)  # what the run's own trajectory does
+            logit = difficulty + shared + own - shift + rng.normal(0, 1.0, n)
+            out.append(logit > 0)
+    return np.array(fp32), np.array(variant)
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_verdicts_are_calibrated_and_find_a_real_loss(seeds):
+    """On simulated runs whose truth is known: with no difference, "worse" comes up at
+    most about as often as the level says (the several-seed test accounts for the
+    training spread a one-seed McNemar test cannot, so it is the calibrated one); with a
+    real loss (about 9 points from 80%, seeds spread by about 2), it comes up."""
+    rng = np.random.default_rng(0)
+    trials = 200
+    null = [
+        paired_difference(*_simulate(rng, seeds, 500, 0.0)).verdict == "worse"
+        for _ in range(trials)
+    ]
+    if seeds > 1:
+        assert np.mean(null) <= ALPHA + 0.04, np.mean(null)
+    loss = [
+        paired_difference(*_simulate(rng, seeds, 500, 0.5)).verdict == "worse"
+        for _ in range(trials)
+    ]
+    assert np.mean(loss) >= 0.85, np.mean(loss)
+
+
+def test_one_seed_misses_the_training_spread_that_several_seeds_account_for():
+    """A seed-to-seed spread much larger than the test set's sampling: one seed's McNemar
+    test calls differences real that are training's own spread; the seeds' test does not."""
+    rng = np.random.default_rng(1)
+
+    def noisy(seeds):
+        difficulty = rng.normal(1.5, 1.5, 2000)
+        runs = [
+            [difficulty + rng.normal(0, 1.2) + rng.normal(0, 0.3, 2000) > 0 for _ in range(seeds)]
+            for _ in range(2)
+        ]
+        return np.array(runs[0]), np.array(runs[1])
+
+    one = np.mean([paired_difference(*noisy(1)).verdict == "worse" for _ in range(100)])
+    three = np.mean([paired_difference(*noisy(3)).verdict == "worse" for _ in range(100)])
+    assert one > 0.2 and three <= ALPHA + 0.05, (one, three)
+
+
+def _runs(**correct):
+    return [
+        {
+            "variant": v,
+            "test_correct_seeds": [list(map(int, s)) for s in c],
+            "test_accuracy_seeds": [float(np.mean(s)) for s in c],
+        }
+        for v, c in correct.items()
+    ]
+
+
+def test_verdicts_in_the_run_records():
+    fp32 = [[1] * 90 + [0] * 10, [1] * 88 + [0] * 12]
+    worse = [[0] * 20 + [1] * 70 + [0] * 10, [0] * 20 + [1] * 68 + [0] * 12]
+    runs = _runs(fp32=fp32, bf16=copy.deepcopy(fp32), fp16=worse)
+    accuracy_against_fp32(runs)
+    base, same, lost = runs
+    assert base["accuracy_verdict"] == "baseline" and base["accuracy_vs_fp32"] is None
+    assert same["accuracy_verdict"] == "no difference detected"
+    assert same["discordant"] == [[0, 0], [0, 0]]
+    assert lost["accuracy_verdict"] == "worse"
+    assert lost["accuracy_vs_fp32"] == pytest.approx(-0.20)
+    assert lost["discordant"] == [[20, 0], [20, 0]]
+    assert lost["accuracy_noise_from"] == SEEDS_NOISE
+    assert lost["accuracy_ci95"][1] < 0
+    with pytest.raises(ValueError, match="need the fp32 run, the baseline; variants: bf16"):
+        accuracy_against_fp32(_runs(bf16=fp32))
+
+
+def test_merge_seeds():
+    def report(seed, correct, step):
+        runs = [
+            {
+                "variant": name,
+                "test_accuracy": float(np.mean(correct)),
+                "test_correct": correct,
+                "final_loss": 1.0,
+                "step_time_median_s": factor * step,
+            }
+            for name, factor in (("fp32", 2), ("bf16", 1))
+        ]
+        return {
+            "config": {"seed": seed, "batch_size": 8},
+            "runs": runs,
+            "dataset": {"test_examples": 4},
+        }
+
+    merged = merge_seeds(
+        [report(0, [1, 1, 0, 0], 1.0), report(1, [1, 1, 1, 0], 3.0), report(2, [1, 0, 0, 0], 2.0)]
+    )
+    assert merged["seeds"] == [0, 1, 2]
+    fp32, bf16 = merged["runs"]
+    assert bf16["test_accuracy_seeds"] == [0.5, 0.75, 0.25]
+    assert bf16["test_correct_seeds"][1] == [1, 1, 1, 0] and "test_correct" not in bf16
+    assert bf16["test_accuracy"] == pytest.approx(0.5)
+    assert bf16["step_time_median_s"] == 2.0 and fp32["step_time_median_s"] == 4.0
+    assert bf16["speedup_vs_fp32"] == pytest.approx(2.0)
+    assert merged["fp32_seed_spread"] == pytest.approx((0.25 + 0.25 + 0.5) / 3)
