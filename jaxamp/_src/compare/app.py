@@ -51,15 +51,16 @@ class CompareConfig:
         or ``"auto"``: the model that shows AMP on this machine (see
         ``jaxamp._src.compare.stats.choose_model``), in its shape for this machine
         except for the shape fields below that differ from their defaults.
-      variants: variant names, or ``None`` for ``jaxamp.default_variants``.
+      variants: variant names, each once, ``"fp32"`` (the baseline) among them, or
+        ``None`` for ``jaxamp.default_variants``.
       epochs: passes over the training examples.
       batch_size: examples per step.
       train_examples: training examples used (``None``: all).
       test_examples: test examples evaluated (``None``: all).
       learning_rate: Adam's learning rate (``None``: 1e-3 for ResNets, 1e-4 for BERT).
       seed: initialisation, shuffling and dropout seed (of the first run).
-      seeds: runs with seeds ``seed, seed + 1, ...``; test accuracy is reported
-        with its spread over them and read against that noise.
+      seeds: runs with seeds ``seed, seed + 1, ...``; each variant's test accuracy is
+        read against fp32's paired by seed and by example (``jaxamp._src.compare.accuracy``).
       data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see ``jaxamp.data.load_dataset``).
       data_dir: tensorflow-datasets data directory.
       bn_recalibration: before evaluation, run this many training batches through the
@@ -67,14 +68,16 @@ class CompareConfig:
         statistics (a moving average that lags behind fast-changing weights in a short
         run) describe the final model; 0 evaluates with the statistics as trained.
       numerics: before training, the per-layer divergence of each variant from float32
-        at the initial weights (``jaxamp.numerics_diff``, on 4 examples of the first
-        batch; a loss-scaled variant at the scale of the first step its optimizer takes
-        on them, steps that overflow skipped as in training, and recorded as
-        ``divergence_loss_scale``) and, when a variant computes in float16, a float16
+        at the initial weights (``jaxamp.numerics_diff``, on the first training batch,
+        BatchNorm normalising over it as in training; a loss-scaled variant at the scale
+        of the first step its optimizer takes on it, steps that overflow skipped as in
+        training, and recorded as ``divergence_loss_scale``), each layer beside a floor
+        from the float32 model's own conditioning and flagged when well above it
+        (``numerics_checks.with_floor``); when a variant computes in float16, a float16
         range check of the float32 model (``jaxamp.range_report``); during training,
         the first non-finite layer of a variant whose loss stops being finite
-        (``jaxamp.find_nonfinite``).
-        Each is evaluated one primitive at a time, outside the timed steps.
+        (``jaxamp.find_nonfinite``). Each is evaluated one primitive at a time, outside
+        the timed steps.
       width: channels of a ResNet's first stage (64 as published).
       layers: BERT layers.
       hidden: BERT hidden size.

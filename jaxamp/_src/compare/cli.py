@@ -6,10 +6,10 @@ import argparse
 import importlib.util
 import sys
 
-# The compare app needs the ``compare`` extra (tqdm, matplotlib, tensorflow-datasets,
+# The compare app needs the ``compare`` extra (tqdm, matplotlib, tensorflow-datasets, scipy,
 # scikit-learn, pillow); without it the command says which extra to install. The app
 # imports some of them only when it uses them, so each is looked for up front.
-COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "PIL")
+COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "scipy", "PIL")
 try:
     from jaxamp._src.compare.app import MODELS, CompareConfig, OptionError, compare
     from jaxamp._src.compare.choice import CPU_CONVNET

@@ -51,6 +51,7 @@ def environment() -> dict[str, Any]:
         "cpu_bf16_units": list(cpu_16bit_units("bfloat16")),
     }
     env["matmul_form"] = matmul_form().name
+    env["xla_flags"] = os.environ.get("XLA_FLAGS") or None  # --xla_cpu_max_isa changes the CPU
     capability = getattr(device, "compute_capability", None)
     if capability is not None:
         env["compute_capability"] = str(capability)
@@ -66,5 +67,6 @@ def describe_hardware(env: dict[str, Any]) -> str:
     if env.get("backend") == "cpu":
         units = [*env.get("cpu_bf16_features", ()), *env.get("cpu_fp16_features", ())]
         listed = ", ".join(units) if units else "no bf16/fp16 flags"
-        return f"cpu: {env.get('cpu_model')} ({env.get('cpu_count')} cores; {listed})"
+        flags = f"; XLA_FLAGS={env['xla_flags']}" if env.get("xla_flags") else ""
+        return f"cpu: {env.get('cpu_model')} ({env.get('cpu_count')} cores; {listed}{flags})"
     return str(env.get("device"))
