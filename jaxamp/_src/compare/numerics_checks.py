@@ -225,7 +225,7 @@ def markdown(report: dict[str, Any], limit: int = 12) -> list[str]:
 
 _EXPLANATION = (
     "Per-layer divergence from fp32 at the initial weights, on the first training batch as "
-    "training sees it (BatchNorm normalising with that batch's statistics; "
+    "training sees it (a BatchNorm normalising over that batch; "
     "`jaxamp.numerics_diff`): each layer's output (forward) and the gradients of its "
     "parameters (backward, unscaled), under each variant against the model in true float32. "
     f"Each error is ‖amp − fp32‖ / max(‖fp32‖, {NEAR_ZERO:g} · typical), typical being the "
@@ -302,14 +302,18 @@ def _floor_lines(runs: list[dict[str, Any]]) -> list[str]:
         if not rows:
             continue
         ratios = sorted(_ratio(d) for d in rows if not d["near_zero"])
+        large = [_ratio(d) for d in rows if not d["near_zero"] and d["scale_error"] >= FLAG_MINIMUM]
         flagged = [d for d in rows if d["flagged"]]
         summary = f"{run['variant']}: {len(flagged)} of {len(rows)} rows flagged"
         if ratios:
-            median = ratios[len(ratios) // 2]
+            summary += f"; error over floor: median {ratios[len(ratios) // 2]:.2g}"
             summary += (
-                f"; error over floor: median {median:.2g}, largest {ratios[-1]:.2g} "
-                "(rows not ≈0 in fp32)"
+                f", largest {max(large):.2g} among the {len(large)} errors of "
+                f"{FLAG_MINIMUM:g} or more"
+                if large
+                else f"; no error reaches {FLAG_MINIMUM:g}"
             )
+            summary += " (rows not ≈0 in fp32)"
         if flagged:
             named = ", ".join(f"{d['layer'] or '(no layer)'} {d['phase']}" for d in flagged[:5])
             summary += f". Flagged: {named}" + (" ..." if len(flagged) > 5 else "")
