@@ -255,9 +255,11 @@ def _plot_accuracy(ax: Any, report: dict[str, Any]) -> None:
         ax.annotate(verdict, point, textcoords="offset points", xytext=(8, 0), va="center")
     ax.axhline(base, color="tab:blue", lw=0.8, ls=":", label="fp32 (mean over seeds)")
     ax.set_xticks(range(len(runs)), [r["variant"] for r in runs])
+    ax.set_xlim(-0.5, len(runs) - 0.5 + 0.9)  # room for the last verdict, to its right
     ax.set(
         ylabel="test accuracy",
-        title="accuracy: each seed (grey); mean, 95% CI of the paired difference (blue)",
+        title="test accuracy: each seed (grey), the mean (blue)\n"
+        "and the 95% interval of its paired difference from fp32",
     )
     ax.legend(fontsize=8, loc="lower left")
 
