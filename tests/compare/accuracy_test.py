@@ -91,17 +91,43 @@ def test_thirty_losses_and_no_gains_on_1000_examples_is_worse():
     assert paired.discordant == ((30, 0),)
     assert paired.p_worse == pytest.approx(0.5**30)  # McNemar, one-sided
     assert paired.verdict == "worse"
-    _, high = paired.ci95  # 1.96 paired standard errors: sqrt(0.0291 / 1000)
-    assert high - paired.difference == pytest.approx(1.96 * (0.0291 / 1000) ** 0.5, rel=1e-3)
+    low, high = paired.interval  # all 30 discordant go fp32's way: p's bounds [0.905, 1]
+    q_low, q_high = stats.beta.ppf(0.05, 30, 971), stats.beta.ppf(0.95, 31, 970)
+    p_low = 0.05 ** (1 / 30)  # Clopper-Pearson, 30 of 30
+    assert low == pytest.approx(-q_high) and high == pytest.approx((1 - 2 * p_low) * q_low)
     assert high < 0
     assert paired.noise == ONE_SEED_NOISE
 
 
-def test_no_discordant_example_is_no_difference():
-    fp32 = np.array([True] * 60 + [False] * 40)
-    paired = paired_difference([fp32, fp32], [fp32, fp32])
+def test_no_discordant_example_is_no_difference_with_an_interval_of_the_unseen_rate():
+    fp32 = np.array([True] * 300 + [False] * 102)
+    paired = paired_difference([fp32], [fp32])
     assert paired.verdict == "no difference detected"
     assert paired.difference == 0.0 and paired.p_worse == 1.0
+    # none of 402 discordant: their rate is below 1 - 0.05 ** (1 / 402) = 0.0074 (95%)
+    assert paired.interval == pytest.approx((-(1 - 0.05 ** (1 / 402)), 1 - 0.05 ** (1 / 402)))
+    seeds = paired_difference([fp32, fp32], [fp32, fp32])
+    assert seeds.verdict == "no difference detected" and seeds.p_worse == 1.0
+
+
+@settings(max_examples=80, deadline=None)
+@given(paired_correctness(), st.integers(1, 3))
+@example((np.array([True] * 4 + [False] * 44), np.array([False] * 48)), 1)  # 4 to 0 of 48
+@example((np.array([True] * 4 + [False] * 44), np.array([False] * 48)), 2)  # the same twice
+@example((np.array([True] * 3), np.array([False] * 3)), 1)
+def test_the_interval_says_what_the_verdict_says(case, seeds):
+    """Worse exactly when the interval lies below 0, better exactly when above; the
+    difference inside it; several identical seeds no surer than one."""
+    fp32, variant = case
+    paired = paired_difference([fp32] * seeds, [variant] * seeds)
+    low, high = paired.interval
+    assert low <= paired.difference <= high
+    assert (paired.verdict == "worse") == (high < 0), paired
+    assert (paired.verdict == "better") == (low > 0), paired
+    if seeds > 1:  # copies of one seed are no evidence the one seed was not
+        one = paired_difference([fp32], [variant])
+        for verdict in ("worse", "better"):
+            assert paired.verdict != verdict or one.verdict == verdict, (paired, one)
 
 
 def _simulate(rng, seeds, n, deficit):
@@ -124,7 +150,7 @@ def test_verdicts_are_calibrated_and_find_a_real_loss(seeds):
     """On simulated runs whose truth is known: with no difference, "worse" comes up at
     most about as often as the level says (the several-seed test accounts for the
     training spread a one-seed McNemar test cannot, so it is the calibrated one); with a
-    real loss (about 9 points from 80%, seeds spread by about 2), it comes up."""
+    real loss (about 12 points from 80%, seeds spread by about 2), it comes up."""
     rng = np.random.default_rng(0)
     trials = 200
     null = [
@@ -134,7 +160,7 @@ def test_verdicts_are_calibrated_and_find_a_real_loss(seeds):
     if seeds > 1:
         assert np.mean(null) <= ALPHA + 0.04, np.mean(null)
     loss = [
-        paired_difference(*_simulate(rng, seeds, 500, 0.5)).verdict == "worse"
+        paired_difference(*_simulate(rng, seeds, 500, 0.7)).verdict == "worse"
         for _ in range(trials)
     ]
     assert np.mean(loss) >= 0.85, np.mean(loss)
@@ -170,19 +196,20 @@ def _runs(**correct):
 
 
 def test_verdicts_in_the_run_records():
-    fp32 = [[1] * 90 + [0] * 10, [1] * 88 + [0] * 12]
+    fp32 = [[1] * 90 + [0] * 10, [1] * 88 + [0] * 12, [1] * 91 + [0] * 9]
     worse = [[0] * 20 + [1] * 70 + [0] * 10, [0] * 20 + [1] * 68 + [0] * 12]
+    worse.append([0] * 18 + [1] * 73 + [0] * 9)
     runs = _runs(fp32=fp32, bf16=copy.deepcopy(fp32), fp16=worse)
     accuracy_against_fp32(runs)
     base, same, lost = runs
     assert base["accuracy_verdict"] == "baseline" and base["accuracy_vs_fp32"] is None
     assert same["accuracy_verdict"] == "no difference detected"
-    assert same["discordant"] == [[0, 0], [0, 0]]
+    assert same["discordant"] == [[0, 0], [0, 0], [0, 0]]
     assert lost["accuracy_verdict"] == "worse"
-    assert lost["accuracy_vs_fp32"] == pytest.approx(-0.20)
-    assert lost["discordant"] == [[20, 0], [20, 0]]
+    assert lost["accuracy_vs_fp32"] == pytest.approx(-0.58 / 3)
+    assert lost["discordant"] == [[20, 0], [20, 0], [18, 0]]
     assert lost["accuracy_noise_from"] == SEEDS_NOISE
-    assert lost["accuracy_ci95"][1] < 0
+    assert lost["accuracy_interval"][1] < 0
     with pytest.raises(ValueError, match="need the fp32 run, the baseline; variants: bf16"):
         accuracy_against_fp32(_runs(bf16=fp32))
 

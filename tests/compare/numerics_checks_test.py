@@ -158,3 +158,29 @@ def test_floors_need_no_16bit_arithmetic_and_flag_by_the_stated_rule():
     assert not row(0.009, 0.001, 0.0)["flagged"]  # under 1%: no fault to chase
     assert row(float("inf"), 0.01, 1e-7)["flagged"]  # not finite where the floor is
     assert not row(float("inf"), float("inf"), 1e-7)["flagged"]
+
+
+def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
+    """A float16 loss scale so small that the gradients underflow: each backward row loses
+    most of its size, and is flagged as such, though its floor is as high as a badly
+    conditioned model's; at an ordinary scale, none is."""
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    model = GatedNet(1.0)
+    params = model.init(jax.random.key(0), X)
+    loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
+    mixed = jaxamp.autocast(loss, "mixed_float16")
+    inputs = in_compare.input_sensitivity(loss, jnp.float16, params, X)
+    rounding = {k: 1.0 for k in inputs}  # a floor as high as a badly conditioned model's
+    for scale, flushed in ((2.0**-30, True), (1024.0, False)):
+        rows = in_compare.divergence(loss, mixed, params, X, loss_scale=scale)
+        rows = in_compare.with_floor(rows, jnp.float16, inputs, rounding)
+        backward = [d for d in rows if d["phase"] == "backward" and not d["near_zero"]]
+        assert backward, rows
+        for d in backward:
+            assert d["flagged"] == flushed, (scale, d)
+            if flushed:
+                assert d["fault"].endswith("of its size: flushed to zero"), d
+                assert d["size_ratio"] < 0.5, d
+            else:
+                assert d["fault"] is None and 0.9 < d["size_ratio"] < 1.1, d

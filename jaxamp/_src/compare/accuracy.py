@@ -12,14 +12,22 @@ comparison with fp32 is **paired**, twice over:
   differs too. With several seeds, the difference of each seed's pair is taken, and
   the mean difference is read against both noises at once: the seeds' spread of
   the paired differences and the test set's sampling error of the per-example
-  differences (averaged over seeds), their degrees of freedom combined by
-  Welch-Satterthwaite, in a t-test. With one seed the training spread is unknown,
-  and the report says so.
+  differences (averaged over seeds), in a t-test with the seeds' degrees of freedom
+  (``seeds - 1``, the fewer of the two terms': Welch-Satterthwaite's were found
+  overconfident with two seeds). Two or three seeds can show no spread by chance, so
+  the seeds' term is never taken below what the examples that flip within each seed
+  alone would give (the residual mean square of the two-way, seed x example, analysis
+  of variance, over the examples). The test is conservative, never optimistic: more
+  seeds make it sharper. With one seed the training spread is unknown, and the
+  report says so.
 
 The question is one-sided: is the variant worse than fp32 by more than the noise?
 A variant is ``"worse"`` when the one-sided p-value of that question is below
 ``ALPHA``, ``"better"`` when the p-value of the opposite question is, and
-``"no difference detected"`` otherwise.
+``"no difference detected"`` otherwise. The interval reported with it is the
+two-sided ``1 - 2 * ALPHA`` (90%) interval of the same test, each side a one-sided
+``1 - ALPHA`` bound: the verdict is "worse" exactly when the whole interval lies below
+0, "better" exactly when it lies above.
 """
 
 from __future__ import annotations
@@ -123,7 +131,8 @@ class PairedDifference:
 
     Attributes:
       difference: mean over seeds of (variant accuracy - fp32 accuracy).
-      ci95: two-sided 95% interval of the difference.
+      interval: the two-sided 90% interval of the difference, each side a one-sided 95%
+        bound from the same test as the verdict (``ALPHA`` on each side).
       p_worse: one-sided p-value of "the variant is worse than fp32".
       p_better: one-sided p-value of "the variant is better than fp32".
       test: the test the p-values come from.
@@ -134,7 +143,7 @@ class PairedDifference:
     """
 
     difference: float
-    ci95: tuple[float, float]
+    interval: tuple[float, float]
     p_worse: float
     p_better: float
     test: str
@@ -143,14 +152,17 @@ class PairedDifference:
     verdict: str
 
 
-ONE_SEED_TEST = "McNemar's exact test on the discordant test examples"
+ONE_SEED_TEST = (
+    "McNemar's exact test on the discordant test examples (its interval: Clopper-Pearson "
+    "bounds on the share of them going fp32's way and on their rate, combined)"
+)
 ONE_SEED_NOISE = (
     "test-set sampling, paired by example; not training's seed-to-seed spread, which one "
     "seed cannot measure (--seeds 3 measures it)"
 )
 SEEDS_TEST = (
     "t-test of the mean paired difference (seeds' spread and test-set sampling combined, "
-    "Welch-Satterthwaite degrees of freedom)"
+    "the seeds' degrees of freedom)"
 )
 SEEDS_NOISE = (
     "training's seed-to-seed spread, paired by seed, and test-set sampling, paired by example"
@@ -167,9 +179,8 @@ def paired_difference(
       variant_correct: the same for the variant, seeds and examples in the same order.
 
     Returns:
-      The ``PairedDifference``: with one seed, from McNemar's exact test (its
-      interval from the paired standard error); with several, from the t-test
-      described in this module's docstring.
+      The ``PairedDifference``: with one seed, from McNemar's exact test; with
+      several, from the t-test described in this module's docstring.
 
     Examples:
       >>> fp32 = [[True] * 60 + [False] * 40]
@@ -192,41 +203,62 @@ def paired_difference(
     per_example = (v.astype(np.float64) - f).mean(0)  # D_i, averaged over seeds
     per_seed = (v.astype(np.float64) - f).mean(1)  # d_s
     difference = float(per_seed.mean())
-    se_test2 = float(per_example.var(ddof=1)) / n if n > 1 else 0.0
-    if seeds == 1:
-        (test,) = tests
-        se = math.sqrt(se_test2)
-        p_worse, p_better = test.p_worse, test.p_better
-        half = float(stats.norm.ppf(0.975)) * se
-        name, noise = ONE_SEED_TEST, ONE_SEED_NOISE
-    else:
-        se_train2 = float(per_seed.var(ddof=1)) / seeds
-        se = math.sqrt(se_train2 + se_test2)
-        terms = se_train2**2 / (seeds - 1) + (se_test2**2 / (n - 1) if n > 1 else 0.0)
-        df = (se**4 / terms) if terms > 0 else float("inf")
-        if se > 0:
-            p_worse = float(stats.t.cdf(difference / se, df))
-            p_better = float(stats.t.sf(difference / se, df))
-        else:  # every seed and example the same: no noise, the sign decides
-            p_worse = 0.0 if difference < 0 else 1.0
-            p_better = 0.0 if difference > 0 else 1.0
-        half = float(stats.t.ppf(0.975, df)) * se
+    if seeds > 1:
+        deltas = v.astype(np.float64) - f
+        residual = deltas - per_seed[:, None] - per_example[None, :] + difference
+        flips = float(np.sum(residual**2)) / max((seeds - 1) * (n - 1), 1)  # within a seed
+        # the seeds' term: their spread, never below what the example flips within each
+        # seed alone would give (two or three seeds can show no spread by chance)
+        se_seeds2 = max(float(per_seed.var(ddof=1)), flips / n) / seeds
+        se_test2 = float(per_example.var(ddof=1)) / n if n > 1 else 0.0
+        se = math.sqrt(se_seeds2 + se_test2)
+    if seeds > 1 and se > 0:
+        df = seeds - 1  # the fewest of the two terms: conservative, never optimistic
+        p_worse = float(stats.t.cdf(difference / se, df))
+        p_better = float(stats.t.sf(difference / se, df))
+        half = float(stats.t.ppf(1.0 - ALPHA, df)) * se
+        interval = (difference - half, difference + half)
         name, noise = SEEDS_TEST, SEEDS_NOISE
+    else:  # one seed, or seeds with no spread to measure (every seed alike): the exact test
+        test = tests[0]
+        p_worse, p_better = test.p_worse, test.p_better
+        interval = _exact_interval(test.only_fp32, test.only_variant, n)
+        name, noise = ONE_SEED_TEST, ONE_SEED_NOISE
     verdict = "no difference detected"
     if p_worse < ALPHA:
         verdict = "worse"
     elif p_better < ALPHA:
         verdict = "better"
     return PairedDifference(
-        difference,
-        (difference - half, difference + half),
-        p_worse,
-        p_better,
-        name,
-        noise,
-        discordant,
-        verdict,
+        difference, interval, p_worse, p_better, name, noise, discordant, verdict
     )
+
+
+def _clopper_pearson(k: int, n: int) -> tuple[float, float]:
+    """One-sided ``1 - ALPHA`` lower and upper bounds of a binomial proportion, exact."""
+    from scipy import stats
+
+    low = 0.0 if k == 0 else float(stats.beta.ppf(ALPHA, k, n - k + 1))
+    high = 1.0 if k == n else float(stats.beta.ppf(1.0 - ALPHA, k + 1, n - k))
+    return low, high
+
+
+def _exact_interval(only_fp32: int, only_variant: int, n: int) -> tuple[float, float]:
+    """The interval of ``(only_variant - only_fp32) / n`` that matches McNemar's exact test.
+
+    The difference is ``q * (1 - 2 p)``: ``q`` the rate of discordant examples, ``p`` the
+    share of them going fp32's way. Each gets its exact one-sided bounds (Clopper-Pearson;
+    ``p`` of none discordant is anywhere in [0, 1]), and the interval spans their
+    corners. The upper end is below 0 exactly when ``p``'s lower bound is above one half,
+    which is when the exact test finds the variant worse (the same for better).
+    """
+    m = only_fp32 + only_variant
+    q_low, q_high = _clopper_pearson(m, n)
+    p_low, p_high = _clopper_pearson(only_fp32, m) if m else (0.0, 1.0)
+    low_slope, high_slope = 1.0 - 2.0 * p_high, 1.0 - 2.0 * p_low
+    low = low_slope * (q_high if low_slope < 0 else q_low)
+    high = high_slope * (q_high if high_slope > 0 else q_low)
+    return low, high
 
 
 def accuracy_against_fp32(runs: list[dict[str, Any]]) -> None:
@@ -257,7 +289,7 @@ def accuracy_against_fp32(runs: list[dict[str, Any]]) -> None:
         paired = paired_difference(baseline["test_correct_seeds"], r["test_correct_seeds"])
         r.update(
             accuracy_vs_fp32=paired.difference,
-            accuracy_ci95=list(paired.ci95),
+            accuracy_interval=list(paired.interval),
             accuracy_p_worse=paired.p_worse,
             accuracy_p_better=paired.p_better,
             accuracy_test=paired.test,

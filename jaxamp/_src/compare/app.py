@@ -124,8 +124,18 @@ class CompareConfig:
         rate = self.learning_rate
         if rate is not None and not (math.isfinite(rate) and rate > 0):
             raise OptionError(f"learning_rate must be a finite number > 0, got {rate}.")
-        if self.hidden % self.heads:
-            raise OptionError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}).")
+        if not 0 <= self.seed <= _MAX_SEED - self.seeds:
+            raise OptionError(
+                f"seed must be from 0 to {_MAX_SEED - self.seeds} (seeds seed to seed + "
+                f"seeds - 1 are run), got {self.seed}."
+            )
+        if self.vocab_size < 4 or self.seq_len < 2:
+            raise OptionError(
+                "vocab_size must be >= 4 (the tokenizer's special ids) and seq_len >= 2, "
+                f"got {self.vocab_size} and {self.seq_len}."
+            )
+        if self.model == "bert":
+            _check_heads(self)
         if self.variants is not None:
             _check_variants(self.variants)
         if self.data not in data_lib.DATA_SOURCES:
@@ -135,6 +145,15 @@ class CompareConfig:
                 f"batch_size {self.batch_size} exceeds the {self.train_examples} training "
                 "examples asked for (train_examples): no full batch to train on."
             )
+
+
+# Seeds feed NumPy's shuffling, which takes 32-bit seeds.
+_MAX_SEED = 2**31 - 1
+
+
+def _check_heads(config: CompareConfig) -> None:
+    if config.hidden % config.heads:
+        raise OptionError(f"hidden ({config.hidden}) must be divisible by heads ({config.heads}).")
 
 
 class OptionError(ValueError):
@@ -194,7 +213,9 @@ def check_options(config: CompareConfig, reason: str = "") -> None:
     ignored = [
         name
         for name, models in _MODEL_OPTIONS.items()
-        if config.model not in models and given[name] != getattr(defaults, name)
+        if config.model not in models
+        and given[name] != getattr(defaults, name)
+        and not (name == "bn_recalibration" and given[name] == 0)  # off: true of any model
     ]
     if ignored:
         applies = "; ".join(f"{n} applies to {', '.join(_MODEL_OPTIONS[n])}" for n in ignored)
@@ -203,6 +224,8 @@ def check_options(config: CompareConfig, reason: str = "") -> None:
             f"{', '.join(f'{n}={given[n]}' for n in ignored)} do(es) nothing for model "
             f"{config.model!r}{picked}: {applies}. Leave it out, or choose that model."
         )
+    if config.model == "bert":  # after auto: the heads of the BERT it picked
+        _check_heads(config)
 
 
 @dataclasses.dataclass
@@ -465,7 +488,8 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
     def reference(params, state, x, y):  # the unmodified model in true float32
         with jax.default_matmul_precision("highest"):
             logits, _ = task.apply(task.module, params, state, x, True, rng)
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+            wide = jnp.promote_types(logits.dtype, jnp.float32)  # float64 for the floor's run
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(wide), y)
             return loss.mean()
 
     args = (params, state, x, y)

@@ -78,7 +78,8 @@ def _what_to_compare(compare: argparse.ArgumentParser, defaults: CompareConfig) 
         "AMP on this machine (ResNet50 on a GPU or TPU, a BERT-shaped transformer on a CPU "
         f"with bf16 units, a ResNet18 of width {CPU_CONVNET['width']} on a CPU without bf16 "
         "units; the shape "
-        "options below that you set are kept) (default %(default)s)",
+        "options below that you set to other than their defaults are kept) "
+        "(default %(default)s)",
     )
     compare.add_argument(
         "--variants",
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "out")}
         try:  # every option, the output folder and the data checked before any work
-            if args.out:
+            if args.out is not None:
                 check_writable(args.out)
             config = CompareConfig(**fields)
             report = compare(config)

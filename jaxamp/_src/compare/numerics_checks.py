@@ -22,6 +22,9 @@ from jaxamp._src.policy import cast_floating
 # least FLAG_MINIMUM (an error below 1% is no fault to chase). Healthy variants of the
 # default models sit at 0.01-0.9 times their floor.
 FLAG_RATIO = 4.0
+# A value of ordinary size whose norm the variant shrinks below this fraction of fp32's
+# is flagged as flushed to zero (an underflow), whatever its floor.
+LOST_SIZE = 0.5
 FLAG_MINIMUM = 0.01
 
 
@@ -41,6 +44,7 @@ def divergence(
             "scale_error": r.scale_error,
             "cosine": r.cosine,
             "near_zero": r.near_zero,
+            "size_ratio": r.size_ratio,
         }
         for r in diff.layers
         if r.relative_error is not None
@@ -105,9 +109,13 @@ def with_floor(
     ``floor`` is the larger: the error the model's own conditioning accounts for. AMP
     rounds less than every operation (float32 accumulation; norms, softmax and the loss
     in float32), so its error sits at or below the floor where it does what it should.
-    A row is ``flagged`` when its error is not finite while the floor is (a range fault:
-    overflow, a NaN), or is at least ``FLAG_MINIMUM`` and more than ``FLAG_RATIO`` times
-    the floor.
+    A row is ``flagged``, with the ``fault`` that says why, when its value is not finite
+    while the floor is (overflow, a NaN), when the norm of a value of ordinary size
+    shrinks below ``LOST_SIZE`` of fp32's (an underflow), or when its error is at least
+    ``FLAG_MINIMUM`` and more than ``FLAG_RATIO`` times the floor. A policy that
+    computes in 16 bits what should stay in float32 raises the error toward the
+    floor, not above it, on a model whose floor is high: the ratio of error to floor
+    (0.01-0.9 on healthy runs) shows it before a flag does.
     """
     grow = float(jnp.finfo(dtype).eps / jnp.finfo(jnp.float32).eps)
     for row in rows:
@@ -116,7 +124,8 @@ def with_floor(
         row["floor_rounding"] = None if key not in rounding else rounding[key] * grow
         known = [f for f in (row["floor_inputs"], row["floor_rounding"]) if f is not None]
         row["floor"] = max(known) if known else None
-        row["flagged"] = _flagged(row["scale_error"], row["floor"])
+        row["fault"] = _fault(row)
+        row["flagged"] = row["fault"] is not None
     return rows
 
 
@@ -124,12 +133,23 @@ def _by_key(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
     return {(r["layer"], r["phase"]): r["scale_error"] for r in rows}
 
 
-def _flagged(error: float, floor: float | None) -> bool:
+def _fault(row: dict[str, Any]) -> str | None:
+    """Why a row with a floor is flagged, or ``None``: ``"not finite"`` where the floor is
+    finite; ``"lost ...% of its size"``, a value of fp32's ordinary size whose norm the
+    variant shrinks below ``LOST_SIZE`` of fp32's (an underflow no floor stands for:
+    rounding noise, however amplified, adds to a value's size, it does not erase it);
+    ``"above its floor"``."""
+    error, floor = row["scale_error"], row["floor"]
     if floor is None or not math.isfinite(floor):
-        return False
+        return None
     if not math.isfinite(error):
-        return True
-    return bool(error >= FLAG_MINIMUM and error > FLAG_RATIO * floor)
+        return "not finite"
+    size = row.get("size_ratio")
+    if not row.get("near_zero") and size is not None and size < LOST_SIZE:
+        return f"lost {1 - size:.0%} of its size: flushed to zero"
+    if error >= FLAG_MINIMUM and error > FLAG_RATIO * floor:
+        return "above its floor"
+    return None
 
 
 def first_step_taken(
@@ -246,7 +266,11 @@ _FLOOR = (
     "its error there is the model's sensitivity, not AMP's fault. AMP rounds less than "
     "every operation, so where it does what it should its error sits at or below the floor; "
     f"a row is flagged (⚠) when its error is at least {FLAG_MINIMUM:g} and more than "
-    f"{FLAG_RATIO:g} times its floor, or not finite where the floor is."
+    f"{FLAG_RATIO:g} times its floor, when it is not finite where the floor is, or when "
+    f"the variant shrinks a value of ordinary size below {LOST_SIZE:g} of fp32's norm (an "
+    "underflow: rounding noise adds to a value's size, it does not erase it). Where the "
+    "floor is high, a 16-bit computation of what should stay float32 raises the error "
+    "toward the floor rather than above it: the ratio of error to floor shows it first."
 )
 _SKIPPED = (
     "A float16 step whose gradients overflow at its loss scale is skipped in training and "
@@ -315,7 +339,9 @@ def _floor_lines(runs: list[dict[str, Any]]) -> list[str]:
             )
             summary += " (rows not ≈0 in fp32)"
         if flagged:
-            named = ", ".join(f"{d['layer'] or '(no layer)'} {d['phase']}" for d in flagged[:5])
+            named = ", ".join(
+                f"{d['layer'] or '(no layer)'} {d['phase']} ({d['fault']})" for d in flagged[:5]
+            )
             summary += f". Flagged: {named}" + (" ..." if len(flagged) > 5 else "")
         lines += ["", summary + "."]
     return lines

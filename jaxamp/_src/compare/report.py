@@ -32,7 +32,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("test_accuracy", "test acc", "{:.4f}"),
     ("test_accuracy_sd", "sd over seeds", "{:.4f}"),
     ("accuracy_vs_fp32", "vs fp32", "{:+.4f}"),
-    ("accuracy_ci95", "95% CI", "[{:+.4f}, {:+.4f}]"),
+    ("accuracy_interval", "90% interval", "[{:+.4f}, {:+.4f}]"),
     ("accuracy_p_worse", "p (worse)", "{:.2g}"),
     ("discordant", "only fp32 / only it right", "{}"),
     ("accuracy_verdict", "accuracy", "{}"),
@@ -144,7 +144,10 @@ def accuracy_lines(report: dict[str, Any]) -> list[str]:
             else "."
         )
         + f" The verdict asks one-sided whether the variant is worse than fp32 (p < {ALPHA:g}: "
-        f"worse; the opposite question's p < {ALPHA:g}: better; else no difference detected).",
+        f"worse; the opposite question's p < {ALPHA:g}: better; else no difference detected). "
+        f"The {100 * (1 - 2 * ALPHA):g}% interval of the difference comes from the same test, "
+        f"each side a one-sided {100 * (1 - ALPHA):g}% bound: worse exactly when it lies wholly "
+        "below 0, better exactly when wholly above.",
     ]
     if len(seeds) > 1:
         spread = report.get("fp32_seed_spread")
@@ -159,7 +162,7 @@ def accuracy_lines(report: dict[str, Any]) -> list[str]:
         )
     else:
         lines.append(
-            f"- Test: {ONE_SEED_TEST}; its interval from the paired standard error. It accounts "
+            f"- Test: {ONE_SEED_TEST}. It accounts "
             f"for {ONE_SEED_NOISE}: with one seed a difference it calls real may still be "
             "training's own spread, which fp32 shows against itself from another seed."
         )
@@ -241,7 +244,7 @@ def _plot_accuracy(ax: Any, report: dict[str, Any]) -> None:
     for i, r in enumerate(runs):
         seeds = r.get("test_accuracy_seeds") or [r["test_accuracy"]]
         ax.scatter([i] * len(seeds), seeds, color="tab:gray", s=12, zorder=3)
-        ci = r.get("accuracy_ci95")
+        ci = r.get("accuracy_interval")
         yerr = None
         if ci is not None:  # the interval of the difference, drawn around fp32 + difference
             yerr = [[r["accuracy_vs_fp32"] - ci[0]], [ci[1] - r["accuracy_vs_fp32"]]]
@@ -259,7 +262,7 @@ def _plot_accuracy(ax: Any, report: dict[str, Any]) -> None:
     ax.set(
         ylabel="test accuracy",
         title="test accuracy: each seed (grey), the mean (blue)\n"
-        "and the 95% interval of its paired difference from fp32",
+        "and the 90% interval of its paired difference from fp32",
     )
     ax.legend(fontsize=8, loc="lower left")
 
@@ -281,6 +284,8 @@ def check_writable(out: str | Path) -> None:
     Raises:
       OptionError: naming the folder and why it cannot be written.
     """
+    if not str(out).strip():
+        raise OptionError("--out is empty; give the folder to write the report to.")
     out = Path(out)
     probe = out / ".jaxamp-write-check"
     try:

@@ -45,6 +45,9 @@ class LayerDiff:
         not finite or not comparable.
       near_zero: the float32 value's RMS is at most ``NEAR_ZERO`` times the typical
         (exact zeros included): its relative error says nothing.
+      size_ratio: ``||amp|| / ||fp32||``: below 1 by much, the policy's value lost size
+        (elements flushed to zero); ``None`` when fp32's is zero, either is not finite,
+        or they are not comparable.
     """
 
     layer: str
@@ -54,6 +57,7 @@ class LayerDiff:
     scale_error: float | None = None
     cosine: float | None = None
     near_zero: bool = False
+    size_ratio: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +125,7 @@ class _Pair:
     diff_norm: float | None  # None: not comparable; inf: the policy's value not finite
     cosine: float | None
     size: int
+    amp_norm: float | None = None
 
 
 def _pair(layer: str, phase: str, amp: Any | None, ref: Any) -> _Pair:
@@ -136,7 +141,8 @@ def _pair(layer: str, phase: str, amp: Any | None, ref: Any) -> _Pair:
     cosine = None
     if ref_norm > 0 and amp_norm > 0:
         cosine = float(np.clip(np.vdot(a, r) / (amp_norm * ref_norm), -1.0, 1.0))
-    return _Pair(layer, phase, shape, ref_norm, float(np.linalg.norm(a - r)), cosine, r.size)
+    diff_norm = float(np.linalg.norm(a - r))
+    return _Pair(layer, phase, shape, ref_norm, diff_norm, cosine, r.size, amp_norm)
 
 
 def _layer_diffs(pairs: list[_Pair]) -> list[LayerDiff]:
@@ -158,7 +164,16 @@ def _layer_diffs(pairs: list[_Pair]) -> list[LayerDiff]:
             relative = _ratio(p.diff_norm, p.ref_norm)
             scaled = _ratio(p.diff_norm, max(p.ref_norm, floor))
         rows.append(
-            LayerDiff(p.layer, p.phase, relative, p.shape, scaled, p.cosine, bool(near_zero))
+            LayerDiff(
+                p.layer,
+                p.phase,
+                relative,
+                p.shape,
+                scaled,
+                p.cosine,
+                bool(near_zero),
+                None if p.amp_norm is None or p.ref_norm == 0 else p.amp_norm / p.ref_norm,
+            )
         )
     return rows
 
