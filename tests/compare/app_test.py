@@ -311,7 +311,7 @@ def test_default_variants_and_config_errors():
     with pytest.raises(ValueError, match="epochs must be >= 1"):
         CompareConfig(epochs=0)
     with pytest.raises(ValueError, match="divisible"):
-        CompareConfig(hidden=100, heads=12)
+        CompareConfig(model="bert", hidden=100, heads=12)
     with pytest.raises(ValueError, match="Unknown data source"):
         CompareConfig(data="web")
     with pytest.raises(ValueError, match="batch_size 128 exceeds the 64"):
@@ -338,6 +338,11 @@ def test_default_variants_and_config_errors():
         ({"learning_rate": float("inf")}, "learning_rate must be a finite number > 0, got inf"),
         ({"test_examples": 0}, "test_examples must be >= 1 or None"),
         ({"train_examples": 16, "batch_size": 32}, "batch_size 32 exceeds the 16 training"),
+        ({"seed": -1}, "seed must be from 0 to 2147483646"),
+        ({"seed": 10**20}, "are run), got 100000000000000000000."),
+        ({"seed": 2**31 - 2, "seeds": 3}, "seed must be from 0 to 2147483644"),
+        ({"vocab_size": 3}, "vocab_size must be >= 4"),
+        ({"seq_len": 1}, "and seq_len >= 2, got 30522 and 1"),
     ],
 )
 def test_options_that_cannot_run_are_refused_when_given(options, message):
@@ -365,6 +370,7 @@ def _no_work(monkeypatch):
         ({"model": "resnet50", "seq_len": 32}, "seq_len applies to bert"),
         ({"model": "bert", "width": 16}, "width=16 do(es) nothing for model 'bert'"),
         ({"model": "bert", "bn_recalibration": 5}, "bn_recalibration applies to resnet50"),
+        ({"model": "resnet18", "hidden": 30}, "hidden=30 do(es) nothing for model 'resnet18'"),
     ],
 )
 def test_options_of_another_model_are_refused_before_any_work(options, message, monkeypatch):
@@ -384,6 +390,21 @@ def test_options_of_the_model_auto_did_not_pick_are_refused(units, monkeypatch):
     other = {"width": 16} if units else {"heads": 4}
     with pytest.raises(OptionError, match=r"nothing for model '\w+' \(auto: "):
         compare(CompareConfig(data="embedded", **other), log=lambda _: None)
+
+
+def test_options_that_ask_for_nothing_are_accepted_on_any_model(monkeypatch):
+    """Recalibration off is true of a model without BatchNorm; the options ``auto`` sets
+    from its shapes are not the user's."""
+    from jaxamp._src.compare.app import check_options
+
+    check_options(CompareConfig(model="bert", bn_recalibration=0))
+    check_options(CompareConfig(model="resnet18", bn_recalibration=0))
+    from jaxamp._src import backend
+    from jaxamp._src.compare.choice import choose_model
+
+    for flags in ({"avx2"}, {"avx2", "avx512_bf16"}):
+        monkeypatch.setattr(backend, "cpu_info", lambda flags=flags: ("a CPU", flags))
+        check_options(*choose_model(CompareConfig()))
 
 
 def test_a_batch_larger_than_the_data_and_data_that_cannot_be_had_are_refused(monkeypatch):

@@ -138,6 +138,8 @@ def test_an_unwritable_out_is_refused_before_the_run(tmp_path, monkeypatch, caps
         assert main(["compare", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--out '{out}' cannot be written" in err, err
+    assert main(["compare", "--out", ""]) == 2  # an empty --out would write nothing
+    assert "--out is empty" in capsys.readouterr().err
     writable = tmp_path / "new" / "report"
     monkeypatch.setattr(
         "jaxamp._src.compare.cli.compare",
@@ -158,6 +160,10 @@ def test_an_unwritable_out_is_refused_before_the_run(tmp_path, monkeypatch, caps
         (["--learning-rate", "0"], "learning_rate must be a finite number > 0, got 0.0"),
         (["--model", "resnet18", "--heads", "4"], "heads=4 do(es) nothing for model 'resnet18'"),
         (["--train-examples", "8", "--batch-size", "32"], "batch_size 32 exceeds the 8"),
+        (["--seed", "-1"], "seed must be from 0 to"),
+        (["--seed", "99999999999999999999"], "seed must be from 0 to"),
+        (["--model", "bert", "--vocab-size", "3"], "vocab_size must be >= 4"),
+        (["--model", "resnet18", "--hidden", "30"], "hidden=30 do(es) nothing"),
     ],
 )
 def test_options_that_cannot_run_print_one_line_and_exit_2(argv, message, monkeypatch, capsys):
