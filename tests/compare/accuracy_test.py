@@ -243,3 +243,23 @@ def test_merge_seeds():
     assert bf16["step_time_median_s"] == 2.0 and fp32["step_time_median_s"] == 4.0
     assert bf16["speedup_vs_fp32"] == pytest.approx(2.0)
     assert merged["fp32_seed_spread"] == pytest.approx((0.25 + 0.25 + 0.5) / 3)
+
+
+def test_the_report_names_the_test_each_verdict_came_from():
+    """Seeds whose paired differences are all alike leave no spread to measure: the exact
+    test on the first seed decides, and the report says that test, not the seeds' one."""
+    from jaxamp._src.compare.accuracy import ALIKE_NOISE, ONE_SEED_TEST, SEEDS_TEST
+    from jaxamp._src.compare.report import accuracy_lines
+
+    fp32 = [[1] * 40 + [0] * 8] * 2
+    alike = _runs(fp32=fp32, bf16=copy.deepcopy(fp32))
+    varied = [[0] * 3 + [1] * 37 + [0] * 8, [0] * 1 + [1] * 39 + [0] * 8]
+    runs = [*alike, _runs(fp32=fp32, fp16=varied)[1]]
+    accuracy_against_fp32(runs)
+    report = {"runs": runs, "seeds": [0, 1], "config": {}, "dataset": {"test_examples": 48}}
+    text = "\n".join(accuracy_lines(report))
+    assert (
+        runs[1]["accuracy_test"] == ONE_SEED_TEST and runs[1]["accuracy_noise_from"] == ALIKE_NOISE
+    )
+    assert f"Test (bf16): {ONE_SEED_TEST}. It accounts for {ALIKE_NOISE}." in text, text
+    assert f"Test (fp16): {SEEDS_TEST}. It accounts for {SEEDS_NOISE}." in text, text

@@ -20,7 +20,7 @@ from jaxamp._src.policy import cast_floating
 # A layer is flagged when the variant's error exceeds FLAG_RATIO times its floor (the
 # error the float32 model's own conditioning accounts for: see ``with_floor``) and is at
 # least FLAG_MINIMUM (an error below 1% is no fault to chase). Healthy variants of the
-# default models sit at 0.01-0.9 times their floor.
+# default models sit at or below 0.9 times their floor.
 FLAG_RATIO = 4.0
 # A value of ordinary size whose norm the variant shrinks below this fraction of fp32's
 # is flagged as flushed to zero (an underflow), whatever its floor.
@@ -115,7 +115,7 @@ def with_floor(
     ``FLAG_MINIMUM`` and more than ``FLAG_RATIO`` times the floor. A policy that
     computes in 16 bits what should stay in float32 raises the error toward the
     floor, not above it, on a model whose floor is high: the ratio of error to floor
-    (0.01-0.9 on healthy runs) shows it before a flag does.
+    (at most 0.9 on the healthy default runs) shows it before a flag does.
     """
     grow = float(jnp.finfo(dtype).eps / jnp.finfo(jnp.float32).eps)
     for row in rows:
@@ -330,14 +330,16 @@ def _floor_lines(runs: list[dict[str, Any]]) -> list[str]:
         flagged = [d for d in rows if d["flagged"]]
         summary = f"{run['variant']}: {len(flagged)} of {len(rows)} rows flagged"
         if ratios:
-            summary += f"; error over floor: median {ratios[len(ratios) // 2]:.2g}"
+            summary += (
+                f"; error over floor: median {ratios[len(ratios) // 2]:.2g} over the "
+                f"{len(ratios)} rows not ≈0 in fp32"
+            )
             summary += (
                 f", largest {max(large):.2g} among the {len(large)} errors of "
                 f"{FLAG_MINIMUM:g} or more"
                 if large
                 else f"; no error reaches {FLAG_MINIMUM:g}"
             )
-            summary += " (rows not ≈0 in fp32)"
         if flagged:
             named = ", ".join(
                 f"{d['layer'] or '(no layer)'} {d['phase']} ({d['fault']})" for d in flagged[:5]

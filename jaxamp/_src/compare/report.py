@@ -7,13 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxamp._src.compare import numerics_checks
-from jaxamp._src.compare.accuracy import (
-    ALPHA,
-    ONE_SEED_NOISE,
-    ONE_SEED_TEST,
-    SEEDS_NOISE,
-    SEEDS_TEST,
-)
+from jaxamp._src.compare.accuracy import ALPHA, ONE_SEED_NOISE
 from jaxamp._src.compare.app import OptionError
 from jaxamp._src.compare.environment import describe_hardware
 
@@ -149,22 +143,30 @@ def accuracy_lines(report: dict[str, Any]) -> list[str]:
         f"each side a one-sided {100 * (1 - ALPHA):g}% bound: worse exactly when it lies wholly "
         "below 0, better exactly when wholly above.",
     ]
-    if len(seeds) > 1:
-        spread = report.get("fp32_seed_spread")
-        lines.append(
-            f"- Test: {SEEDS_TEST}. It accounts for {SEEDS_NOISE}. "
-            + (
-                f"fp32 against fp32 of another seed differs by {spread:.4f} on average. "
-                if spread is not None
-                else ""
+    tests: dict[tuple[str, str], list[str]] = {}
+    for r in report["runs"]:
+        if r.get("accuracy_test"):
+            tests.setdefault((r["accuracy_test"], r["accuracy_noise_from"]), []).append(
+                r["variant"]
             )
-            + "Final loss, precision, recall, F1, memory and the curves are the first seed's."
-        )
-    else:
+    for (test, noise), variants in tests.items():
+        line = f"- Test ({', '.join(variants)}): {test}. It accounts for {noise}."
+        if noise == ONE_SEED_NOISE:
+            line += (
+                " With one seed a difference it calls real may still be training's own "
+                "spread, which fp32 shows against itself from another seed."
+            )
+        lines.append(line)
+    spread = report.get("fp32_seed_spread")
+    if len(seeds) > 1:
         lines.append(
-            f"- Test: {ONE_SEED_TEST}. It accounts "
-            f"for {ONE_SEED_NOISE}: with one seed a difference it calls real may still be "
-            "training's own spread, which fp32 shows against itself from another seed."
+            (
+                f"- fp32 against fp32 of another seed differs by {spread:.4f} on average. "
+                if spread is not None
+                else "- "
+            )
+            + "Final loss, precision, recall, F1, memory, compile and epoch times and the "
+            "curves are the first seed's; step time is the median of the seeds' medians."
         )
     return lines
 
