@@ -504,7 +504,9 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             scale = taken["initial"] if taken["used"] is None else taken["used"]
         dtype = np.dtype(run.variant.policy.compute_dtype)
         rows = numerics_checks.divergence(reference, run.loss_fn(rng), *args, loss_scale=scale)
-        if is_16bit(dtype):  # a float32 variant has no 16-bit rounding to put a floor under
+        taken = run.divergence_loss_scale
+        finite = taken is None or taken["loss_finite"]  # a loss no scale makes finite: no floor
+        if is_16bit(dtype) and finite:  # float32 has no 16-bit rounding to put a floor under
             if "float64" not in floors:
                 floors["float64"] = numerics_checks.rounding_error(reference, *args)
             if dtype not in floors:
