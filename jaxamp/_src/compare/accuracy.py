@@ -206,11 +206,11 @@ def paired_difference(
     seeds, n = f.shape
     tests = [mcnemar(a, b) for a, b in zip(f, v, strict=True)]
     discordant = tuple((t.only_fp32, t.only_variant) for t in tests)
-    per_example = (v.astype(np.float64) - f).mean(0)  # D_i, averaged over seeds
-    per_seed = (v.astype(np.float64) - f).mean(1)  # d_s
+    deltas = v.astype(np.float64) - f  # per seed and example: -1, 0 or 1
+    per_example = deltas.mean(0)  # D_i, averaged over seeds
+    per_seed = deltas.mean(1)  # d_s
     difference = float(per_seed.mean())
     if seeds > 1:
-        deltas = v.astype(np.float64) - f
         residual = deltas - per_seed[:, None] - per_example[None, :] + difference
         flips = float(np.sum(residual**2)) / max((seeds - 1) * (n - 1), 1)  # within a seed
         # the seeds' term: their spread, never below what the example flips within each
