@@ -66,3 +66,33 @@ def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
     if isinstance(jaxpr, jex.core.ClosedJaxpr):
         return jaxpr.jaxpr, jaxpr.consts
     return jaxpr, ()
+
+
+def _sub_jaxpr(eqn: Any) -> Any:
+    """The jaxpr an equation calls with its own inputs (``pjit``, ``closed_call``,
+    ``remat``, ``custom_jvp_call``...), or ``None``."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(name)
+        if sub is not None and hasattr(open_jaxpr(sub)[0], "eqns"):
+            inner = open_jaxpr(sub)[0]
+            if len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+                return inner
+    return None
+
+
+def depends_on_inputs(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
+    """Per output of ``jaxpr``, whether its value is computed from an input marked in
+    ``inputs`` (data dependence, through called jaxprs; any other equation with a
+    marked input marks all its outputs). A constant, or an array built from shapes
+    alone (``jnp.zeros_like(x)``), depends on nothing."""
+    jaxpr = open_jaxpr(jaxpr)[0]
+    marked = {v for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
+    is_var = lambda v: isinstance(v, jex.core.Var)
+    for eqn in jaxpr.eqns:
+        flags = [is_var(v) and v in marked for v in eqn.invars]
+        if not any(flags):
+            continue
+        sub = _sub_jaxpr(eqn)
+        outs = depends_on_inputs(sub, flags) if sub is not None else [True] * len(eqn.outvars)
+        marked.update(v for v, m in zip(eqn.outvars, outs, strict=True) if m)
+    return [is_var(v) and v in marked for v in jaxpr.outvars]

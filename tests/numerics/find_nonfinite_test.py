@@ -252,3 +252,20 @@ def test_find_nonfinite_under_a_policy_finds_the_16_bit_overflow():
     assert fault.primitive == "amp_dot_general"  # the matmul rule's GEMM
     bf16 = jaxamp.find_nonfinite(_overflowing_in_float16, policy="mixed_bfloat16")(w, x)
     assert bf16 is None
+
+
+def test_a_zero_scale_in_an_optimizer_state_is_named_by_its_value():
+    """The message printed the whole optimizer state (2,222 characters) and never the
+    value: it now gives the value and says where it came from, for each tool."""
+    params = {"w": jnp.ones((64, 64))}
+    state = jaxamp.loss_scaled(optax.adam(1e-3)).init(params)
+    zero = state._replace(loss_scale=state.loss_scale._replace(scale=jnp.float32(0.0)))
+    loss = lambda p, x: jnp.sum(x @ p["w"])
+    for tool in (
+        lambda: jaxamp.find_nonfinite(loss, loss_scale=zero),
+        lambda: jaxamp.range_report(loss, loss_scale=zero),
+        lambda: jaxamp.numerics_diff(loss, "mixed_float16", loss_scale=zero),
+    ):
+        with pytest.raises(ValueError, match=r"got 0\.0 \(the scale of") as info:
+            tool()(params, jnp.ones((2, 64)))
+        assert len(str(info.value)) < 200

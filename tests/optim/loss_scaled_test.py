@@ -325,12 +325,49 @@ def test_scale_history_records_the_scale_after_each_step():
     np.testing.assert_array_equal(jaxamp.optim.scale_history(state), [8.0, 4.0, 2.0, 1.0])
 
 
-def test_noop_scale_with_bfloat16():
-    params = params_of(jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_noop_scale_with_16bit_params_lands_on_the_rounded_float32_step(dtype):
+    params = params_of(dtype)
     tx = jaxamp.loss_scaled(optax.sgd(0.5), NoOpLossScale())
     state = tx.init(params)
-    updates, state = tx.update(jax.grad(quadratic)(params), state, params)
-    np.testing.assert_allclose(updates["b"], -jnp.ones(4))
+    grads = jax.grad(quadratic)(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    landed = optax.apply_updates(params, updates)
+    for name in ("w", "b"):
+        p32 = params[name].astype(jnp.float32)
+        want = p32 - 0.5 * grads[name].astype(jnp.float32)  # float32 sgd on the true grads
+        np.testing.assert_array_equal(state.master_params[name], want)
+        np.testing.assert_array_equal(landed[name], want.astype(dtype))
+        assert landed[name].dtype == dtype
+
+
+def rosenbrock(x):
+    return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2)
+
+
+def test_line_search_gets_the_unscaled_gradient():
+    """optax.lbfgs's zoom line search takes the gradient again as ``grad=``: it was passed
+    on scaled, and the run went elsewhere (2e-2 off after 8 steps). It now tracks optax."""
+    x0 = jnp.array([-1.2, 1.0, 0.5])
+
+    def run(tx, scaled):
+        @jax.jit
+        def step(x, state):
+            if scaled:
+                value, grad = jaxamp.value_and_grad(rosenbrock)(x, opt_state=state)
+            else:
+                value, grad = jax.value_and_grad(rosenbrock)(x)
+            updates, state = tx.update(grad, state, x, value=value, grad=grad, value_fn=rosenbrock)
+            return optax.apply_updates(x, updates), state
+
+        x, state = x0, tx.init(x0)
+        for _ in range(8):
+            x, state = step(x, state)
+        return x
+
+    want = run(optax.lbfgs(), scaled=False)
+    got = run(jaxamp.loss_scaled(optax.lbfgs(), StaticLossScale(1024.0)), scaled=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_extra_args_reach_the_inner_transformation():

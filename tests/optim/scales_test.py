@@ -242,3 +242,16 @@ def test_trajectory_equals_torch_gradscaler_on_any_sequence(sequence, init_scale
     torch = pytest.importorskip("torch")
     rule = DynamicLossScale(init_scale=init_scale, growth_interval=growth_interval)
     assert run(rule, sequence) == _torch_scales(torch, sequence, init_scale, growth_interval)
+
+
+def test_long_overflow_runs_stop_at_the_smallest_normal_scale_and_grow_back():
+    """GradScaler halves through the subnormals; XLA:CPU flushes them to 0, and a scale of
+    0 never grew back (after 143 overflows from 2**16). jaxamp stops at 2**-126."""
+    rule = DynamicLossScale(growth_interval=1)
+    scales = run(rule, [False] * 200 + [True, True])
+    tiny = float(jnp.finfo(jnp.float32).tiny)
+    assert scales[141] == 2.0**-126 == tiny  # GradScaler's reference, up to here
+    assert scales[141:200] == [tiny] * 59
+    assert scales[200:] == [2 * tiny, 4 * tiny]
+    reference = gradscaler_reference([False] * 142, 2.0**16, 2.0, 0.5, 1)
+    assert scales[:142] == reference

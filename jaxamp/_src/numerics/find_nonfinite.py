@@ -321,11 +321,12 @@ def scale_of(loss_scale: Any) -> float | None:
     if isinstance(loss_scale, (int, float, np.number)) or (
         hasattr(loss_scale, "shape") and np.shape(loss_scale) == ()
     ):
-        value = float(loss_scale)
+        value, source = float(loss_scale), ""
     else:
         value = float(get_loss_scale(loss_scale))
+        source = " (the scale of the jaxamp.loss_scaled optimizer state given)"
     if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"loss_scale must be a positive, finite number, got {loss_scale!r}.")
+        raise ValueError(f"loss_scale must be a positive, finite number, got {value!r}{source}.")
     return value
 
 

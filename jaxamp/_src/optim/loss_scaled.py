@@ -244,7 +244,13 @@ def loss_scaled(
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
-      ``update`` are passed to ``inner``.
+      ``update`` are passed to ``inner``, ``grad=`` (the gradient optax's line
+      searches take, as ``optax.lbfgs`` does) unscaled as the updates are; ``value=``
+      is the loss unscaled, as ``jaxamp.value_and_grad`` returns it.
+
+    ``loss_scaled`` must be the whole optimizer: everything that sees gradients or
+    changes updates goes inside it (see ``jaxamp.optim.find_loss_scaled_state``, which
+    ``scale_loss`` and ``value_and_grad`` call, and which refuses any other order).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -358,6 +364,11 @@ def _update(
     inv_scale = 1.0 / state.loss_scale.scale
     finite, nonfinite_grads = _check_finite(config, updates, state, inv_scale)
     grads = jax.tree.map(lambda g: _unscale(g, inv_scale), updates)
+    if extra_args.get("grad") is not None:  # optax's line searches take the gradient again
+        extra_args = {
+            **extra_args,
+            "grad": jax.tree.map(lambda g: _unscale(g, inv_scale), extra_args["grad"]),
+        }
     new_updates, inner_state, master, compensation = _apply_or_skip(
         config, finite, grads, state, params, extra_args
     )

@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import optax
 
-from jaxamp._src.dtypes import is_floating_array
 from jaxamp._src.optim.loss_scaled import LossScaledState
 
 
@@ -79,107 +78,122 @@ def _loss_scaled_states(tree: Any) -> list[LossScaledState]:
     return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
 
 
-def _check_not_inside_multi_steps(opt_state: Any) -> None:
-    """``optax.MultiSteps(jaxamp.loss_scaled(...))`` never recovers from an overflow:
-    MultiSteps accumulates the scaled gradients itself, and resets its accumulator with
-    ``(1 - emit) * acc``, which leaves an inf or NaN in place (0 * inf is NaN); its
-    ``should_skip_update_fn`` skips without the scaler seeing the overflow, so the
-    scale never backs off. The other order accumulates only finite, unscaled steps."""
-    is_multi = lambda x: isinstance(x, optax.MultiStepsState)
-    for node in jax.tree.leaves(opt_state, is_leaf=is_multi):
-        if is_multi(node) and _loss_scaled_states(node.inner_opt_state):
-            raise ValueError(
-                "jaxamp.loss_scaled is inside optax.MultiSteps: MultiSteps accumulates the "
-                "scaled gradients, and after one overflow its accumulator stays NaN (it "
-                "resets it with (1 - emit) * acc, and 0 * inf is NaN), so training stops "
-                "for good. Put the loss scaling outside: "
-                "jaxamp.loss_scaled(optax.MultiSteps(inner, every_k_schedule=k))."
-            )
-
-
-def _children(node: Any) -> list[Any]:
-    """The pytree children of ``node`` (one level down)."""
-    return jax.tree_util.tree_flatten(node, is_leaf=lambda x: x is not node)[0]
-
-
 def _is_variable(x: Any) -> bool:
     return x is not None and hasattr(x, "get_value")
 
 
-def _gradient_statistics(state: Any) -> str | None:
-    """What in ``state`` keeps statistics of the gradients its transformation sees (a
-    gradient accumulator, or a floating array that is not a scalar: Adam's moments, an
-    EMA), for messages; ``None`` if nothing does (stateless transformations, counts,
-    scalar hyperparameters)."""
-    accumulators = (optax.MultiStepsState, optax.ApplyEvery)
-    is_accumulator = lambda x: isinstance(x, accumulators)
-    found = jax.tree_util.tree_flatten_with_path(
-        hide_never_cast(jax.tree.map(_value, state, is_leaf=_is_variable)),
-        is_leaf=is_accumulator,
-    )[0]
-    for path, leaf in found:
-        if is_accumulator(leaf):
-            at = f" at {jax.tree_util.keystr(path)} of its state" if path else ""
-            return f"a gradient accumulator (an optax.{type(leaf).__name__}{at})"
-    for path, leaf in found:
-        if is_floating_array(leaf) and leaf.ndim >= 1:
-            return (
-                "a transformation with statistics of the gradients (the array at "
-                f"{jax.tree_util.keystr(path)} of its state)"
-            )
-    return None
+# Wrappers that pass gradients, updates and params through unchanged, whose state keeps
+# the wrapped state in ``inner_state``: ``loss_scaled`` may sit inside them.
+_TRANSPARENT_NAMES = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
+_TRANSPARENT = tuple(
+    getattr(optax, name)
+    for name in _TRANSPARENT_NAMES
+    if isinstance(getattr(optax, name, None), type)
+)
+
+_OUTERMOST = (
+    "Make jaxamp.loss_scaled the whole optimizer, around everything else, e.g. "
+    "jaxamp.loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))) "
+    "or jaxamp.loss_scaled(optax.multi_transform({...}, labels))."
+)
 
 
-def _check_not_after_gradient_statistics(opt_state: Any) -> None:
-    """A transformation ahead of ``loss_scaled`` in a chain sees the scaled gradients.
-    One that keeps statistics of them (``optax.apply_every``'s accumulator, Adam's
-    moments) takes in the inf or NaN of an overflow and keeps it for good (an
-    accumulator resets with ``0 * acc``, a moment decays it but never drops it), while
-    the scaler skips every step after and halves the scale forever."""
-    node = opt_state
-    while not isinstance(node, LossScaledState):
-        children = list(node) if type(node) in (tuple, list) else _children(node)
-        index = next(i for i, child in enumerate(children) if _loss_scaled_states(child))
-        if type(node) in (tuple, list):  # an optax.chain's state: earlier ones run first
-            for i, earlier in enumerate(children[:index]):
-                what = _gradient_statistics(earlier)
-                if what is not None:
-                    raise ValueError(
-                        f"Transformation {i} of an optax.chain, ahead of jaxamp.loss_scaled "
-                        f"(transformation {index}), is {what}: it sees the scaled "
-                        "gradients, and after one overflow its state holds an inf or NaN "
-                        "for good, while every later step is skipped and the loss scale "
-                        "halves forever. Put the loss scaling outermost, around everything "
-                        "that sees gradients: jaxamp.loss_scaled(optax.chain(...)), e.g. "
-                        "jaxamp.loss_scaled(optax.chain(optax.apply_every(k), inner))."
-                    )
-        node = children[index]
+# What users call the transformations whose states may hold a loss-scaled state.
+_WRAPPER_NAMES = {
+    "PartitionState": "optax.multi_transform (optax.partition)",
+    "MultiTransformState": "optax.multi_transform",
+    "MaskedState": "optax.masked",
+    "LookaheadState": "optax.lookahead",
+    "SAMState": "optax.contrib.sam",
+    "ScheduleFreeState": "optax.contrib.schedule_free",
+}
+
+
+def _why_not(wrapper: Any, where: str) -> str:
+    """Why ``loss_scaled`` cannot sit inside ``wrapper`` (found at ``where`` of the
+    optimizer state), and the order that works."""
+    if isinstance(wrapper, optax.MultiStepsState):
+        return (
+            "jaxamp.loss_scaled is inside optax.MultiSteps: MultiSteps accumulates the "
+            "scaled gradients, and after one overflow its accumulator stays NaN (it "
+            "resets it with (1 - emit) * acc, and 0 * inf is NaN), so training stops "
+            "for good. Put the loss scaling outside: "
+            "jaxamp.loss_scaled(optax.MultiSteps(inner, every_k_schedule=k))."
+        )
+    kind = type(wrapper).__name__
+    if kind == "StateDtypeState":
+        return (
+            "jaxamp.loss_scaled is inside jaxamp.with_state_dtype, which would store its "
+            "float32 master copy of 16-bit params in 16 bits. Put with_state_dtype inside: "
+            "jaxamp.loss_scaled(jaxamp.with_state_dtype(inner, dtype))."
+        )
+    if kind == "ApplyIfFiniteState":
+        return (
+            "jaxamp.loss_scaled is inside optax.apply_if_finite, which skips non-finite "
+            "steps without the loss scale seeing them, so the scale never backs off. "
+            "loss_scaled skips non-finite steps itself: use jaxamp.loss_scaled(inner), or "
+            "jaxamp.loss_scaled(optax.apply_if_finite(inner, n)) to also count them."
+        )
+    if isinstance(wrapper, (tuple, list)) and not hasattr(wrapper, "_fields"):
+        what = f"an optax.chain (at {where} of its state)"
+    elif isinstance(wrapper, dict):
+        what = f"an optax.named_chain or a dict of states (at {where} of its state)"
+    else:
+        name = _WRAPPER_NAMES.get(kind, f"{type(wrapper).__module__.split('.')[0]}.{kind}")
+        what = f"{name} (at {where} of its state)"
+    return (
+        f"jaxamp.loss_scaled is inside {what}. Only the transformations inside "
+        "loss_scaled see true gradients: one ahead of it or beside it sees the scaled "
+        "gradients (a clip ahead of it clips gradients 65536 times too large, a param "
+        "group beside it takes them as they are), and one after it changes the updates "
+        "that land 16-bit params on their float32 master. " + _OUTERMOST
+    )
+
+
+def _check_outermost(opt_state: Any) -> None:
+    """Raises unless the ``LossScaledState`` is the whole state, or sits only inside
+    transparent wrappers (``optax.inject_hyperparams``)."""
+    node, path = opt_state, []
+    while isinstance(node, _TRANSPARENT) and not isinstance(node, LossScaledState):
+        path.append(jax.tree_util.GetAttrKey("inner_state"))
+        node = node.inner_state
+    if isinstance(node, LossScaledState):
+        return
+    where = jax.tree_util.keystr(tuple(path)) or "the top"
+    raise ValueError(_why_not(node, where))
 
 
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
-    """Finds the ``LossScaledState`` inside an optimizer state.
+    """Finds the ``LossScaledState`` of a loss-scaled optimizer.
 
-    Looks through any nesting: ``optax.chain``, ``optax.inject_hyperparams``,
-    ``optax.multi_transform``, tuples, dicts, and ``nnx.Optimizer`` (pass the
-    optimizer or its ``opt_state``). ``optax.MultiSteps`` goes inside
-    ``loss_scaled``, not around it (see Raises).
+    ``jaxamp.loss_scaled`` must be the whole optimizer: everything else goes inside it
+    (``optax.chain``, ``optax.multi_transform``, ``optax.MultiSteps``, clipping,
+    ``jaxamp.with_state_dtype``). It may sit inside ``optax.inject_hyperparams``, which
+    passes everything through, and inside an ``nnx.Optimizer`` (pass the optimizer or
+    its ``opt_state``).
 
     Args:
       opt_state: an optimizer state, or an object with an ``opt_state`` attribute.
 
     Returns:
-      The one ``LossScaledState`` found (its leaves unwrapped from NNX variables).
+      The ``LossScaledState`` (its leaves unwrapped from NNX variables).
 
     Raises:
-      ValueError: if there is none, or more than one; or if it sits inside
-        ``optax.MultiSteps``, which cannot recover from an overflow of the scaled
-        gradients it accumulates (``jaxamp.loss_scaled(optax.MultiSteps(...))`` can);
-        or if it sits in an ``optax.chain`` after a transformation that keeps
-        statistics of the (scaled) gradients it sees, such as ``optax.apply_every``
-        or ``optax.scale_by_adam`` (``loss_scaled`` goes outermost:
-        ``jaxamp.loss_scaled(optax.chain(optax.apply_every(k), inner))``).
-        Stateless transformations and scalar state (counts, hyperparameters) ahead
-        of it are fine.
+      ValueError: if there is none, or more than one; or if it sits inside another
+        transformation, which would see the scaled gradients (a clip ahead of it, a
+        param group of ``optax.multi_transform`` beside it), hide overflows from it
+        (``optax.MultiSteps``, ``optax.apply_if_finite``), round its float32 master
+        (``jaxamp.with_state_dtype``) or change its updates after it. The message
+        names the order that works.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = optax.chain(optax.clip(1.0), jaxamp.loss_scaled(optax.sgd(0.1)))
+      >>> try:
+      ...     find_loss_scaled_state(tx.init(jnp.ones(2)))
+      ... except ValueError as e:
+      ...     print(str(e)[:52])
+      jaxamp.loss_scaled is inside an optax.chain (at the
     """
     opt_state = getattr(opt_state, "opt_state", opt_state)
     found = _loss_scaled_states(opt_state)
@@ -190,10 +204,10 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
         )
     if len(found) > 1:
         raise ValueError(
-            f"Found {len(found)} jaxamp.loss_scaled states; wrap the optimizer only once."
+            f"Found {len(found)} jaxamp.loss_scaled states; wrap the optimizer only once, "
+            "outermost."
         )
-    _check_not_inside_multi_steps(opt_state)
-    _check_not_after_gradient_statistics(opt_state)
+    _check_outermost(opt_state)
     return jax.tree.map(_value, found[0], is_leaf=_is_variable)
 
 

@@ -148,7 +148,9 @@ class DynamicLossScale:
 
     Opt-in extensions, off by default:
 
-    * ``min_scale``: the scale never backs off below it.
+    * ``min_scale``: the scale never backs off below it. Without it the scale stops
+      at float32's smallest normal number, 2**-126: XLA flushes subnormal floats to
+      zero on CPU, and a scale of 0 could never grow back.
     * ``max_scale``: the scale never grows above it.
     * ``hysteresis``: tolerate this many overflows before backing off, as
       DeepSpeed and Megatron-LM do; the count is restored when the scale grows.
@@ -159,7 +161,7 @@ class DynamicLossScale:
       growth_factor: factor applied after ``growth_interval`` finite steps, > 1.
       backoff_factor: factor applied on overflow, in (0, 1).
       growth_interval: finite steps between growths, >= 1.
-      min_scale: lower bound, or ``None``.
+      min_scale: lower bound, or ``None`` (float32's smallest normal number).
       max_scale: upper bound, or ``None``.
       hysteresis: overflows tolerated before a backoff, >= 1.
 
@@ -243,8 +245,8 @@ class DynamicLossScale:
         # Overflow: restart the count, spend one unit of hysteresis, back off when none is left.
         hysteresis_after = jnp.maximum(hysteresis_left - 1, 0)
         backed_off = scale * jnp.asarray(self.backoff_factor, f32)
-        if self.min_scale is not None:
-            backed_off = jnp.maximum(backed_off, jnp.asarray(self.min_scale, f32))
+        floor = jnp.finfo(f32).tiny if self.min_scale is None else self.min_scale
+        backed_off = jnp.maximum(backed_off, jnp.asarray(floor, f32))
         overflow_scale = jnp.where(hysteresis_after == 0, backed_off, scale)
 
         # Finite: count; at growth_interval grow (if the result is finite) and restore hysteresis.

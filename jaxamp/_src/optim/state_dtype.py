@@ -12,8 +12,12 @@ the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
 A per-parameter statistic is a floating leaf that sits in a subtree of the state
 with the params' tree structure, or with that of a subtree of the params that is
 not a single array, at the position of a param of the same shape: Adam's ``mu``
-and ``nu``, momentum's ``trace``, schedule-free's ``z``, the fast optimizer's
-moments under ``optax.lookahead``. ``optax.MaskedNode`` stands in for a masked
+and ``nu``, momentum's ``trace``, the fast optimizer's
+moments under ``optax.lookahead``. A leaf that ``init`` computes from the params'
+values is a copy of the params, never a statistic, whatever its shape: SAM's
+``cache``, Prodigy's ``params0``, schedule-free's ``z`` (``params_copies`` reads
+this from the jaxpr of ``init``; statistics start from the params' shapes alone).
+``optax.MaskedNode`` stands in for a masked
 param on either side (``optax.masked`` around the wrapper puts it in the state,
 ``optax.masked`` or ``optax.multi_transform`` inside which the wrapper sits puts
 it in the params it sees). A state with no such leaf may be a flattened one
@@ -43,7 +47,9 @@ import numpy as np
 import optax
 
 from jaxamp._src.dtypes import canonical_dtype, is_floating_array, upcast
+from jaxamp._src.jaxprs import depends_on_inputs
 from jaxamp._src.ops.rounding import leaf_keys, new_key_data, round_to, step_key, validate_rounding
+from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.opt_state import hide_never_cast, is_masked
 
 # Folded into the seed's key: the state's rounding noise is independent of the params'
@@ -130,6 +136,23 @@ def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
     ]
 
 
+def _copies_found(state: Any, copies: list[bool]) -> str:
+    """The leaves of ``state`` that are copies of the params, for messages."""
+    found = [
+        jax.tree_util.keystr(path)
+        for (path, _), copy in zip(
+            jax.tree_util.tree_flatten_with_path(state)[0], copies, strict=True
+        )
+        if copy
+    ]
+    return f"; copies of the params, never cast: {', '.join(found)}" if found else ""
+
+
+def _contains_loss_scaled(state: Any) -> bool:
+    is_state = lambda x: isinstance(x, LossScaledState)
+    return any(is_state(x) for x in jax.tree.leaves(state, is_leaf=is_state))
+
+
 def _name(inner: Any) -> str:
     """A transformation's name for messages: ``optax.flatten``, ``optax.chain``..."""
     init = getattr(inner, "init", None)
@@ -154,10 +177,25 @@ def _floating_leaves(state: Any) -> str:
     return shown or "none"
 
 
-def _targets(state: Any, like: Any, dtype: Any, name: str = "inner") -> list[Any]:
+def params_copies(init: Any, params: Any) -> list[bool]:
+    """Per leaf of ``init(params)``: whether its value is computed from the params' values
+    (SAM's ``cache``, Prodigy's ``params0``, schedule-free's ``z``, a float32 master):
+    a copy of the params, never a statistic, whatever its shape. Statistics start from
+    the params' shapes alone (``jnp.zeros_like``). Read from the jaxpr of ``init``, so
+    it holds under ``jit`` too."""
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x
+    closed = jax.make_jaxpr(init)(jax.tree.map(spec, params))
+    return depends_on_inputs(closed, [True] * len(closed.jaxpr.invars))
+
+
+def _targets(
+    state: Any, like: Any, dtype: Any, name: str = "inner", copies: list[bool] | None = None
+) -> list[Any]:
     """The storage dtype of each per-parameter statistic of ``state`` (``None``: every
-    other leaf, kept as ``inner`` makes it)."""
+    other leaf, kept as ``inner`` makes it, and every leaf marked in ``copies``)."""
     stats = _statistics(state, like)
+    if copies is not None:
+        stats = [None if copy else path for path, copy in zip(stats, copies, strict=True)]
     if not isinstance(dtype, Mapping):
         return [None if path is None else canonical_dtype(dtype) for path in stats]
     wanted = {str(k): canonical_dtype(v, f"the dtype for {k!r}") for k, v in dtype.items()}
@@ -224,7 +262,9 @@ def with_state_dtype(
     The statistics are the floating state leaves shaped like the params (in a subtree
     with the params' structure, with a param's shape): Adam's ``mu`` and ``nu``,
     momentum's ``trace``; under ``optax.flatten``, the 1-D leaves of the params' total
-    size. Hyperparameters (``optax.inject_hyperparams``), schedule-free's weight sum
+    size. Copies of the params (leaves ``init`` computes from their values: SAM's
+    cache, Prodigy's ``params0``, schedule-free's ``z``) are never cast.
+    Hyperparameters (``optax.inject_hyperparams``), schedule-free's weight sum
     and ``b1``, ``reduce_on_plateau``'s state and the line searches' step sizes are
     never cast, whatever their shapes; counts are not floating. Every state leaf
     keeps its dtype across ``update``, so a jitted step traces once. ``init`` warns
@@ -276,7 +316,15 @@ def with_state_dtype(
 
     def init_fn(params):
         state = inner.init(params)
-        targets = _targets(state, params, dtype, name)
+        if _contains_loss_scaled(state):
+            raise ValueError(
+                "with_state_dtype(jaxamp.loss_scaled(...), dtype): loss_scaled must be the "
+                "whole optimizer: its float32 master copy of 16-bit params stays float32 "
+                "and its updates land as they are. Put with_state_dtype inside: "
+                "jaxamp.loss_scaled(jaxamp.with_state_dtype(inner, dtype))."
+            )
+        copies = params_copies(inner.init, params)
+        targets = _targets(state, params, dtype, name, copies)
         floating = [x for x in jax.tree.leaves(state) if is_floating_array(x)]
         if floating and all(t is None for t in targets):
             warnings.warn(
@@ -285,7 +333,7 @@ def with_state_dtype(
                 "floating leaf sits where a param does in a subtree shaped like the params, "
                 "and none is a flattened "
                 "statistic (1-D, of the params' total size); hyperparameters are never "
-                "cast. Every leaf keeps the dtype it has: "
+                f"cast{_copies_found(state, copies)}. Every leaf keeps the dtype it has: "
                 f"{_floating_leaves(state)}.",
                 stacklevel=2,
             )
