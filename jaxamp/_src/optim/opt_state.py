@@ -195,7 +195,8 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
       ...     print(str(e)[:52])
       jaxamp.loss_scaled is inside an optax.chain (at the
     """
-    opt_state = getattr(opt_state, "opt_state", opt_state)
+    if not isinstance(opt_state, tuple):  # an nnx.Optimizer, a TrainState; a state
+        opt_state = getattr(opt_state, "opt_state", opt_state)  # may name a field so (SAM)
     found = _loss_scaled_states(opt_state)
     if not found:
         raise ValueError(
