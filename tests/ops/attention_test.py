@@ -1,6 +1,10 @@
 """Tests for jaxamp/_src/ops/attention.py: equal to Flax's attention, with 16-bit matmuls."""
 
+import functools
+
 import flax.linen as nn
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,3 +72,43 @@ def test_sows_weights_in_linen():
     _, state = module.apply(variables, x, sow_weights=True, mutable=["intermediates"])
     (weights,) = state["intermediates"]["attention_weights"]
     assert weights.shape == (1, 4, 5, 5)
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(
+    q_len=st.integers(1, 6),
+    kv_len=st.integers(1, 6),
+    is_causal=st.booleans(),
+    with_mask=st.booleans(),
+    with_bias=st.booleans(),
+)
+def test_float32_is_flaxs_attention_bit_for_bit_on_any_lengths(
+    q_len, kv_len, is_causal, with_mask, with_bias
+):
+    """Flax aligns the causal mask top left (query i sees keys 0..i); jaxamp aligned it
+    bottom right, which differs whenever the query is shorter than the keys."""
+    keys = jax.random.split(jax.random.key(q_len * 7 + kv_len), 5)
+    q = jax.random.normal(keys[0], (2, q_len, 3, 4))
+    k, v = (jax.random.normal(key, (2, kv_len, 3, 4)) for key in keys[1:3])
+    mask = jax.random.bernoulli(keys[3], 0.7, (2, 1, q_len, kv_len)) if with_mask else None
+    bias = jax.random.normal(keys[4], (2, 3, q_len, kv_len)) if with_bias else None
+    flax_fn = functools.partial(nnx.dot_product_attention, is_causal=is_causal)
+    ours = functools.partial(jaxamp.dot_product_attention, is_causal=is_causal)
+    want = jax.jit(flax_fn)(q, k, v, bias=bias, mask=mask)
+    got = jax.jit(ours)(q, k, v, bias=bias, mask=mask)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_causal_multi_head_attention_under_policies_sees_flaxs_keys():
+    """nnx.MultiHeadAttention with is_causal and a query shorter than the keys moved by
+    up to 1.31 under apply_policy, under the float32 policy too."""
+    layer = nnx.MultiHeadAttention(
+        num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=nnx.Rngs(0)
+    )
+    xq = jax.random.normal(jax.random.key(1), (2, 2, 8))
+    xkv = jax.random.normal(jax.random.key(2), (2, 5, 8))
+    want = layer(xq, xkv, is_causal=True)
+    jaxamp.nnx.apply_policy(layer, "float32")
+    np.testing.assert_array_equal(layer(xq, xkv, is_causal=True), want)
+    jaxamp.nnx.apply_policy(layer, "mixed_bfloat16")
+    np.testing.assert_allclose(layer(xq, xkv, is_causal=True), want, atol=5e-2, rtol=5e-2)

@@ -46,7 +46,9 @@ def softmax_float32(
       logits: attention logits ``[..., heads, q_length, kv_length]``.
       bias: optional additive bias, broadcastable to ``logits``.
       mask: optional boolean mask, broadcastable to ``logits``; ``False`` masks out.
-      is_causal: also mask out positions after the query's own.
+      is_causal: also mask out the keys after the query's own position, aligned top
+        left as Flax and ``jax.nn.dot_product_attention`` align it: query ``i`` sees
+        keys ``0..i``, whatever the two lengths.
       dtype: dtype of the returned weights (default: the dtype of ``logits``).
 
     Returns:
@@ -66,8 +68,9 @@ def softmax_float32(
     if mask is not None:
         x = jnp.where(mask, x, big_neg)
     if is_causal:
-        q_len, kv_len = x.shape[-2], x.shape[-1]
-        causal = jnp.tril(jnp.ones((q_len, kv_len), jnp.bool_), kv_len - q_len)
+        # aligned top left, as Flax's and jax.nn.dot_product_attention's: query i sees
+        # keys 0..i, whatever the lengths
+        causal = jnp.tril(jnp.ones(x.shape[-2:], jnp.bool_))
         x = jnp.where(causal, x, big_neg)
     return jax.nn.softmax(x, axis=-1).astype(dtype)
 
