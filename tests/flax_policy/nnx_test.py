@@ -138,12 +138,31 @@ def test_overrides():
     assert model.layers[1].up.dtype == jnp.float32 and model.layers[0].up.dtype == jnp.bfloat16
 
 
-def test_apply_twice_replaces_the_policy():
-    model = make("resnet", "mixed_bfloat16")
+@pytest.mark.parametrize("kind", ["resnet", "transformer"])
+@pytest.mark.parametrize("first", ["mixed_bfloat16", "mixed_float16"])
+def test_apply_twice_replaces_the_policy(kind, first):
+    """mixed_bfloat16 then float32 kept the first policy's 16-bit matmuls in every Linear
+    and Conv (the layers said float32): the second policy now starts from the model as
+    it was, so float32 is the model alone, bit for bit, outputs and gradients."""
+    alone = make(kind)
+    model = make(kind, first)
     jaxamp.nnx.apply_policy(model, "float32")
-    assert model.stem.conv.dtype == jnp.float32
-    assert type(model).__mro__[1] is ResNet
-    assert model(IMAGES).dtype == jnp.float32
+    assert type(model).__mro__[1] in (ResNet, Transformer)
+
+    def loss(m):
+        return jnp.sum(m(inputs(kind)).astype(jnp.float32) ** 2)
+
+    np.testing.assert_array_equal(model(inputs(kind)), alone(inputs(kind)))
+    got, want = nnx.grad(loss)(model), nnx.grad(loss)(alone)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    model.eval()  # a traced call may not update the batch statistics of a captured model
+    report = jaxamp.precision_report(lambda x: model(x))(inputs(kind))
+    assert report.ops and {(op.lhs_dtype, op.rhs_dtype) for op in report.ops} == {
+        ("float32", "float32")
+    }
+    jaxamp.nnx.apply_policy(model, "mixed_float16")  # and on to another 16-bit policy
+    assert model(inputs(kind)).dtype == jnp.float32
 
 
 def test_bad_arguments():

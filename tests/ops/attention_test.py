@@ -81,22 +81,24 @@ def test_sows_weights_in_linen():
     is_causal=st.booleans(),
     with_mask=st.booleans(),
     with_bias=st.booleans(),
+    depth=st.sampled_from([3, 4, 8]),
 )
-def test_float32_is_flaxs_attention_bit_for_bit_on_any_lengths(
-    q_len, kv_len, is_causal, with_mask, with_bias
+def test_float32_is_flaxs_attention_on_any_lengths(
+    q_len, kv_len, is_causal, with_mask, with_bias, depth
 ):
     """Flax aligns the causal mask top left (query i sees keys 0..i); jaxamp aligned it
-    bottom right, which differs whenever the query is shorter than the keys."""
+    bottom right, which differs whenever the query is shorter than the keys. (Flax
+    scales the logits, jaxamp the query: equal to float32 rounding.)"""
     keys = jax.random.split(jax.random.key(q_len * 7 + kv_len), 5)
-    q = jax.random.normal(keys[0], (2, q_len, 3, 4))
-    k, v = (jax.random.normal(key, (2, kv_len, 3, 4)) for key in keys[1:3])
+    q = jax.random.normal(keys[0], (2, q_len, 3, depth))
+    k, v = (jax.random.normal(key, (2, kv_len, 3, depth)) for key in keys[1:3])
     mask = jax.random.bernoulli(keys[3], 0.7, (2, 1, q_len, kv_len)) if with_mask else None
     bias = jax.random.normal(keys[4], (2, 3, q_len, kv_len)) if with_bias else None
     flax_fn = functools.partial(nnx.dot_product_attention, is_causal=is_causal)
     ours = functools.partial(jaxamp.dot_product_attention, is_causal=is_causal)
     want = jax.jit(flax_fn)(q, k, v, bias=bias, mask=mask)
     got = jax.jit(ours)(q, k, v, bias=bias, mask=mask)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_causal_multi_head_attention_under_policies_sees_flaxs_keys():

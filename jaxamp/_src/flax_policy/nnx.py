@@ -22,6 +22,9 @@ _RESIDUALS_ATTR = "jaxamp_residuals"
 _RULES_ATTR = "jaxamp_rules"
 _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
 _ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
+# The attributes a policy changed on a layer, as they were before the first policy: a
+# second ``apply_policy`` starts from them (a float32 policy puts Flax's matmuls back).
+_ORIGINALS_ATTR = "jaxamp_original_attributes"
 
 
 def iter_modules(model: nnx.Module):
@@ -179,9 +182,15 @@ def apply_policy(
     for path, module in modules.items():
         chain = [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)]
         layer_policy = layer_plan.resolve_policy(policy, override_list, chain)
+        originals = dict(getattr(module, _ORIGINALS_ATTR, None) or {})
+        for name, value in originals.items():  # as before any policy
+            setattr(module, name, value)
         plan = layer_plan.plan_layer(module, layer_policy)
         for name, value in plan.attributes:
+            originals.setdefault(name, getattr(module, name))
             setattr(module, name, value)
+        if originals:
+            setattr(module, _ORIGINALS_ATTR, originals)
         wrapper = None
         if plan.cast_output_to is not None:
             setattr(module, _EMBED_DTYPE_ATTR, plan.cast_output_to)

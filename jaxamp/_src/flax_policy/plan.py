@@ -117,8 +117,8 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         matmul = DotGeneral(policy.compute_dtype)
     elif sixteen_bit:
         attrs.update(_matmul_hooks(module, policy.compute_dtype))
-    if getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
-        attrs["attention_fn"] = attention.dot_product_attention
+    if sixteen_bit and getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
+        attrs["attention_fn"] = attention.dot_product_attention  # Flax's own otherwise
     changed = tuple((k, v) for k, v in attrs.items() if getattr(module, k) is not v)
     return LayerPlan(changed, cast_output_to, matmul)
 
