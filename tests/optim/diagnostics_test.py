@@ -31,6 +31,8 @@ def test_underflow_fraction(dtype):
 
 def test_underflow_fraction_of_empty_tree():
     assert float(jaxamp.optim.underflow_fraction({})) == 0.0
+    # arrays with no elements: nothing flushes (it was 0 / 0, NaN)
+    assert float(jax.jit(jaxamp.optim.underflow_fraction)({"w": jnp.zeros((0,))})) == 0.0
 
 
 def make_state(skips, init_scale=1024.0):

@@ -395,7 +395,7 @@ def test_all_finite_sees_complex_nan_and_inf():
 def test_bad_arguments():
     with pytest.raises(TypeError, match=r"expects an optax.GradientTransformation .* got 'adam'"):
         jaxamp.loss_scaled("adam")
-    with pytest.raises(TypeError, match="got str"):
+    with pytest.raises(TypeError, match=r"got .dynamic. \(str\)"):
         jaxamp.loss_scaled(optax.sgd(0.1), "dynamic")
     with pytest.raises(ValueError, match="history_length"):
         jaxamp.loss_scaled(optax.sgd(0.1), history_length=0)
@@ -604,3 +604,65 @@ def test_complex_gradients_are_unscaled(master_weights):
     assert updates["z"].dtype == jnp.complex64
     np.testing.assert_allclose(updates["z"], expected, rtol=1e-6)
     assert bool(state.last_finite)
+
+
+@pytest.mark.parametrize("skip_with", ["select", "cond"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("make", [lambda: optax.adafactor(1e-2), lambda: optax.lamb(1e-2)])
+def test_without_master_the_inner_optimizer_still_sees_float32_params(make, dtype, skip_with):
+    """master_weights="none" gave the inner optimizer float32 params in init and the
+    16-bit params in update: adafactor's float16 step was NaN, LAMB's -inf, and under
+    skip_with="cond" the two branches' dtypes differed (a TypeError)."""
+    params = {"h": jnp.full((1024,), 10.0, dtype)}  # sum of squares: inf in float16
+    grads = {"h": jnp.full((1024,), 1e-4, jnp.float32)}  # squared: 0 in float16
+    tx = jaxamp.loss_scaled(make(), NoOpLossScale(), master_weights="none", skip_with=skip_with)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(
+        jax.tree.map(lambda g: g.astype(dtype), grads), state, params
+    )
+    landed = optax.apply_updates(params, updates)["h"]
+    inner = make()  # float32 optax on the same (16-bit) params and gradients, rounded
+    p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    g32 = jax.tree.map(lambda g: g.astype(dtype).astype(jnp.float32), grads)
+    want, _ = inner.update(g32, inner.init(p32), p32)
+    np.testing.assert_array_equal(landed, (p32["h"] + want["h"]).astype(dtype))
+
+
+def test_a_gradient_function_inside_the_optimizer_is_refused():
+    """SAM's opaque mode calls grad_fn inside the optimizer: its gradients were used
+    unscaled (params to -13368 where optax gives 0.796) and never checked."""
+    tx = jaxamp.loss_scaled(
+        optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.01), sync_period=2, opaque_mode=True)
+    )
+    params = jnp.ones(2)
+    state = tx.init(params)
+    grad_fn = lambda p, i: jax.grad(lambda p: jnp.sum(p**2))(p)
+    with pytest.raises(ValueError, match=r"grad_fn=.*opaque_mode=False"):
+        tx.update(jnp.ones(2), state, params, grad_fn=grad_fn)
+
+
+def test_float64_params_keep_float64_updates_and_range():
+    """float64 gradients were unscaled in float32: the update lost its low bits, and a
+    finite gradient of 1e300 counted as an overflow (skipped forever)."""
+    with jax.enable_x64(True):
+        params = {"w": jnp.array([1 + 1e-12])}
+        tx = jaxamp.loss_scaled(optax.sgd(1.0), NoOpLossScale())
+        state = tx.init(params)
+        updates, state = jax.jit(tx.update)({"w": jnp.array([1 + 1e-12])}, state, params)
+        assert updates["w"].dtype == jnp.float64
+        assert float(updates["w"][0]) == -(1 + 1e-12)
+        _, state = jax.jit(tx.update)({"w": jnp.array([1e300])}, state, params)
+        assert bool(state.last_finite)
+
+
+def test_settings_of_the_wrong_kind_are_refused():
+    with pytest.raises(TypeError, match=r"instance of .* DynamicLossScale\(\)"):
+        jaxamp.loss_scaled(optax.sgd(0.1), DynamicLossScale)  # the class
+    with pytest.raises(TypeError, match="record_nonfinite must be True or False, got 'no'"):
+        jaxamp.loss_scaled(optax.sgd(0.1), record_nonfinite="no")
+    with pytest.raises(ValueError, match="history_length must be an integer >= 1, got True"):
+        jaxamp.loss_scaled(optax.sgd(0.1), history_length=True)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        jaxamp.loss_scaled(optax.sgd(0.1), master_weights="stochastic", seed=0.5)
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), history_length=np.int64(8))
+    assert tx.init(jnp.ones(2)).scale_history.shape == (8,)

@@ -13,20 +13,8 @@ from tests.optim.steps import sample_params, traced_steps
 PARAMS = {"w": jnp.array([1.0, 2.0])}
 
 
-@pytest.mark.parametrize(
-    "wrap",
-    [
-        lambda tx: tx,
-        lambda tx: optax.inject_hyperparams(
-            lambda learning_rate: jaxamp.loss_scaled(
-                optax.sgd(learning_rate), DynamicLossScale(256.0)
-            )
-        )(learning_rate=0.1),
-    ],
-    ids=["plain", "inject_hyperparams"],
-)
-def test_finds_the_state_of_the_whole_optimizer(wrap):
-    tx = wrap(jaxamp.loss_scaled(optax.sgd(0.1), DynamicLossScale(256.0)))
+def test_finds_the_state_of_the_whole_optimizer():
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), DynamicLossScale(256.0))
     state = tx.init(PARAMS)
     assert float(jaxamp.optim.get_loss_scale(state)) == 256.0
     assert float(jax.jit(jaxamp.scale_loss)(jnp.float32(2.0), state)) == 512.0
@@ -77,6 +65,10 @@ WRONG_ORDERS = {
     "apply_if_finite": lambda: optax.apply_if_finite(_ls(), 3),
     "masked": lambda: optax.masked(_ls(), {"a": True, "b": False}),
     "chain_of_one": lambda: optax.chain(_ls()),
+    # its count, and so a schedule, advanced on the steps loss_scaled skipped
+    "inject_hyperparams": lambda: optax.inject_hyperparams(
+        lambda learning_rate: _ls(optax.sgd(learning_rate))
+    )(learning_rate=optax.piecewise_constant_schedule(1.0, {2: 0.0})),
 }
 
 
@@ -188,3 +180,22 @@ def test_scalar_params_never_cast_hyperparameters(params):
     assert {x.dtype for x in jax.tree.leaves(chained[1])} <= {np.dtype(jnp.float32)} | {
         np.dtype(jnp.int32)
     }
+
+
+def test_flatten_around_loss_scaled_with_mixed_dtypes_is_refused():
+    """optax.flatten joins float32 and bfloat16 params into one float32 vector, so
+    loss_scaled saw no 16-bit param, kept no master, and the bfloat16 params stalled
+    at 1.0 (100 steps of 2**-10). jaxamp.value_and_grad sees both sides and refuses."""
+    params = {"a": jnp.ones(2, jnp.float32), "b": jnp.ones(2, jnp.bfloat16)}
+    loss = lambda p: -(p["a"].sum() + p["b"].astype(jnp.float32).sum())
+    wrong = optax.flatten(jaxamp.loss_scaled(optax.sgd(2.0**-10)))
+    step = jax.jit(lambda p, s: jaxamp.value_and_grad(loss)(p, opt_state=s))
+    with pytest.raises(ValueError, match=r"jaxamp\.loss_scaled\(optax\.flatten\(inner\)\)"):
+        step(params, wrong.init(params))
+    right = jaxamp.loss_scaled(optax.flatten(optax.sgd(2.0**-10)))
+    p, s = params, right.init(params)
+    for _ in range(100):
+        _, g = step(p, s)
+        u, s = right.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert float(p["b"][0]) == float(jnp.bfloat16(1 + 100 * 2.0**-10))

@@ -152,8 +152,12 @@ def test_settings_hold_after_the_state_round_trips_through_jit_and_flatten():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"init_scale": 0.0}, "init_scale must be a positive, finite number, got 0.0"),
-        ({"init_scale": float("inf")}, "init_scale must be a positive, finite number, got inf"),
+        ({"init_scale": 0.0}, "init_scale must be a positive, finite float32 number.*got 0.0"),
+        ({"init_scale": float("inf")}, "init_scale must be a positive, finite float32.*got inf"),
+        # outside float32's normal range: the state would hold inf or 0, for good
+        ({"init_scale": 1e39}, r"init_scale must be .* to ~3\.4e38, got 1e\+39"),
+        ({"init_scale": 1e-39}, r"from 2\*\*-126 .* got 1e-39"),
+        ({"min_scale": 1e-50, "init_scale": 1.0}, r"min_scale must be .* got 1e-50"),
         ({"init_scale": -1.0}, "got -1.0"),
         ({"growth_factor": 1.0}, "growth_factor must be > 1, got 1.0"),
         ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\), got 1.0"),
@@ -161,7 +165,7 @@ def test_settings_hold_after_the_state_round_trips_through_jit_and_flatten():
         ({"growth_interval": 0}, "growth_interval must be an integer >= 1, got 0"),
         ({"growth_interval": 1.5}, "growth_interval must be an integer >= 1, got 1.5"),
         ({"hysteresis": 0}, "hysteresis must be an integer >= 1, got 0"),
-        ({"min_scale": -2.0}, "min_scale must be a positive, finite number, got -2.0"),
+        ({"min_scale": -2.0}, "min_scale must be a positive, finite float32 number.*got -2.0"),
         ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, "must not exceed max_scale"),
         ({"max_scale": 1024.0}, r"init_scale \(65536.0\) must lie within"),
     ],

@@ -303,3 +303,14 @@ def test_copies_are_found_under_jit_and_in_nested_states():
     assert {x.dtype for x in jax.tree.leaves(free.base_optimizer_state[0].nu)} == {
         np.dtype("bfloat16")
     }
+
+
+def test_optimizer_wide_scalars_of_a_scalar_param_are_never_cast():
+    """With one scalar param every scalar leaf has the param's shape: Prodigy's estim_lr
+    and numerator were cast to bfloat16 for a bare scalar and not for {"w": scalar}.
+    A statistic follows the params' shape; an optimizer-wide scalar does not."""
+    for params in (jnp.float32(1.0), {"w": jnp.float32(1.0)}):
+        state = jaxamp.with_state_dtype(optax.contrib.prodigy(), jnp.bfloat16).init(params)
+        inner = state.inner_state
+        assert inner.estim_lr.dtype == inner.numerator_weighted.dtype == jnp.float32
+        assert {x.dtype for x in jax.tree.leaves(inner.exp_avg)} == {np.dtype("bfloat16")}

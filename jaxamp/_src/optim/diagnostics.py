@@ -37,6 +37,8 @@ def underflow_fraction(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
         return jnp.zeros([], jnp.float32)
     count = sum(jnp.sum((x != 0) & (x.astype(dtype) == 0), dtype=jnp.float32) for x in leaves)
     total = float(sum(x.size for x in leaves))
+    if total == 0:  # only empty arrays: nothing flushes
+        return jnp.zeros([], jnp.float32)
     return count / total
 
 

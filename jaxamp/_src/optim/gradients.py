@@ -11,6 +11,7 @@ from jax import lax
 
 from jaxamp._src.dtypes import is_floating_array
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.optim.loss_scaled import count_16bit
 from jaxamp._src.optim.opt_state import find_loss_scaled_state
 from jaxamp._src.policy import Policy, get_policy
 
@@ -95,9 +96,30 @@ def value_and_grad(
 
         vg = transform(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = vg(*args, **kwargs)
+        _check_params_seen(grads, find_loss_scaled_state(opt_state))
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
+
+
+def _check_params_seen(grads: Any, state: Any) -> None:
+    """Raises if ``loss_scaled`` was initialised on params with another number of 16-bit
+    leaves than these gradients have: something around it changed the params it sees,
+    and its float32 master would not cover the 16-bit params (read from shapes, so it
+    holds under ``jit``)."""
+    seen = getattr(state, "sixteen_bit_leaves", None)
+    if seen is None:
+        return
+    here = count_16bit(grads)
+    if here != seen.shape[0]:
+        raise ValueError(
+            f"jaxamp.loss_scaled was initialised on params with {seen.shape[0]} 16-bit "
+            f"leaves, and these gradients have {here}: a transformation around it changed "
+            "the params it sees (optax.flatten joins mixed float32 and 16-bit params into "
+            "one float32 vector, so no 16-bit param would keep a float32 master). Put it "
+            "inside: jaxamp.loss_scaled(optax.flatten(inner)); or init the optimizer on "
+            "the params you differentiate."
+        )
 
 
 def reduce_gradients(

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -69,6 +70,10 @@ class LossScaledState(NamedTuple):
         ``False`` before any skip); else ``None``. Read it with
         ``jaxamp.optim.nonfinite_gradients``. ``init`` sees only the params, so it takes
         the gradients' structure from them (see ``_gradient_structure``).
+      sixteen_bit_leaves: one ``False`` per 16-bit param leaf ``init`` saw (only its
+        length is read): ``jaxamp.value_and_grad`` checks that the gradients it makes
+        have as many, which a transformation around ``loss_scaled`` that changes the
+        params it sees (``optax.flatten`` joining mixed dtypes into float32) breaks.
     """
 
     loss_scale: LossScaleState
@@ -82,6 +87,7 @@ class LossScaledState(NamedTuple):
     compensation: Any = None
     rounding_key: Any = None
     nonfinite_grads: Any = None
+    sixteen_bit_leaves: Any = None
 
 
 def _gradient_structure(params: Any) -> Any:
@@ -91,6 +97,11 @@ def _gradient_structure(params: Any) -> Any:
     shape; ``update`` checks it (see ``_record_nonfinite``)."""
     is_lookahead = lambda x: isinstance(x, optax.LookaheadParams)
     return jax.tree.map(lambda x: x.fast if is_lookahead(x) else x, params, is_leaf=is_lookahead)
+
+
+def count_16bit(tree: Any) -> int:
+    """How many leaves of ``tree`` are 16-bit floating arrays."""
+    return sum(is_16bit_array(x) for x in jax.tree.leaves(tree))
 
 
 def _record_nonfinite(checks: Any, finite: jax.Array, record: Any) -> Any:
@@ -127,7 +138,8 @@ def _unscale(g: Any, inv_scale: jax.Array) -> Any:
     its own complex dtype (both parts multiplied by ``inv_scale``); any other leaf (an
     integer's float0 gradient, a ``None``) as it is."""
     if is_floating_array(g):
-        return g.astype(jnp.float32) * inv_scale
+        wide = jnp.promote_types(g.dtype, jnp.float32)  # float64 stays float64
+        return g.astype(wide) * inv_scale.astype(wide)
     if is_inexact_array(g):  # complex
         return g * inv_scale.astype(jnp.finfo(g.dtype).dtype)
     return g
@@ -177,11 +189,11 @@ def _finite_leaves(grads: Any, inv_scale: jax.Array) -> Any:
     def check(g):
         if not is_inexact_array(g) or g.size == 0:
             return jnp.asarray(True)
+        wide = jnp.promote_types(g.dtype, jnp.float32)  # float64 is checked in float64
         if elementwise or jnp.issubdtype(g.dtype, jnp.complexfloating):
-            real = not jnp.issubdtype(g.dtype, jnp.complexfloating)
-            return jnp.all(jnp.isfinite((g.astype(jnp.float32) if real else g) * inv_scale))
-        high = jnp.max(g).astype(jnp.float32) * inv_scale
-        low = jnp.min(g).astype(jnp.float32) * inv_scale
+            return jnp.all(jnp.isfinite(g.astype(wide) * inv_scale.astype(wide)))
+        high = jnp.max(g).astype(wide) * inv_scale.astype(wide)
+        low = jnp.min(g).astype(wide) * inv_scale.astype(wide)
         return jnp.isfinite(high) & jnp.isfinite(low) & ~jnp.isnan(jnp.sum(g))
 
     return jax.tree.map(check, grads)
@@ -270,9 +282,9 @@ def loss_scaled(
         master_weights=masters.validate_master_weights(master_weights),
         skip_with=_validated_skip_with(skip_with),
         axis_name=axis_name,
-        record_nonfinite=record_nonfinite,
+        record_nonfinite=_validated_flag("record_nonfinite", record_nonfinite),
         history_length=_validated_history_length(history_length),
-        seed=seed,
+        seed=_validated_seed(seed),
     )
     return optax.GradientTransformationExtraArgs(
         functools.partial(_init, config), functools.partial(_update, config)
@@ -307,10 +319,11 @@ def _validated_inner(inner: Any) -> Any:
 
 def _validated_loss_scale(loss_scale: Any) -> LossScale:
     loss_scale = DynamicLossScale() if loss_scale is None else loss_scale
-    if not hasattr(loss_scale, "adjust"):
+    if isinstance(loss_scale, type) or not hasattr(loss_scale, "adjust"):
         raise TypeError(
-            "loss_scale must be jaxamp.NoOpLossScale, StaticLossScale or DynamicLossScale, "
-            f"got {type(loss_scale).__name__}: {loss_scale!r}."
+            "loss_scale must be an instance of jaxamp.NoOpLossScale, StaticLossScale or "
+            f"DynamicLossScale (e.g. DynamicLossScale()), got {loss_scale!r} "
+            f"({type(loss_scale).__name__})."
         )
     return loss_scale
 
@@ -322,9 +335,26 @@ def _validated_skip_with(skip_with: Any) -> str:
 
 
 def _validated_history_length(history_length: Any) -> int:
-    if not (isinstance(history_length, int) and history_length >= 1):
+    if isinstance(history_length, bool) or not isinstance(history_length, (int, np.integer)):
         raise ValueError(f"history_length must be an integer >= 1, got {history_length!r}.")
-    return history_length
+    if history_length < 1:
+        raise ValueError(f"history_length must be an integer >= 1, got {history_length!r}.")
+    return int(history_length)
+
+
+def _validated_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return bool(value)
+
+
+def _validated_seed(seed: Any) -> Any:
+    if isinstance(seed, bool) or not (
+        isinstance(seed, (int, np.integer))
+        or (isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key))
+    ):
+        raise TypeError(f"seed must be an integer or a jax.random.key, got {seed!r}.")
+    return seed
 
 
 def _init(config: _Config, params: Any) -> LossScaledState:
@@ -347,6 +377,7 @@ def _init(config: _Config, params: Any) -> LossScaledState:
             if config.record_nonfinite
             else None
         ),
+        sixteen_bit_leaves=jnp.zeros([count_16bit(_gradient_structure(params))], jnp.bool_),
     )
 
 
@@ -360,6 +391,13 @@ def _update(
         raise ValueError(
             f"loss_scaled(master_weights={config.master_weights!r}) updates 16-bit params "
             "itself, so update() needs the current params: tx.update(grads, state, params)."
+        )
+    if "grad_fn" in extra_args:
+        raise ValueError(
+            "loss_scaled got grad_fn=, a function that computes gradients inside the "
+            "optimizer (optax.contrib.sam's opaque mode): loss_scaled can neither unscale "
+            "nor check what it returns. Use optax.contrib.sam(..., opaque_mode=False) "
+            "inside loss_scaled, and pass it each step's gradients."
         )
     inv_scale = 1.0 / state.loss_scale.scale
     finite, nonfinite_grads = _check_finite(config, updates, state, inv_scale)
@@ -411,7 +449,8 @@ def _apply_or_skip(
     has_master = state.master_params is not None
     rounds = state.compensation is not None or state.rounding_key is not None
     master_params = masters.adopt_changes(state.master_params, params) if has_master else None
-    if has_master or rounds:
+    if has_master or rounds or any(is_16bit_array(x) for x in jax.tree.leaves(params)):
+        # float32, as init saw them (master_weights="none" has neither master nor state)
         inner_params = masters.inner_params(params, master_params, state.compensation)
     else:
         inner_params = params
@@ -479,4 +518,5 @@ def _next_state(
         compensation=compensation,
         rounding_key=state.rounding_key,
         nonfinite_grads=nonfinite_grads,
+        sixteen_bit_leaves=state.sixteen_bit_leaves,
     )

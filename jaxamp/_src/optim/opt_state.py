@@ -82,15 +82,6 @@ def _is_variable(x: Any) -> bool:
     return x is not None and hasattr(x, "get_value")
 
 
-# Wrappers that pass gradients, updates and params through unchanged, whose state keeps
-# the wrapped state in ``inner_state``: ``loss_scaled`` may sit inside them.
-_TRANSPARENT_NAMES = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
-_TRANSPARENT = tuple(
-    getattr(optax, name)
-    for name in _TRANSPARENT_NAMES
-    if isinstance(getattr(optax, name, None), type)
-)
-
 _OUTERMOST = (
     "Make jaxamp.loss_scaled the whole optimizer, around everything else, e.g. "
     "jaxamp.loss_scaled(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))) "
@@ -127,6 +118,14 @@ def _why_not(wrapper: Any, where: str) -> str:
             "float32 master copy of 16-bit params in 16 bits. Put with_state_dtype inside: "
             "jaxamp.loss_scaled(jaxamp.with_state_dtype(inner, dtype))."
         )
+    if kind in ("InjectHyperparamsState", "InjectStatefulHyperparamsState"):
+        return (
+            "jaxamp.loss_scaled is inside optax.inject_hyperparams, whose step count (and "
+            "so any schedule) advances on the steps loss_scaled skips, as float32 optax's "
+            "would not. Put inject_hyperparams inside: jaxamp.loss_scaled("
+            "optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)); its "
+            "hyperparameters are then at state.inner_state.hyperparams."
+        )
     if kind == "ApplyIfFiniteState":
         return (
             "jaxamp.loss_scaled is inside optax.apply_if_finite, which skips non-finite "
@@ -151,16 +150,9 @@ def _why_not(wrapper: Any, where: str) -> str:
 
 
 def _check_outermost(opt_state: Any) -> None:
-    """Raises unless the ``LossScaledState`` is the whole state, or sits only inside
-    transparent wrappers (``optax.inject_hyperparams``)."""
-    node, path = opt_state, []
-    while isinstance(node, _TRANSPARENT) and not isinstance(node, LossScaledState):
-        path.append(jax.tree_util.GetAttrKey("inner_state"))
-        node = node.inner_state
-    if isinstance(node, LossScaledState):
-        return
-    where = jax.tree_util.keystr(tuple(path)) or "the top"
-    raise ValueError(_why_not(node, where))
+    """Raises unless the ``LossScaledState`` is the whole state."""
+    if not isinstance(opt_state, LossScaledState):
+        raise ValueError(_why_not(opt_state, "the top"))
 
 
 def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
@@ -168,9 +160,8 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
 
     ``jaxamp.loss_scaled`` must be the whole optimizer: everything else goes inside it
     (``optax.chain``, ``optax.multi_transform``, ``optax.MultiSteps``, clipping,
-    ``jaxamp.with_state_dtype``). It may sit inside ``optax.inject_hyperparams``, which
-    passes everything through, and inside an ``nnx.Optimizer`` (pass the optimizer or
-    its ``opt_state``).
+    ``jaxamp.with_state_dtype``, ``optax.inject_hyperparams``). It may sit in an
+    ``nnx.Optimizer`` or a ``TrainState`` (pass it, or its ``opt_state``).
 
     Args:
       opt_state: an optimizer state, or an object with an ``opt_state`` attribute.

@@ -68,9 +68,15 @@ def _integer(name: str, value: Any) -> int:
 
 
 def _check_scale(name: str, value: Any) -> float:
+    """A scale the float32 state holds as it is: a normal float32 number (from 2**-126
+    to float32's largest); 1e39 would be inf, and 1e-50 zero, which no step leaves."""
     value = _real(name, value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive, finite number, got {value!r}.")
+    f32 = np.finfo(np.float32)
+    if not (math.isfinite(value) and float(f32.tiny) <= value <= float(f32.max)):
+        raise ValueError(
+            f"{name} must be a positive, finite float32 number, from 2**-126 (~1.2e-38) to "
+            f"~3.4e38, got {value!r}."
+        )
     return value
 
 

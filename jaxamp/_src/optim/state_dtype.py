@@ -188,14 +188,42 @@ def params_copies(init: Any, params: Any) -> list[bool]:
     return depends_on_inputs(closed, [True] * len(closed.jaxpr.invars))
 
 
+def follows_params(init: Any, params: Any) -> list[bool] | None:
+    """Per leaf of ``init(params)``: whether its shape changes when the params' shapes do
+    (``init`` traced on params one axis longer). Per-parameter statistics follow the
+    params; an optimizer-wide scalar (Prodigy's ``estim_lr``, D-Adaptation's numerator)
+    does not, though with a single scalar param it has the param's shape. ``None``
+    when the state of the longer params has another structure."""
+    spec = lambda x: jax.ShapeDtypeStruct((2, *np.shape(x)), x.dtype) if hasattr(x, "dtype") else x
+    try:
+        longer = jax.eval_shape(init, jax.tree.map(spec, params))
+        state = jax.eval_shape(init, params)
+    except Exception:  # an init that needs its own shapes: no information
+        return None
+    if jax.tree.structure(longer) != jax.tree.structure(state):
+        return None
+    return [
+        np.shape(a) != np.shape(b)
+        for a, b in zip(jax.tree.leaves(longer), jax.tree.leaves(state), strict=True)
+    ]
+
+
 def _targets(
-    state: Any, like: Any, dtype: Any, name: str = "inner", copies: list[bool] | None = None
+    state: Any,
+    like: Any,
+    dtype: Any,
+    name: str = "inner",
+    copies: list[bool] | None = None,
+    follows: list[bool] | None = None,
 ) -> list[Any]:
     """The storage dtype of each per-parameter statistic of ``state`` (``None``: every
-    other leaf, kept as ``inner`` makes it, and every leaf marked in ``copies``)."""
+    other leaf, kept as ``inner`` makes it, every leaf marked in ``copies`` and every
+    leaf not marked in ``follows``)."""
     stats = _statistics(state, like)
     if copies is not None:
         stats = [None if copy else path for path, copy in zip(stats, copies, strict=True)]
+    if follows is not None:
+        stats = [path if f else None for path, f in zip(stats, follows, strict=True)]
     if not isinstance(dtype, Mapping):
         return [None if path is None else canonical_dtype(dtype) for path in stats]
     wanted = {str(k): canonical_dtype(v, f"the dtype for {k!r}") for k, v in dtype.items()}
@@ -324,7 +352,8 @@ def with_state_dtype(
                 "jaxamp.loss_scaled(jaxamp.with_state_dtype(inner, dtype))."
             )
         copies = params_copies(inner.init, params)
-        targets = _targets(state, params, dtype, name, copies)
+        follows = follows_params(inner.init, params)
+        targets = _targets(state, params, dtype, name, copies, follows)
         floating = [x for x in jax.tree.leaves(state) if is_floating_array(x)]
         if floating and all(t is None for t in targets):
             warnings.warn(
