@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import jaxamp
 
@@ -193,3 +194,73 @@ def test_a_lookup_in_a_16_bit_activation_runs_in_the_traced_dtype():
     report = jaxamp.precision_report(jax.grad(jaxamp.autocast(loss)))(w, x, labels)
     assert _scatters(report) and {op.dtype for op in _scatters(report)} == {"float32"}
     report.check("bfloat16")
+
+
+def _matmul_dtypes(fn, *args):
+    report = jaxamp.precision_report(fn)(*args)
+    return sorted({(op.lhs_dtype, op.direction) for op in report.ops})
+
+
+W, XS = jnp.ones((8, 8)), jnp.ones((4, 8))
+
+
+def _checkpointed(w, x):
+    inner = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))
+    return jnp.sum(inner(w, x).astype(jnp.float32))
+
+
+@pytest.fixture
+def remat3():
+    """``jax.checkpoint`` as the higher-order ``call_hi_primitive`` (jax_remat3)."""
+    if not hasattr(jax.config, "jax_remat3"):
+        pytest.skip("this jax has no jax_remat3")
+    previous = jax.config.jax_remat3
+    jax.config.update("jax_remat3", True)
+    yield
+    jax.config.update("jax_remat3", previous)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_checkpoint_is_entered_under_remat3(remat3, dtype):
+    """Under jax_remat3 autocast passed the checkpoint through: its matmuls stayed
+    float32 under mixed_bfloat16, and nothing warned."""
+    assert "call_hi_primitive" in str(jax.make_jaxpr(_checkpointed)(W, XS))
+    policy = "mixed_bfloat16" if dtype == jnp.bfloat16 else "mixed_float16"
+    name = np.dtype(dtype).name
+    fwd = jax.jit(jaxamp.autocast(_checkpointed, policy))
+    assert _matmul_dtypes(fwd, W, XS) == [(name, "forward")]
+    assert {d for d, _ in _matmul_dtypes(jax.grad(fwd), W, XS)} == {name}
+    np.testing.assert_allclose(fwd(W, XS), _checkpointed(W, XS), rtol=1e-2)
+
+
+@jax.custom_vjp
+def _matmul_with_own_vjp(x, w):
+    return x @ w
+
+
+_matmul_with_own_vjp.defvjp(
+    lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g)
+)
+
+
+def test_a_custom_vjp_forward_is_entered_and_its_backward_runs_as_written():
+    """A jax.custom_vjp function was passed through whole: its forward matmul stayed
+    float32 under mixed_bfloat16."""
+    loss = lambda w, x: jnp.sum(_matmul_with_own_vjp(x, w).astype(jnp.float32))
+    fwd = jaxamp.autocast(loss, "mixed_bfloat16")
+    assert _matmul_dtypes(fwd, W, XS) == [("bfloat16", "forward")]
+    # the backward rule is the user's, in the dtypes it was written for
+    assert {d for d, _ in _matmul_dtypes(jax.grad(fwd), W, XS) if _ == "backward"} == {"float32"}
+    np.testing.assert_allclose(jax.grad(fwd)(W, XS), jax.grad(loss)(W, XS), rtol=1e-2)
+
+
+def test_a_higher_order_primitive_it_does_not_enter_is_refused_by_name():
+    """lax.custom_linear_solve holds programs of its own (the matvec and the solve): it
+    was passed through with every matmul inside in its traced dtype; now refused."""
+
+    def solve(w, b):
+        matvec = lambda v: w @ v
+        return lax.custom_linear_solve(matvec, b, lambda mv, b: b / jnp.diag(w))
+
+    with pytest.raises(NotImplementedError, match="higher-order primitive 'custom_linear_solve'"):
+        jaxamp.autocast(solve, "mixed_bfloat16")(W + jnp.eye(8), XS[0])

@@ -5,8 +5,11 @@ It evaluates a traced program equation by equation, the way
 docs), binding each primitive again on inputs cast by the rule its name has in
 ``jaxamp.AutocastRules``. Calls (nested ``jit``) are inlined; ``checkpoint``,
 ``cond``, ``while``, ``scan`` and ``shard_map`` are rebuilt with their public
-APIs around interpreted bodies. The JAX internals it needs are kept in one
-section, with the versions they differ between.
+APIs around interpreted bodies (``checkpoint`` under ``jax_remat3`` too);
+``custom_jvp`` and ``custom_vjp`` functions are bound again with their primal
+programs evaluated with the rules. Any other higher-order primitive is refused
+with an error that names it, never passed through. The JAX internals it needs are
+kept in one section, with the versions they differ between.
 """
 
 from __future__ import annotations
@@ -463,6 +466,14 @@ def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
     name = eqn.primitive.name
     if name in _HIGHER_ORDER:
         return _HIGHER_ORDER[name](eqn, env)
+    if is_higher_order(eqn):
+        raise NotImplementedError(
+            f"jaxamp cannot evaluate the higher-order primitive {name!r} (jax "
+            f"{jax.__version__}) with its rules: it does not enter it, and passing it "
+            "through would leave every matmul inside in the dtype it was traced in. Call "
+            "the function that binds it outside jaxamp.autocast and apply_policy, or report "
+            "it to jaxamp with your jax version."
+        )
     if name == "convert_element_type":
         return _convert(eqn, env)
     rule = env.rules.rule_for(name)
@@ -496,15 +507,105 @@ def _inline(key: str) -> Callable[[Any, _Env], list[Any]]:
 
 
 def _checkpoint(eqn: Any, env: _Env) -> list[Any]:
-    jaxpr, consts = open_jaxpr(eqn.params["jaxpr"])
+    return _rematerialized(eqn.params["jaxpr"], eqn.params, eqn, env)
+
+
+def _rematerialized(closed: Any, params: dict[str, Any], eqn: Any, env: _Env) -> list[Any]:
+    """``jax.checkpoint`` rebuilt around the body, evaluated with the rules."""
+    jaxpr, consts = open_jaxpr(closed)
 
     def body(*args):
         return eval_jaxpr(jaxpr, consts, args, env.config)
 
     remat = jax.checkpoint(
-        body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
+        body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )
     return list(remat(*[env.read(a) for a in eqn.invars]))
+
+
+def _hi_primitive(eqn: Any, env: _Env) -> list[Any]:
+    """A primitive of JAX's newer "hi" kind (``call_hi_primitive``), whose ``_prim`` says
+    what it is. ``jax.checkpoint`` under ``jax_remat3`` is one (``RematTraced``, with
+    the body and the policy): rebuilt as ``checkpoint`` is. Any other is refused."""
+    prim = eqn.params.get("_prim")
+    kind = type(prim).__name__
+    params = getattr(prim, "params", None) or {}
+    if kind == "RematTraced" and "jaxpr" in params:
+        return _rematerialized(params["jaxpr"], params, eqn, env)
+    raise NotImplementedError(
+        f"jaxamp cannot evaluate the higher-order primitive {kind!r} (call_hi_primitive, "
+        f"jax {jax.__version__}) with its rules; passing it through would leave every "
+        "matmul inside in the dtype it was traced in. Call the function that binds it "
+        "outside jaxamp.autocast and apply_policy, or report it to jaxamp."
+    )
+
+
+def _with_rules(closed: Any, config: tuple) -> Any:
+    """``closed`` (a ``ClosedJaxpr``) evaluated with the rules and traced again, its
+    outputs cast back to their traced dtypes: the same signature, 16-bit inside."""
+    jaxpr, consts = open_jaxpr(closed)
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+
+    def body(*args):
+        return cast_to_traced(eval_jaxpr(jaxpr, consts, args, config), jaxpr.outvars)
+
+    return jax.make_jaxpr(body)(*specs)
+
+
+def _custom_vjp(eqn: Any, env: _Env) -> list[Any]:
+    """A ``jax.custom_vjp`` function: bound again with its primal and forward jaxprs
+    evaluated with the rules (outputs and residuals cast back to their traced dtypes, so
+    the signatures hold) and its backward function as written, in the dtypes it was
+    traced in: a custom backward pass is the user's numerics. The forward jaxpr comes
+    from ``fwd_jaxpr_thunk`` (a JAX-internal parameter); with other parameters (another
+    JAX version) it is refused."""
+    p = eqn.params
+    if not {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees"} <= set(p):
+        raise NotImplementedError(
+            f"jaxamp cannot evaluate {eqn.primitive.name!r} with parameters "
+            f"{sorted(p)} (jax {jax.__version__}) with its rules. Call the custom_vjp "
+            "function outside jaxamp.autocast and apply_policy, or report it to jaxamp."
+        )
+    thunk = p["fwd_jaxpr_thunk"]
+
+    def fwd_with_rules(*zeros):
+        fwd = jex.core.ClosedJaxpr(*thunk.call_wrapped(*zeros))
+        ruled = _with_rules(fwd, env.config)
+        return ruled.jaxpr, ruled.consts
+
+    params = dict(
+        p,
+        call_jaxpr=_with_rules(p["call_jaxpr"], env.config),
+        fwd_jaxpr_thunk=jex.linear_util.wrap_init(
+            fwd_with_rules, debug_info=getattr(thunk, "debug_info", None)
+        ),
+    )
+    return bind(eqn, [env.read(a) for a in eqn.invars], params)
+
+
+# Primitives whose jaxpr parameters are scalar combiners (a scatter's update, a generic
+# reduction's monoid), not programs with matmuls: evaluated by their rules as they are.
+_COMBINERS = frozenset(
+    {"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add"}
+    | {"select_and_gather_add", "scatter", "scatter-add", "scatter_add", "scatter-mul"}
+    | {"scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max"}
+)
+
+
+def is_higher_order(eqn: Any) -> bool:
+    """Whether ``eqn`` calls a program of its own: a jaxpr, a function or a "hi"
+    primitive among its parameters (a combiner's jaxpr does not count)."""
+    if eqn.primitive.name in _COMBINERS:
+        return False
+
+    def holds_program(value: Any) -> bool:
+        if isinstance(value, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
+            return True
+        if isinstance(value, (tuple, list)):
+            return any(holds_program(v) for v in value)
+        return type(value).__name__ in ("WrappedFun", "RematTraced") or hasattr(value, "vjp_fwd")
+
+    return any(holds_program(v) for v in eqn.params.values())
 
 
 def _closed_body(closed: Any, config: tuple, cast_outputs: int | None = None):
@@ -656,4 +757,7 @@ _HIGHER_ORDER: dict[str, Callable[[Any, _Env], list[Any]]] = {
     "scan": _scan,
     "shard_map": _shard_map,
     "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "custom_vjp_call_jaxpr": _custom_vjp,
+    "call_hi_primitive": _hi_primitive,
 }
