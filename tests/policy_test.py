@@ -2,6 +2,7 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jmp
@@ -54,10 +55,32 @@ def test_grammar_agrees_with_jmp():
 def test_reduce_key():
     policy = get_policy("p=f32,c=bf16,o=f32,r=bf16")
     assert policy.reduce_dtype == BF16 and policy.grad_reduce_dtype == BF16
+    assert get_policy("params=f32,compute=bf16,reduce=f16").grad_reduce_dtype == np.dtype("float16")
+    assert get_policy(str(policy)) == policy  # the long key parses back
+    # without it: float32 under a 16-bit compute dtype, the params' dtype otherwise
+    assert get_policy("mixed_bfloat16").reduce_dtype is None
     assert get_policy("mixed_bfloat16").grad_reduce_dtype == F32
     assert get_policy("bfloat16").grad_reduce_dtype == F32
-    assert get_policy("float32").grad_reduce_dtype == F32
+    assert get_policy("p=f16,c=f32,o=f32").grad_reduce_dtype == np.dtype("float16")
     assert str(policy) == "params=float32,compute=bfloat16,output=float32,reduce=bfloat16"
+    # alone, it keeps jmp's default params (it quoted jmp's error about a dtype '')
+    alone = get_policy("r=bf16")
+    assert (alone.param_dtype, alone.compute_dtype, alone.reduce_dtype) == (F32, F32, BF16)
+
+
+def test_bad_dtypes_are_named_never_guessed():
+    """None became float64; an integer cast truncated; "bf16" raised numpy's bare
+    TypeError; a list of names as overrides raised "too many values to unpack"."""
+    for field in ("param_dtype", "compute_dtype", "output_dtype"):
+        with pytest.raises(ValueError, match=f"Unknown {field} None. Valid choices"):
+            Policy(**{field: None})
+    tree = {"w": jnp.full(2, 1.5), "step": jnp.zeros((), jnp.int32)}
+    with pytest.raises(ValueError, match="must be a floating dtype, got 'int32'"):
+        cast_floating(tree, jnp.int32)
+    assert cast_floating(tree, "bf16")["w"].dtype == BF16
+    assert cast_floating(tree, "bf16")["step"].dtype == jnp.int32
+    with pytest.raises(TypeError, match=r"overrides must map .* item 'head' is not a"):
+        jaxamp.linen.apply_policy(nn.Dense(2), "float32", overrides=["head"])
 
 
 def test_policy_and_jmp_policy_pass_through():

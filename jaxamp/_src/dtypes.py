@@ -160,6 +160,8 @@ def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:
       >>> canonical_dtype("f16")
       dtype('float16')
     """
+    if value is None:  # numpy would read it as float64
+        raise invalid_choice(what, value, POLICY_DTYPES.values())
     if isinstance(value, str):
         name = value.strip().lower()
         if name not in JMP_DTYPE_NAMES:

@@ -42,6 +42,10 @@ def cast_floating(tree: T, dtype: Any) -> T:
     Returns:
       A pytree of the same structure.
 
+    Raises:
+      ValueError: if ``dtype`` is not a floating dtype (an integer one would truncate
+        the values); names from jmp's grammar (``"bf16"``) are accepted.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> tree = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
@@ -49,7 +53,7 @@ def cast_floating(tree: T, dtype: Any) -> T:
       >>> out["w"].dtype, out["step"].dtype
       (dtype(bfloat16), dtype('int32'))
     """
-    dtype = np.dtype(dtype)
+    dtype = canonical_dtype(dtype)
 
     def cast(x):
         if is_floating_array(x) and x.dtype != dtype:
@@ -183,6 +187,7 @@ def _parse_grammar(spec: str) -> Policy:
         canonical_dtype(value, f"dtype for {name!r} in policy {spec!r}:")
         values[name] = value
     reduce = values.pop("reduce", None)
+    values = values or {"params": "float32"}  # "r=bf16" alone: jmp's default params
     # jmp owns the grammar's defaults: compute follows params, output follows compute.
     parsed = jmp.get_policy(",".join(f"{k}={v}" for k, v in values.items()))
     return Policy(parsed.param_dtype, parsed.compute_dtype, parsed.output_dtype, reduce)

@@ -250,7 +250,14 @@ def normalize_overrides(
     """
     if overrides is None:
         return ()
-    items = overrides.items() if isinstance(overrides, Mapping) else overrides
+    items = list(overrides.items() if isinstance(overrides, Mapping) else overrides)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise TypeError(
+                "overrides must map a module class or a path pattern to a policy, e.g. "
+                f"{{'head': 'float32'}} or [('head', 'float32')]; got {overrides!r}, whose "
+                f"item {item!r} is not a (key, policy) pair."
+            )
     result = []
     for key, spec in items:
         if not isinstance(key, (str, type)):
