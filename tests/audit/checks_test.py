@@ -216,3 +216,25 @@ def test_reads_cumsum_lowered_as_a_chlo_scan(element, dtype):
         module = ir.Module.parse(CHLO_SCAN_CUMSUM.replace("DTYPE", element))
         _, sensitive, _ = read_lowered(module)
     assert [(op.primitive, op.dtype, op.shape) for op in sensitive] == [("cumsum", dtype, (6, 3))]
+
+
+def test_check_takes_any_spelling_of_the_compute_dtype_and_refuses_typos():
+    """problems("BF16") and check("mixed_bfloat16") named no known dtype, so the
+    float32-matmul check was silently off; a typo passed too."""
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    report = jaxamp.precision_report(lambda x, w: x @ w)(x, w)
+    for spec in ("BF16", "bf16", "bfloat16", "mixed_bfloat16", jnp.bfloat16, "p=f32,c=bf16"):
+        assert [p.kind for p in report.problems(spec)] == ["float32_matmul"], spec
+    assert report.problems("float32") == []
+    with pytest.raises(ValueError, match="Did you mean 'bfloat16'"):
+        report.problems("bfloat61")
+    with pytest.raises(jaxamp.debug.PrecisionError):
+        report.check("mixed_bfloat16")
+
+
+def test_a_vector_dot_autocast_keeps_in_float32_is_not_a_problem():
+    """autocast runs jnp.dot of two vectors in the widest operand dtype (as PyTorch
+    does); check() called that a float32 matmul."""
+    v = jnp.ones(8)
+    report = jaxamp.precision_report(jaxamp.autocast(lambda v: jnp.dot(v, v), "mixed_bfloat16"))(v)
+    assert report.ops and report.check("bfloat16") is report

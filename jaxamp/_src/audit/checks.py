@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from jaxamp._src.audit.stablehlo import WalkedOp, tensor_type, walk
-from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES, SIXTEEN_BIT_NAMES
+from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES, SIXTEEN_BIT_NAMES, canonical_dtype
+from jaxamp._src.policy import get_policy, is_policy_spec
 
 # StableHLO/CHLO operation -> the JAX primitive it lowers.
 _ELEMENTWISE = {
@@ -452,7 +453,7 @@ def _ignored(layer: str, ignore: tuple[str, ...]) -> bool:
 
 def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...] = ()) -> list:
     """The ``Problem`` list of a ``PrecisionReport`` (see the module docs)."""
-    compute = None if compute_dtype is None else canonical_dtype_name(compute_dtype)
+    compute = compute_dtype_name(compute_dtype)
     problems = []
     for op in report.sensitive:
         if op.dtype in SIXTEEN_BIT_NAMES and op.primitive not in EXACT:
@@ -471,7 +472,8 @@ def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...
             continue
         layer = short_name(op.name)
         operands = {op.lhs_dtype, op.rhs_dtype}
-        if compute in SIXTEEN_BIT_NAMES and operands == {"float32"}:
+        vector_dot = len(op.lhs_shape) == 1 and len(op.rhs_shape) == 1  # float32 by rule
+        if compute in SIXTEEN_BIT_NAMES and operands == {"float32"} and not vector_dot:
             problems.append(
                 Problem("float32_matmul", op.kind, "float32", layer, op.direction, op.executions)
             )
@@ -491,6 +493,19 @@ def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...
                 )
             )
     return [p for p in problems if not _ignored(p.layer, tuple(ignore))]
+
+
+def compute_dtype_name(value: Any) -> str | None:
+    """The compute dtype ``check``/``problems`` hold the program to, by name: from a
+    dtype, a dtype name in any case (``"BF16"``, ``"bfloat16"``), a policy or a policy
+    spec (``"mixed_bfloat16"``: its compute dtype). An unknown name raises, naming the
+    valid choices: a typo must not turn the float32-matmul check off."""
+    if value is None:
+        return None
+    if is_policy_spec(value):
+        spec = value.strip().lower() if isinstance(value, str) else value
+        return get_policy(HLO_DTYPE_NAMES.get(spec, spec)).compute_dtype.name
+    return canonical_dtype(value, "compute_dtype").name
 
 
 def canonical_dtype_name(dtype: Any) -> str:
