@@ -35,4 +35,7 @@ if [ "$limit" != "0.0" ]; then extra=(--memory-limit-gb "$limit"); fi
 python3 -m benchmarks.matmul_forms --size "${MATMUL_SIZE:-8192}" --batch "${DENSE_BATCH:-16384}" \
   --features "${DENSE_FEATURES:-4096}" --warmup 5 --repeats 20 --out "$out" \
   --hlo-out "$out/matmul_hlo" 2>&1 | tee "$out/matmul_forms.log"
+# Kahan's compensation and stochastic rounding's bias under the GPU compiler, which may
+# fold a convert pair (xla_allow_excess_precision): seconds; a failure is reported, not fatal.
+python3 -m benchmarks.rounding_on_device --out "$out" 2>&1 | tee "$out/rounding_on_device.log" || true
 python3 -m benchmarks.run --suite gpu --out "$out" "${extra[@]}" "$@" 2>&1 | tee "$out/log.txt"

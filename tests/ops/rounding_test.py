@@ -5,11 +5,18 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxamp._src.ops.rounding import round_to, stochastic_round, validate_rounding
+import jaxamp
+from jaxamp._src.ops.rounding import (
+    round_in_float32,
+    round_to,
+    stochastic_round,
+    validate_rounding,
+)
 
 SIXTEEN = [jnp.bfloat16, jnp.float16]
 # Each property test draws this many float32 values per example and rounds them under one
@@ -221,3 +228,36 @@ def test_unsupported_dtypes_are_a_clear_error(dtype):
     x = jnp.ones(4, jnp.float32)
     with pytest.raises(ValueError, match=r"Valid choices: bfloat16, float16, float32"):
         stochastic_round(x, dtype, jax.random.key(0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_the_rounding_is_in_the_compiled_program(dtype):
+    """x.astype(16 bits).astype(float32) may be folded to x by a compiler allowed excess
+    precision (XLA's default on GPU and TPU): stochastic rounding's exactness test and
+    Kahan's compensation rely on that rounding, so it is lax.reduce_precision, which
+    survives compilation. XLA:CPU keeps both forms; the compiled text shows which."""
+    text = (
+        jax.jit(lambda x, key: stochastic_round(x, dtype, key))
+        .lower(jnp.ones(8), jax.random.key(0))
+        .compile()
+        .as_text()
+    )
+    assert text.count("reduce-precision") >= 1
+    params = {"w": jnp.ones(16, dtype)}
+    for recipe in ("kahan", "float32"):
+        tx = jaxamp.loss_scaled(optax.sgd(1e-3), jaxamp.NoOpLossScale(), master_weights=recipe)
+        text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
+        assert text.count("reduce-precision") >= 1, recipe
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    values=st.lists(st.floats(-7e4, 7e4, allow_nan=False, width=32), min_size=1, max_size=16),
+    dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
+)
+def test_round_in_float32_is_the_convert_pair(values, dtype):
+    """The same values as x.astype(dtype).astype(float32), subnormals and overflow
+    included, where XLA keeps the pair (on a CPU)."""
+    x = jnp.asarray([*values, 1e-6, 3e-7, 65519.0, 65520.0, -1e-45], jnp.float32)
+    got = jax.jit(functools.partial(round_in_float32, dtype=dtype))(x)
+    np.testing.assert_array_equal(got, x.astype(dtype).astype(jnp.float32))

@@ -117,9 +117,34 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
         up = jnp.where(u < (magnitude - lo32) / gap, hi, lo)
         rounded = jnp.where(sign != 0, -up, up)
     # exact (bit for bit), inf or NaN, or beyond the largest finite value: to nearest
-    exact = lax.bitcast_convert_type(nearest.astype(jnp.float32), jnp.uint32) == bits
+    exact = lax.bitcast_convert_type(round_in_float32(x, dtype), jnp.uint32) == bits
     keep = exact | ~(magnitude <= jnp.finfo(dtype).max)
     return jnp.where(keep, nearest, rounded)
+
+
+def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` (float32) rounded to nearest in ``dtype``, kept in float32.
+
+    ``x.astype(dtype).astype(float32)`` says the same, but XLA's
+    ``xla_allow_excess_precision`` (on by default) lets a compiler drop such a convert
+    pair and keep ``x``: Kahan's compensation would then be zero and stochastic
+    rounding's exactness test always true. ``lax.reduce_precision`` is the rounding
+    itself, which no compiler may elide. It flushes ``dtype``'s subnormals to zero, so
+    those (float16's, below 2**-14) take the convert pair.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> round_in_float32(jnp.float32(1 + 2.0**-9), jnp.bfloat16)
+      Array(1., dtype=float32)
+    """
+    dtype = np.dtype(dtype)
+    x = jnp.asarray(x, jnp.float32)
+    if dtype.itemsize >= 4:
+        return x
+    info = jnp.finfo(dtype)
+    reduced = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    subnormal = jnp.abs(x) < jnp.float32(info.smallest_normal)
+    return jnp.where(subnormal, x.astype(dtype).astype(jnp.float32), reduced)
 
 
 def round_to(x: jax.Array, dtype: Any, rounding: str, key: jax.Array | None) -> jax.Array:

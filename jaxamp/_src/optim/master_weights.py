@@ -40,7 +40,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._src.dtypes import float32_tree, is_16bit_array, is_inexact_array
-from jaxamp._src.ops.rounding import leaf_keys, new_key_data, step_key, stochastic_round
+from jaxamp._src.ops.rounding import (
+    leaf_keys,
+    new_key_data,
+    round_in_float32,
+    step_key,
+    stochastic_round,
+)
 
 MASTER_WEIGHTS = ("float32", "kahan", "stochastic", "none")
 """How ``loss_scaled`` updates 16-bit params: the valid ``master_weights=`` choices."""
@@ -88,7 +94,9 @@ def adopt_changes(master: Any, params: Any) -> Any:
     def adopt(m, p):
         if not is_16bit_array(p):
             return m
-        return jnp.where(m.astype(p.dtype) == p, m, p.astype(jnp.float32))
+        return jnp.where(
+            round_in_float32(m, p.dtype) == p.astype(jnp.float32), m, p.astype(jnp.float32)
+        )
 
     return jax.tree.map(adopt, master, params)
 
@@ -145,7 +153,7 @@ def step_master(master: Any, updates: Any, params: Any) -> tuple[Any, Any]:
         if not is_16bit_array(p):
             return u, m
         new = m + u
-        return new.astype(p.dtype).astype(jnp.float32) - p.astype(jnp.float32), new
+        return round_in_float32(new, p.dtype) - p.astype(jnp.float32), new
 
     pairs = jax.tree.map(step, master, updates, params)
     outer = jax.tree.structure(updates)
@@ -166,8 +174,8 @@ def apply(
             if not is_16bit_array(p):
                 return u, c
             y = u + c.astype(jnp.float32)
-            new = (p.astype(jnp.float32) + y).astype(p.dtype)
-            applied = new.astype(jnp.float32) - p.astype(jnp.float32)
+            # the rounding no compiler may fold away (see round_in_float32)
+            applied = round_in_float32(p.astype(jnp.float32) + y, p.dtype) - p.astype(jnp.float32)
             return applied, (y - applied).astype(c.dtype)
 
         pairs = jax.tree.map(kahan, updates, params, compensation)
