@@ -245,9 +245,14 @@ _matmul_with_own_vjp.defvjp(
 
 def test_a_custom_vjp_forward_is_entered_and_its_backward_runs_as_written():
     """A jax.custom_vjp function was passed through whole: its forward matmul stayed
-    float32 under mixed_bfloat16."""
+    float32 under mixed_bfloat16. (Under jax_custom_vjp3 it is a "hi" primitive that
+    autocast does not enter yet: refused by name.)"""
     loss = lambda w, x: jnp.sum(_matmul_with_own_vjp(x, w).astype(jnp.float32))
     fwd = jaxamp.autocast(loss, "mixed_bfloat16")
+    if getattr(jax.config, "jax_custom_vjp3", False):
+        with pytest.raises(NotImplementedError, match="'CustomVJPTraced'"):
+            fwd(W, XS)
+        return
     assert _matmul_dtypes(fwd, W, XS) == [("bfloat16", "forward")]
     # the backward rule is the user's, in the dtypes it was written for
     assert {d for d, _ in _matmul_dtypes(jax.grad(fwd), W, XS) if _ == "backward"} == {"float32"}
