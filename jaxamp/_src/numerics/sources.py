@@ -21,7 +21,8 @@ import jax.extend as jex
 from jaxamp._src.jaxprs import open_jaxpr
 
 _LIBRARY = (os.sep + "site-packages" + os.sep, os.sep + "jaxamp" + os.sep + "_src" + os.sep)
-_MODELS = os.sep + "jaxamp" + os.sep + "_src" + os.sep + "models" + os.sep  # model code
+# jaxamp.models' code (it lives with the reference experiments): model code, not machinery
+_MODELS = os.sep.join(("", "jaxamp", "_src", "compare", "models", ""))
 
 
 @functools.cache
