@@ -61,7 +61,11 @@ class Case:
 
     @property
     def refused(self) -> bool:
-        return any(not WRAPPERS[w] for w in self.wrappers[self.position :])
+        # a line search with stochastically rounded 16-bit params is refused too
+        sr_line_search = (
+            self.base == "lbfgs" and self.recipe == "stochastic" and self.dtype != "float32"
+        )
+        return sr_line_search or any(not WRAPPERS[w] for w in self.wrappers[self.position :])
 
 
 def _base(name: str) -> optax.GradientTransformation:
@@ -251,7 +255,7 @@ def tolerance_ulps(case: Case) -> float:
 def check(case: Case) -> None:
     event("refused" if case.refused else f"tracks, {case.dtype} params")
     if case.refused:
-        with pytest.raises(ValueError, match=r"jaxamp\.loss_scaled\("):
+        with pytest.raises(ValueError, match=r"jaxamp\.loss_scaled\(|master_weights='float32'"):
             run_amp(case)
         return
     params, taken = run_amp(case)
@@ -263,9 +267,11 @@ def check(case: Case) -> None:
     for got, want, t in zip(
         jax.tree.leaves(params), jax.tree.leaves(reference), template, strict=True
     ):
-        dtype = t.dtype
-        assert got.dtype == dtype
+        assert got.dtype == t.dtype
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        # a float32 leaf beside 16-bit ones inherits their rounding through anything
+        # that couples the leaves (a global norm, a line search): the 16-bit tolerance
+        dtype = DTYPES[case.dtype]
         if dtype == jnp.float32:
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=str(case))
             continue
@@ -286,6 +292,10 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # float16 params in update (NaN), float32 ones in init.
 @example(Case("sgd", ("flatten",), 0, "bfloat16", True, "float32", "noop", ()))
 @example(Case("adafactor", (), 0, "float16", False, "none", "noop", ()))
+@example(Case("sgd", ("clip_by_global_norm",), 1, "bfloat16", True, "stochastic", "dynamic", ()))
+# Found by the generated run: lbfgs with stochastically rounded bfloat16 params, 20.7
+# ulps off float32 optax in 6 steps (its curvature pairs see the rounding noise).
+@example(Case("lbfgs", ("clip", "clip"), 2, "bfloat16", False, "stochastic", "static", (0, 4)))
 @settings(max_examples=30, derandomize=True, **SETTINGS)
 @given(cases())
 def test_generated_compositions_track_float32_or_are_refused(case):

@@ -399,6 +399,14 @@ def _update(
             "nor check what it returns. Use optax.contrib.sam(..., opaque_mode=False) "
             "inside loss_scaled, and pass it each step's gradients."
         )
+    if config.master_weights == "stochastic" and "value_fn" in extra_args and rounds:
+        raise ValueError(
+            "loss_scaled(master_weights='stochastic') got value_fn=, a line search's: its "
+            "curvature and step sizes come from the params it evaluates, which stochastic "
+            "rounding then moves by random fractions of a unit in the last place (20 "
+            "bfloat16 ulps off float32 optax's lbfgs in 6 steps). Use "
+            "master_weights='float32' or 'kahan' with a line search."
+        )
     inv_scale = 1.0 / state.loss_scale.scale
     finite, nonfinite_grads = _check_finite(config, updates, state, inv_scale)
     grads = jax.tree.map(lambda g: _unscale(g, inv_scale), updates)
