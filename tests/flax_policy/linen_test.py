@@ -486,3 +486,25 @@ def test_a_policy_module_is_a_submodule():
     np.testing.assert_allclose(
         WithBackbone().apply(variables, x), Bare().apply(variables, x), rtol=0.02, atol=0.02
     )
+
+
+def test_a_matmul_the_model_writes_follows_the_rules_compute_set():
+    """The docstring said x @ self.param(...) runs in float32 and that rules.compute is
+    unused; it runs in the compute dtype, and an empty compute set keeps it float32."""
+
+    class Written(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ self.param("w", nn.initializers.ones, (8, 8))
+
+    x = jnp.ones((2, 8))
+    variables = Written().init(jax.random.key(0), x)
+
+    def operands(rules):
+        model = jaxamp.linen.apply_policy(Written(), "mixed_bfloat16", rules=rules)
+        report = jaxamp.precision_report(lambda v, x: model.apply(v, x))(variables, x)
+        return {(op.lhs_dtype, op.rhs_dtype) for op in report.ops}
+
+    assert operands(None) == {("bfloat16", "bfloat16")}
+    no_compute = dataclasses.replace(jaxamp.AUTOCAST_RULES, compute=frozenset())
+    assert operands(no_compute) == {("float32", "float32")}

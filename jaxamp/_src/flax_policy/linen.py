@@ -238,16 +238,16 @@ def apply_policy(
     gradients; see ``jaxamp/_src/ops/matmul.py``), attention's softmax and normalisation
     statistics are computed in float32, ``batch_stats`` stay float32.
 
-    ``apply`` then evaluates the model with the rule table of ``jaxamp.autocast``
-    (its ``float32`` and ``promote`` sets): wherever the model calls them itself,
+    ``apply`` then evaluates the model with the rule table of ``jaxamp.autocast``:
+    wherever the model calls them itself,
     numerically sensitive primitives (the exponentials and sums of a softmax
     written out or called from ``jax.nn``/``flax.linen`` directly, ``logsumexp``,
     ``erf``, losses) run in float32, a matmul the model writes on 16-bit values
     accumulates in float32, and a 16-bit value broadcast into an activation
     (a bias, a positional embedding) gets its gradient summed in float32.
-    A matmul a custom module writes on a float32 param (``x @ self.param(...)``)
-    runs as written, in float32: ``jaxamp.precision_report``'s ``problems``
-    flags it, and ``jaxamp.autocast`` casts such code.
+    A matmul a custom module writes itself on a float32 param (``x @
+    self.param(...)``) runs in the compute dtype too, under the matmul rule (the
+    ``compute`` set of ``rules``), as ``jaxamp.autocast`` runs it.
 
     The policy is applied while the returned object's ``init``/``apply`` trace
     the module, so the module's code and its variables' structure are unchanged.
@@ -266,9 +266,10 @@ def apply_policy(
         and softmax intermediates are recomputed from 16-bit values),
         ``"dots"`` (only matmul, convolution and reduction outputs are kept) or
         ``"all"`` (JAX's default). See ``jaxamp.checkpoint_residuals``.
-      rules: the ``jaxamp.AutocastRules`` whose ``float32`` and ``promote`` sets
-        ``apply`` evaluates the model with (``jaxamp.AUTOCAST_RULES`` when
-        ``None``; its ``compute`` set is not used, layers decide their matmuls).
+      rules: the ``jaxamp.AutocastRules`` ``apply`` evaluates the model with
+        (``jaxamp.AUTOCAST_RULES`` when ``None``): its ``float32`` and ``promote``
+        sets, and its ``compute`` set for the matmuls the model writes itself (the
+        layers' own matmuls take the rule through their hooks either way).
 
     Returns:
       A ``PolicyModule`` with ``init``, ``init_with_output`` and ``apply``.

@@ -110,10 +110,10 @@ def _check_params_seen(grads: Any, state: Any) -> None:
     seen = getattr(state, "sixteen_bit_leaves", None)
     if seen is None:
         return
-    here = count_16bit(grads)
-    if here != seen.shape[0]:
+    here, there = count_16bit(grads), seen.shape[0] - 1
+    if here != there:
         raise ValueError(
-            f"jaxamp.loss_scaled was initialised on params with {seen.shape[0]} 16-bit "
+            f"jaxamp.loss_scaled was initialised on params with {there} 16-bit "
             f"leaves, and these gradients have {here}: a transformation around it changed "
             "the params it sees (optax.flatten joins mixed float32 and 16-bit params into "
             "one float32 vector, so no 16-bit param would keep a float32 master). Put it "

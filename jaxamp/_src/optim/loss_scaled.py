@@ -70,9 +70,10 @@ class LossScaledState(NamedTuple):
         ``False`` before any skip); else ``None``. Read it with
         ``jaxamp.optim.nonfinite_gradients``. ``init`` sees only the params, so it takes
         the gradients' structure from them (see ``_gradient_structure``).
-      sixteen_bit_leaves: one ``False`` per 16-bit param leaf ``init`` saw (only its
-        length is read): ``jaxamp.value_and_grad`` checks that the gradients it makes
-        have as many, which a transformation around ``loss_scaled`` that changes the
+      sixteen_bit_leaves: one ``False`` per 16-bit param leaf ``init`` saw, and one
+        more (only its length is read; Orbax cannot save an empty array):
+        ``jaxamp.value_and_grad`` checks that the gradients it makes have as many,
+        which a transformation around ``loss_scaled`` that changes the
         params it sees (``optax.flatten`` joining mixed dtypes into float32) breaks.
     """
 
@@ -377,7 +378,8 @@ def _init(config: _Config, params: Any) -> LossScaledState:
             if config.record_nonfinite
             else None
         ),
-        sixteen_bit_leaves=jnp.zeros([count_16bit(_gradient_structure(params))], jnp.bool_),
+        # one more than the count: a checkpointer (Orbax) cannot save an empty array
+        sixteen_bit_leaves=jnp.zeros([count_16bit(_gradient_structure(params)) + 1], jnp.bool_),
     )
 
 

@@ -183,8 +183,8 @@ def find_loss_scaled_state(opt_state: Any) -> LossScaledState:
       >>> try:
       ...     find_loss_scaled_state(tx.init(jnp.ones(2)))
       ... except ValueError as e:
-      ...     print(str(e)[:52])
-      jaxamp.loss_scaled is inside an optax.chain (at the
+      ...     print(str(e).split(" (")[0])
+      jaxamp.loss_scaled is inside an optax.chain
     """
     if not isinstance(opt_state, tuple):  # an nnx.Optimizer, a TrainState; a state
         opt_state = getattr(opt_state, "opt_state", opt_state)  # may name a field so (SAM)
