@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 # Eight CPU devices for the sharding tests; must be set before jax is imported.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
@@ -17,3 +19,18 @@ if NEXT_JAX_FLAGS:
 
     for _flag in NEXT_JAX_FLAGS.split(","):
         jax.config.update(_flag, True)
+
+
+@pytest.fixture
+def jax_flag(request):
+    """One of the next JAX's flags (``request.param``, e.g. ``"jax_remat3"``) on for one
+    test, and back as it was after; the test is skipped where this jax lacks it."""
+    import jax
+
+    name = request.param
+    if not hasattr(jax.config, name):
+        pytest.skip(f"this jax has no {name}")
+    previous = getattr(jax.config, name)
+    jax.config.update(name, True)
+    yield name
+    jax.config.update(name, previous)

@@ -48,17 +48,8 @@ def test_transformation_sensitive_tests_pass_under_the_next_jax_flags():
     assert run.returncode == 0, f"under {NEXT_FLAGS}:\n{run.stdout[-6000:]}"
 
 
-@pytest.fixture
-def scan3():
-    if not hasattr(jax.config, "jax_scan3"):
-        pytest.skip("this jax has no jax_scan3")
-    previous = jax.config.jax_scan3
-    jax.config.update("jax_scan3", True)
-    yield
-    jax.config.update("jax_scan3", previous)
-
-
-def test_scan3_is_refused_by_name(scan3):
+@pytest.mark.parametrize("jax_flag", ["jax_scan3"], indirect=True)
+def test_scan3_is_refused_by_name(jax_flag):
     """Under jax_scan3 a scan is a "hi" primitive whose carry lives in Refs: autocast
     does not enter it yet, and says so rather than leave its matmuls as traced."""
 

@@ -209,19 +209,9 @@ def _checkpointed(w, x):
     return jnp.sum(inner(w, x).astype(jnp.float32))
 
 
-@pytest.fixture
-def remat3():
-    """``jax.checkpoint`` as the higher-order ``call_hi_primitive`` (jax_remat3)."""
-    if not hasattr(jax.config, "jax_remat3"):
-        pytest.skip("this jax has no jax_remat3")
-    previous = jax.config.jax_remat3
-    jax.config.update("jax_remat3", True)
-    yield
-    jax.config.update("jax_remat3", previous)
-
-
+@pytest.mark.parametrize("jax_flag", ["jax_remat3"], indirect=True)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_checkpoint_is_entered_under_remat3(remat3, dtype):
+def test_checkpoint_is_entered_under_remat3(jax_flag, dtype):
     """Under jax_remat3 autocast passed the checkpoint through: its matmuls stayed
     float32 under mixed_bfloat16, and nothing warned."""
     assert "call_hi_primitive" in str(jax.make_jaxpr(_checkpointed)(W, XS))
