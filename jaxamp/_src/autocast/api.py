@@ -61,8 +61,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxamp._src.autocast import constants
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
+from jaxamp._src.dtypes import FLOAT32, is_16bit
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
 from jaxamp._src.policy import Policy, get_policy
@@ -214,8 +216,17 @@ def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any]
     return fun, None
 
 
+def _as_float32_shape(x: Any) -> Any:
+    """The shape of ``x``, in float32 if ``x`` is a 16-bit array."""
+    dtype = FLOAT32 if is_16bit(x.dtype) else x.dtype
+    return jax.ShapeDtypeStruct(x.shape, dtype)
+
+
 def interpreted(
-    fun: Callable[..., Any], config: tuple[Policy, AutocastRules], residuals: str
+    fun: Callable[..., Any],
+    config: tuple[Policy, AutocastRules],
+    residuals: str,
+    as_written: Callable[[Any], Any] | None = None,
 ) -> Callable[..., Any]:
     """``fun`` evaluated by the autocast interpreter with ``config``'s policy and rules.
 
@@ -227,6 +238,12 @@ def interpreted(
     shared; the variables the call changes (BatchNorm statistics, RNG counts, an
     optimizer's step and moments) are put back into them afterwards, as a call
     outside the interpreter would.
+
+    ``as_written`` (for the policies, whose layers run in 16 bits as traced) maps
+    ``(callee, args, kwargs)`` to a context in which it runs as its author wrote it. Where the
+    trace holds a 16-bit ``inf`` constant, the function is traced again in that
+    context with float32 inputs, and each constant the 16-bit trace rounded to
+    ``inf`` (``x + 1e5`` in float16) is evaluated with the value written there.
     """
     policy, _ = config
     validate_residuals(residuals)
@@ -253,12 +270,27 @@ def interpreted(
             return out_arrays
 
         closed = jax.make_jaxpr(traced)(*arrays)
-        evaluate = checkpoint_residuals(
-            lambda consts, arrays: cast_to_traced(
-                eval_jaxpr(closed.jaxpr, consts, arrays, config), closed.jaxpr.outvars
-            ),
-            residuals,
-        )
+        written = {}
+        if as_written is not None and constants.rounded_to_inf(closed.jaxpr):
+
+            def traced_as_written(*arrays):
+                state, others = rebuild_inputs(arrays)
+                merged, _ = nodes.merge(state, others)
+                call_callee, call_args, call_kwargs = merged
+                with as_written(merged):
+                    if method is None:
+                        return call_callee(*call_args, **call_kwargs)
+                    return method(call_callee, *call_args, **call_kwargs)
+
+            wide = jax.make_jaxpr(traced_as_written)(*map(_as_float32_shape, arrays))
+            written = constants.written_values(closed.jaxpr, wide.jaxpr)
+
+        def evaluate_traced(consts, arrays):
+            with constants.evaluating_with(written):
+                outs = eval_jaxpr(closed.jaxpr, consts, arrays, config)
+            return cast_to_traced(outs, closed.jaxpr.outvars)
+
+        evaluate = checkpoint_residuals(evaluate_traced, residuals)
         out, new_state = rebuild_outputs[0](evaluate(closed.consts, arrays))
         nodes.update(new_state)
         return out

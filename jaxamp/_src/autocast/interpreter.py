@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._src.autocast import constants
 from jaxamp._src.autocast.rules import AutocastRules, primitive_names
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
 from jaxamp._src.jaxprs import (
@@ -72,11 +73,15 @@ class _Env:
         return entry[1] if entry is not None and entry[0] is value else None
 
     def read(self, atom: Any) -> Any:
-        return atom.val if isinstance(atom, jex.core.Literal) else self.values[atom]
+        if isinstance(atom, jex.core.Literal):
+            written = constants.written_value(atom)
+            return atom.val if written is None else written
+        return self.values[atom]
 
     def dtype(self, atom: Any) -> Any:
         if isinstance(atom, jex.core.Literal):
-            return atom.aval.dtype
+            written = constants.written_value(atom)
+            return atom.aval.dtype if written is None else written.dtype
         return getattr(self.values[atom], "dtype", None)
 
     def read_as(self, atom: Any, dtype: Any) -> Any:

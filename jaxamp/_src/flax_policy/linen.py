@@ -49,7 +49,10 @@ def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
             scope = scope_fn(variable_groups, rng_groups)
             return fn(scope, *args, **kwargs), repack_fn(scope)
 
-        return interpreted(pure, config, residuals)(variable_groups, rng_groups, *args, **kwargs)
+        as_written = lambda _: layer_plan.layers_as_written()
+        return interpreted(pure, config, residuals, as_written)(
+            variable_groups, rng_groups, *args, **kwargs
+        )
 
     lifted = lift.pack(inner, (True,), (True,), (True,), name="jaxamp_policy", enable_kwargs=True)
     return lifted(scope, *args, **kwargs)
@@ -83,7 +86,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...]):
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
-        if isinstance(module, PolicyModule):
+        if isinstance(module, PolicyModule) or layer_plan.running_as_written():
             return next_fun(*args, **kwargs)
         policy = layer_plan.resolve_policy(root, overrides, _module_chain(module))
         plan = layer_plan.plan_layer(module, policy, context.method_name)

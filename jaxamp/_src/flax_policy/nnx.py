@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -60,13 +61,36 @@ def _policy_call(self, *args, **kwargs):
         is_leaf=is_graph_node,
     )
     config = (policy, getattr(self, _RULES_ATTR))
-    out = interpreted(base_call, config, getattr(self, _RESIDUALS_ATTR))(self, *args, **kwargs)
+    residuals = getattr(self, _RESIDUALS_ATTR)
+    out = interpreted(base_call, config, residuals, _as_written)(self, *args, **kwargs)
     return policy.cast_to_output(out)
+
+
+@contextlib.contextmanager
+def _as_written(tree: Any):
+    """The layers of the modules in ``tree`` without the policy's settings, as their
+    author wrote them, for the duration (see ``layer_plan.layers_as_written``)."""
+    changed = []
+    models = [x for x in jax.tree.leaves(tree, is_leaf=is_graph_node) if isinstance(x, nnx.Module)]
+    for module in {id(m): m for model in models for _, m in iter_modules(model)}.values():
+        originals = getattr(module, _ORIGINALS_ATTR, None) or {}
+        changed.append((module, {name: getattr(module, name) for name in originals}))
+        for name, value in originals.items():
+            setattr(module, name, value)
+    try:
+        with layer_plan.layers_as_written():
+            yield
+    finally:
+        for module, settings in changed:
+            for name, value in settings.items():
+                setattr(module, name, value)
 
 
 def _embed_call(self, *args, **kwargs):
     """``Embed.__call__`` that gathers in the table's dtype and casts the rows."""
     out = type(self).__mro__[1].__call__(self, *args, **kwargs)
+    if layer_plan.running_as_written():
+        return out
     return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
 
 
@@ -80,7 +104,7 @@ def _as_traced_call(self, *args, **kwargs):
 def _embed_attend(self, *args, **kwargs):
     """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
     plan: layer_plan.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
-    if plan.matmul is None:
+    if plan.matmul is None or layer_plan.running_as_written():
         return type(self).__mro__[1].attend(self, *args, **kwargs)
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 

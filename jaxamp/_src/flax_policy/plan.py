@@ -24,6 +24,7 @@ makes them emit compute-dtype activations.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
@@ -44,6 +45,23 @@ from jaxamp._src.policy import Policy, get_policy
 
 EMBED_LAYERS: tuple[type, ...] = (nn.Embed, nnx.Embed)
 _FLAX_ATTENTION_FNS = (nn.dot_product_attention, nnx.dot_product_attention)
+_AS_WRITTEN = contextvars.ContextVar("jaxamp_layers_as_written", default=False)
+
+
+@contextlib.contextmanager
+def layers_as_written() -> Any:
+    """A context in which layers run without the policy's settings, as the model's author
+    wrote them (``jaxamp._src.autocast.api.interpreted`` reads constants off that trace)."""
+    token = _AS_WRITTEN.set(True)
+    try:
+        yield
+    finally:
+        _AS_WRITTEN.reset(token)
+
+
+def running_as_written() -> bool:
+    """Whether layers run as written (inside ``layers_as_written``)."""
+    return _AS_WRITTEN.get()
 
 
 @dataclasses.dataclass(frozen=True)
