@@ -1,5 +1,8 @@
 """Tests for jaxamp/_src/ops/forms.py: matmul_form, use_matmul_form and JAXAMP_MATMUL_FORM."""
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -36,3 +39,18 @@ def test_the_form_can_be_overridden(monkeypatch):
 def test_native_override_on_cpu_warns():
     with jaxamp.ops.use_matmul_form("native"), pytest.warns(UserWarning, match="canonical"):
         matmul_forms.matmul_form("cpu", jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_program_lowered_for_cpu_in_the_native_form_warns_for_bfloat16(dtype):
+    """The warning comes where the form takes effect, when a program is lowered for the
+    CPU (not only when ``matmul_form`` is asked), and the lowered dot is the native one."""
+    loss = jaxamp.autocast(lambda w, x: jnp.tanh(x @ w).sum(), f"p=f32,c={dtype},o=f32")
+    w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+    with jaxamp.ops.use_matmul_form("native"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = jax.jit(jax.grad(loss)).lower(w, x).as_text()
+    warned = [w for w in caught if "'native' matmul form on XLA:CPU" in str(w.message)]
+    assert bool(warned) == (dtype == "bfloat16")
+    short = "bf16" if dtype == "bfloat16" else "f16"
+    assert f"tensor<2x4x{short}>" in text and "dot_general" in text

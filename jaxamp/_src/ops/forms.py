@@ -171,15 +171,21 @@ def matmul_form(platform: str | None = None, dtype: Any = jnp.bfloat16) -> Matmu
     platform = jax.default_backend() if platform is None else platform
     chosen = override()
     if chosen is not None:
-        if chosen.name == "native" and platform == "cpu" and np.dtype(dtype) == jnp.bfloat16:
-            warnings.warn(
-                "The 'native' matmul form on XLA:CPU: some bfloat16 dots it makes fail at run "
-                "time (UNIMPLEMENTED: ... DotThunk::Execute: BF16 x BF16 = F32); 'canonical' "
-                "runs them.",
-                stacklevel=3,
-            )
+        warn_if_unsafe(chosen, platform, dtype)
         return chosen
     return platform_form(platform, dtype)
+
+
+def warn_if_unsafe(form: MatmulForm, platform: str | None, dtype: Any) -> None:
+    """Warns when ``form`` is the ``native`` form of a bfloat16 GEMM on XLA:CPU, which
+    fails to run some of them (a Hessian-vector product's, for one)."""
+    if form.name == "native" and platform == "cpu" and np.dtype(dtype) == jnp.bfloat16:
+        warnings.warn(
+            "The 'native' matmul form on XLA:CPU: some bfloat16 dots it makes fail at run "
+            "time (UNIMPLEMENTED: ... DotThunk::Execute: BF16 x BF16 = F32); 'canonical' "
+            "runs them.",
+            stacklevel=3,
+        )
 
 
 # --------------------------------------------------------------------------- the GEMMs

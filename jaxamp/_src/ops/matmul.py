@@ -66,6 +66,7 @@ from jaxamp._src.ops.forms import (
     permute,
     platform_form,
     sharded_in_type,
+    warn_if_unsafe,
 )
 
 
@@ -118,7 +119,10 @@ def _dot_impl(
     platform=None,
 ):
     """The primitive's program, for ``platform`` (``None``: a GPU or TPU)."""
-    form = platform_form(platform, compute_dtype) if form is None else form
+    if form is None:
+        form = platform_form(platform, compute_dtype)
+    else:  # an override (use_matmul_form, JAXAMP_MATMUL_FORM), met where it is lowered
+        warn_if_unsafe(form, platform, compute_dtype)
     if form.canonical_layout and (sharding is not None or sharded_in_type(lhs, rhs)):
         form = FORMS["upcast"]  # the canonical layout's reshapes would need shardings
     lhs16, rhs16 = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
