@@ -259,3 +259,41 @@ def test_a_higher_order_primitive_it_does_not_enter_is_refused_by_name():
 
     with pytest.raises(NotImplementedError, match="higher-order primitive 'custom_linear_solve'"):
         jaxamp.autocast(solve, "mixed_bfloat16")(W + jnp.eye(8), XS[0])
+
+
+class _Gated(nn.Module):
+    """A learnable gate the model casts to its activations' dtype (Flax's idiom)."""
+
+    shape: tuple
+
+    @nn.compact
+    def __call__(self, x):
+        gate = self.param("gate", nn.initializers.constant(0.7), self.shape)
+        y = nn.Dense(16)(x)
+        return y * gate.astype(y.dtype)
+
+
+@pytest.mark.parametrize("dtype", list(SIXTEEN))
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_a_gate_of_any_rank_gets_its_gradient_summed_in_float32(dtype, shape):
+    """A 16-bit rank-0 operand of an elementwise product is broadcast over 8192 x 16
+    values; the transpose sums them, which must happen in float32 as for shape (1,)."""
+    x = jax.random.normal(jax.random.key(0), (8192, 8))
+    model = _Gated(shape)
+    variables = model.init(jax.random.key(1), x)
+    mixed = jaxamp.linen.apply_policy(model, f"p=f32,c={dtype},o=f32")
+
+    def loss(module):
+        return lambda v: module.apply(v, x).astype(jnp.float32).mean()
+
+    jaxamp.precision_report(jax.grad(loss(mixed)))(variables).check()
+    ours = jax.jit(jax.grad(loss(mixed)))(variables)["params"]["gate"]
+    reference = jax.jit(jax.grad(loss(model)))(variables)["params"]["gate"]
+    # The gradient is the mean of the Dense's outputs. The 16-bit Dense rounds each
+    # of them (its inputs and its result: a few ulps); summed in float32 the error stays
+    # within that of the mean of their magnitudes. A 16-bit sum of 8192 terms is off by
+    # far more (bfloat16: 0.04 of the gradient).
+    y = jax.jit(lambda v: model.apply(v, x, capture_intermediates=True))(variables)
+    magnitude = float(jnp.mean(jnp.abs(y[1]["intermediates"]["Dense_0"]["__call__"][0])))
+    eps = float(jnp.finfo(SIXTEEN[dtype]).eps)
+    assert float(jnp.max(jnp.abs(ours - reference))) <= 4 * eps * magnitude

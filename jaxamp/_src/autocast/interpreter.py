@@ -365,17 +365,19 @@ _IMPLICIT_BROADCAST = primitive_names(
 
 
 def _elementwise(eqn: Any, env: _Env) -> list[Any]:
-    """An elementwise primitive; 16-bit operands it broadcasts are broadcast first, by
+    """An elementwise primitive; 16-bit operands it broadcasts (size-1 dimensions, or a
+    rank-0 operand: a learnable gate or temperature) are broadcast first, by
     ``broadcast_summing_in_float32``, so their gradients are summed in float32."""
     values = _planned_inputs(eqn, env)
     out_shape = tuple(eqn.outvars[0].aval.shape)
-    values = [
-        broadcast_summing_in_float32(v, out_shape, range(len(out_shape)))
-        if _needs_float32_sum(v, a, out_shape) and np.ndim(v) == len(out_shape)
-        else v
-        for v, a in zip(values, eqn.invars, strict=True)
-    ]
-    return bind(eqn, values)
+    broadcast = []
+    for v, a in zip(values, eqn.invars, strict=True):
+        ndim = np.ndim(v)
+        dims = range(ndim) if ndim == len(out_shape) else () if ndim == 0 else None
+        if dims is not None and _needs_float32_sum(v, a, out_shape, dims):
+            v = broadcast_summing_in_float32(v, out_shape, dims)
+        broadcast.append(v)
+    return bind(eqn, broadcast)
 
 
 def _convert(eqn: Any, env: _Env) -> list[Any]:
