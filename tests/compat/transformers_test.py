@@ -10,6 +10,7 @@ import copy
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -185,3 +186,24 @@ def test_distilbert_float16_nan_is_the_models_own():
         model.params, {"inputs": inputs, "targets": targets}
     )
     assert bool(jnp.isnan(loss))
+
+
+@pytest.mark.parametrize("path", ["apply_policy", "autocast"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_float32_policy_is_the_identity(name, path):
+    """Under ``"float32"`` the model computes exactly what it computes alone: the loss and
+    every gradient, bit for bit."""
+    model, inputs, targets, loss_from_outputs = MODELS[name]()
+    alone = _loss_of(model, inputs, targets, loss_from_outputs)
+    if path == "apply_policy":
+        ours = copy.copy(model)
+        ours._module = jaxamp.linen.apply_policy(model.module, "float32")
+        policed = _loss_of(ours, inputs, targets, loss_from_outputs)
+    else:
+        policed = jaxamp.autocast(alone, "float32")
+    batch = {"inputs": inputs, "targets": targets}
+    expected = jax.jit(jax.value_and_grad(alone))(model.params, batch)
+    got = jax.jit(jax.value_and_grad(policed))(model.params, batch)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(ours, theirs)
