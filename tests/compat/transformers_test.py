@@ -207,3 +207,23 @@ def test_a_float32_policy_is_the_identity(name, path):
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_path_override_reaches_a_tied_head(tied):
+    """Bloom's tied head calls ``self.lm_head.apply({"params": {"kernel": embedding.T}}, h)``,
+    which roots the head in a scope of its own; the override still finds it."""
+    config = transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, tie_word_embeddings=tied
+    )
+    model = transformers.FlaxBloomForCausalLM(config, seed=0)
+    module = jaxamp.linen.apply_policy(
+        model.module, "mixed_bfloat16", overrides={"lm_head": "float32"}
+    )
+    ids = _tokens(7)
+    mask = jnp.ones_like(ids)
+    logits = lambda p: module.apply({"params": p}, ids, mask).logits
+    report = jaxamp.precision_report(logits)(model.params)
+    head = [op for op in report.ops if "lm_head" in op.name]
+    assert head and {op.lhs_dtype for op in head} == {"float32"}, head
+    assert report.count("bfloat16") >= 2 * config.n_layer  # the rest of the model runs bf16

@@ -293,6 +293,53 @@ def test_an_overridden_layer_computes_with_its_own_param_dtype(root):
     assert grads["head"]["kernel"].dtype == jnp.float32
 
 
+class TiedHead(nn.Module):
+    """A language model whose head reuses the embedding, as transformers' tied heads do."""
+
+    tied: bool = True
+
+    def setup(self):
+        self.embed = nn.Embed(50, 16)
+        self.body = nn.Dense(16)
+        self.lm_head = nn.Dense(50, use_bias=False)
+
+    def __call__(self, ids):
+        h = self.body(self.embed(ids))
+        if self.tied:  # the head rooted in a scope of its own by Module.apply
+            return self.lm_head.apply({"params": {"kernel": self.embed.embedding.T}}, h)
+        return self.lm_head(h)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("key", ["lm_head", nn.Dense])
+def test_an_override_reaches_a_layer_called_through_module_apply(tied, key):
+    model = jaxamp.linen.apply_policy(TiedHead(tied), "mixed_bfloat16", overrides={key: "float32"})
+    ids = jnp.arange(8).reshape(2, 4)
+    variables = model.init(jax.random.key(0), ids)
+    for fn in (lambda v: model.apply(v, ids), jax.grad(lambda v: model.apply(v, ids).sum())):
+        head = [op for op in jaxamp.precision_report(fn)(variables).ops if "lm_head" in op.name]
+        assert head and {op.lhs_dtype for op in head} == {"float32"}, head
+
+
+@pytest.mark.parametrize("key", ["lm_hed", "encoder/*", nn.Conv])
+def test_an_override_that_matches_no_layer_warns(key):
+    model = jaxamp.linen.apply_policy(TiedHead(), "mixed_bfloat16", overrides={key: "float32"})
+    ids = jnp.arange(8).reshape(2, 4)
+    name = key.__name__ if isinstance(key, type) else repr(key)
+    with pytest.warns(UserWarning, match=re.escape(name) + ".*'body', 'embed', 'lm_head'"):
+        variables = model.init(jax.random.key(0), ids)
+    with pytest.warns(UserWarning, match=re.escape(name)):
+        jax.jit(model.apply)(variables, ids)
+
+
+def test_an_override_that_matches_a_layer_does_not_warn(recwarn):
+    overrides = {"lm_head": "float32", nn.Embed: "float32", "bo*": "float32"}
+    model = jaxamp.linen.apply_policy(TiedHead(), "mixed_bfloat16", overrides=overrides)
+    ids = jnp.arange(8).reshape(2, 4)
+    jax.jit(model.apply)(model.init(jax.random.key(0), ids), ids)
+    assert not [w for w in recwarn if "override" in str(w.message)]
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match=r"jaxamp\.nnx\.apply_policy"):
         jaxamp.linen.apply_policy(object(), "float32")

@@ -1,6 +1,7 @@
 """Tests for jaxamp/_src/flax_policy/nnx.py on unmodified NNX models (ResNet and Transformer)."""
 
 import pickle
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,19 @@ def test_overrides():
     assert model.stem.conv.dtype == jnp.float32 and model.head.dtype == jnp.bfloat16
     model = make("transformer", "mixed_bfloat16", overrides={"layers/1/*": "float32"})
     assert model.layers[1].up.dtype == jnp.float32 and model.layers[0].up.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("key", ["haed", "layers/7/*", nnx.Embed])
+def test_an_override_that_matches_no_layer_warns(key):
+    name = key.__name__ if isinstance(key, type) else repr(key)
+    with pytest.warns(UserWarning, match=re.escape(name) + ".*'head'"):
+        model = make("resnet", "mixed_bfloat16", overrides={key: "float32", "head": "float32"})
+    assert model.head.dtype == jnp.float32  # the override that matches still applies
+
+
+def test_an_override_that_matches_a_layer_does_not_warn(recwarn):
+    make("resnet", "mixed_bfloat16", overrides={"head": "float32", ConvBlock: "float32"})
+    assert not [w for w in recwarn if "override" in str(w.message)]
 
 
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])

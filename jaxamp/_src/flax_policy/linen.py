@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -32,12 +34,55 @@ def _temporarily_set(module: nn.Module, attributes: tuple[tuple[str, Any], ...])
             object.__setattr__(module, name, value)
 
 
-def _module_chain(module: nn.Module) -> Iterator[tuple[tuple[str, ...], nn.Module]]:
-    """``(path, module)`` from ``module`` up to the root, for bound modules."""
+# The chain of the layer whose method is running, so that a layer a model calls through
+# ``Module.apply`` (a tied head: ``self.head.apply({"params": ...}, h)``), which Flax roots
+# in a scope of its own, is found at the path it has in the model.
+_RUNNING: contextvars.ContextVar[tuple[tuple[tuple[str, ...], nn.Module], ...]] = (
+    contextvars.ContextVar("jaxamp_linen_running", default=())
+)
+
+
+@dataclasses.dataclass
+class _Call:
+    """One call of a ``PolicyModule``: where its wrapped module sits, and the layers that ran.
+
+    Attributes:
+      base: the ``PolicyModule``'s path, which its wrapped module shares.
+      inner: the wrapped module as bound in this call (set when the call starts).
+      seen: each layer's ``(path, module)`` chain, in the order the layers ran.
+    """
+
+    base: tuple[str, ...]
+    inner: Any = None
+    seen: list = dataclasses.field(default_factory=list)
+
+
+def _module_chain(module: nn.Module, call: _Call) -> tuple[tuple[tuple[str, ...], nn.Module], ...]:
+    """``(path, module)`` from ``module`` up to the wrapped module of ``call``.
+
+    Paths are the ones ``init`` sees, whatever scopes Flax binds the layers to in
+    ``apply`` (where the policy's own lifted call roots them anew). A module that a
+    running layer roots with ``Module.apply`` continues into that layer's chain, at
+    the layer's path plus its own name.
+    """
+    chain = []
     while isinstance(module, nn.Module):
         scope = module.scope
-        yield (tuple(scope.path) if scope is not None else ()), module
-        module = module.parent
+        chain.append(((tuple(scope.path) if scope is not None else ()), module))
+        if module is call.inner:
+            break
+        if isinstance(module.parent, nn.Module):
+            module = module.parent
+            continue
+        running = _RUNNING.get()
+        if running and not chain[-1][0] and module.name is not None:  # Module.apply in a layer
+            prefix = (*running[0][0], module.name)
+            return tuple((prefix + path, m) for path, m in chain) + running
+        break
+    if chain[-1][1] is call.inner:  # relative to the wrapped module, then at its path
+        inner_path = chain[-1][0]
+        chain = [(call.base + path[len(inner_path) :], m) for path, m in chain]
+    return tuple(chain)
 
 
 def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
@@ -81,14 +126,26 @@ def _without_policy_modules(capture: Any) -> Any:
     return capture_filter
 
 
-def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...]):
-    """The method interceptor that gives each layer its settings (see ``layer_plan.plan_layer``)."""
+def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: _Call):
+    """The method interceptor that gives each layer its settings (see ``layer_plan.plan_layer``).
+
+    Each layer's ``(path, module)`` chain is appended to ``call.seen``.
+    """
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
         if isinstance(module, PolicyModule) or layer_plan.running_as_written():
             return next_fun(*args, **kwargs)
-        policy = layer_plan.resolve_policy(root, overrides, _module_chain(module))
+        chain = _module_chain(module, call)
+        call.seen.append(chain)
+        token = _RUNNING.set(chain)
+        try:
+            return run(chain, module, next_fun, args, kwargs, context)
+        finally:
+            _RUNNING.reset(token)
+
+    def run(chain, module, next_fun, args, kwargs, context):
+        policy = layer_plan.resolve_policy(root, overrides, chain)
         plan = layer_plan.plan_layer(module, policy, context.method_name)
         scope = layer_plan.as_traced_scope(root, policy, FLOAT32_SCOPE)
         if not plan or layer_plan.has_complex((args, kwargs)):
@@ -153,10 +210,11 @@ class PolicyModule(nn.Module):
     def _run(self, method: Any, *args, **kwargs):
         """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
         args, kwargs = self.policy.cast_to_compute((args, kwargs))
-        interceptor = _interceptor(self.policy, self.overrides)
+        call = _Call(tuple(self.scope.path) if self.scope is not None else ())
+        interceptor = _interceptor(self.policy, self.overrides, call)
 
         def target(mdl, *args, **kwargs):
-            inner = mdl.module
+            inner = call.inner = mdl.module
             fn = getattr(type(inner), method) if isinstance(method, str) else method
             with nn.intercept_methods(interceptor):
                 return fn(inner, *args, **kwargs)
@@ -175,6 +233,12 @@ class PolicyModule(nn.Module):
                 multi_scope=True,
                 **kwargs,
             )
+        if self.overrides and call.seen:  # the layers ran (were traced) in this call
+            matched = set()
+            for chain in call.seen:
+                matched |= layer_plan.matching_overrides(self.overrides, chain)
+            paths = (path for chain in call.seen for path, _ in chain)
+            layer_plan.warn_unmatched(self.overrides, matched, type(self.module).__name__, paths)
         return self.policy.cast_to_output(out)
 
     @nn.nowrap

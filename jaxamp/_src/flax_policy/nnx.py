@@ -203,9 +203,15 @@ def apply_policy(
     rules = policy_rules(rules)
 
     modules = {tuple(path): module for path, module in iter_modules(model)}
+    chains = {
+        path: [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)] for path in modules
+    }
+    matched = set()
+    for chain in chains.values():
+        matched |= layer_plan.matching_overrides(override_list, chain)
+    layer_plan.warn_unmatched(override_list, matched, type(model).__name__, modules)
     for path, module in modules.items():
-        chain = [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)]
-        layer_policy = layer_plan.resolve_policy(policy, override_list, chain)
+        layer_policy = layer_plan.resolve_policy(policy, override_list, chains[path])
         originals = dict(getattr(module, _ORIGINALS_ATTR, None) or {})
         for name, value in originals.items():  # as before any policy
             setattr(module, name, value)

@@ -27,6 +27,9 @@ import contextlib
 import contextvars
 import dataclasses
 import fnmatch
+import os
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -316,3 +319,56 @@ def resolve_policy(
             elif path and _path_matches(tuple(path), key):
                 return policy
     return default
+
+
+def matching_overrides(
+    overrides: tuple[tuple[Any, Policy], ...],
+    chain: Iterable[tuple[tuple[Any, ...], Any]],
+) -> set[Any]:
+    """The keys of ``overrides`` that match a module of ``chain`` (as in ``resolve_policy``)."""
+    chain = tuple(chain)
+    return {
+        key
+        for key, _ in overrides
+        for path, module in chain
+        if (isinstance(module, key) if isinstance(key, type) else path and _path_matches(path, key))
+    }
+
+
+def warn_unmatched(
+    overrides: tuple[tuple[Any, Policy], ...], matched: set[Any], model: str, paths: Iterable
+) -> None:
+    """Warns about each override key that matched no layer of ``model``, naming a few of
+    the layer paths it could have matched."""
+    unmatched = [key for key, _ in overrides if key not in matched]
+    if not unmatched:
+        return
+    names = sorted({"/".join(map(str, path)) for path in paths if path})
+    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    for key in unmatched:
+        what = key.__name__ if isinstance(key, type) else repr(key)
+        warnings.warn(
+            f"The override {what} matched no layer of {model}, so it changes nothing. "
+            f"A string key is a glob pattern matched at the end of a layer's path; "
+            f"this model's layers include: {shown or 'none'}.",
+            stacklevel=_caller_stacklevel(),
+        )
+
+
+_LIBRARIES = (
+    f"{os.sep}jaxamp{os.sep}_src{os.sep}",
+    f"{os.sep}flax{os.sep}",
+    f"{os.sep}jax{os.sep}",
+)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside jaxamp, Flax and JAX (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        any(part in frame.f_code.co_filename for part in _LIBRARIES)
+        or frame.f_code.co_filename.startswith("<frozen")
+        or frame.f_code.co_filename.endswith(("contextlib.py", "functools.py"))
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
