@@ -438,7 +438,9 @@ def _gather(eqn: Any, env: _Env) -> list[Any]:
     its float32 table, then looks rows up), the rows are gathered from the float32 table
     and cast, so the table's gradient is summed in float32. From a 16-bit value where
     the program had a wider one (a loss's ``take_along_axis`` of logits a 16-bit matmul
-    made, under autocast), the gather runs in the traced dtype, for the same reason."""
+    made, under autocast), the gather runs in the traced dtype, for the same reason. From
+    a 16-bit value the program made in 16 bits (a 16-bit layer's output under
+    ``apply_policy``), it gathers in 16 bits and sums its gradient in float32."""
     table = eqn.invars[0]
     wide = env.wide_of(table)
     if wide is not None:
@@ -452,7 +454,24 @@ def _gather(eqn: Any, env: _Env) -> list[Any]:
         and (np.dtype(arrived).itemsize < np.dtype(traced).itemsize)
     ):
         return bind(eqn, [env.read_as(table, traced), *(env.read(a) for a in eqn.invars[1:])])
+    if is_16bit(arrived) and not isinstance(table, jex.core.Literal):
+        rest = [env.read(a) for a in eqn.invars[1:]]
+        return [_gather_summing_in_float32(eqn, env.read(table), *rest)]
     return _promote(eqn, env)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _gather_summing_in_float32(eqn: Any, table: Any, *indices: Any) -> Any:
+    """The gather ``eqn`` of a 16-bit ``table`` (an activation a 16-bit layer made),
+    whose gradient, a scatter-add where indices repeat, is summed in float32."""
+    return bind(eqn, [table, *indices])[0]
+
+
+@_gather_summing_in_float32.defjvp
+def _gather_summing_in_float32_jvp(eqn, primals, tangents):
+    indices = primals[1:]
+    t32 = bind(eqn, [tangents[0].astype(FLOAT32), *indices])[0]
+    return bind(eqn, primals)[0], t32.astype(tangents[0].dtype)
 
 
 def _is_float32_form(eqn: Any) -> bool:
