@@ -1,14 +1,21 @@
-"""Tests for jaxamp/_src/backend.py: auto_policy and the dot algorithm per backend."""
+"""Tests for jaxamp/_src/backend.py against its references: the table the docs give
+(``docs/guides/matmul-rule.md``), what this machine's XLA compiles, and /proc/cpuinfo."""
 
 import dataclasses
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
 import jaxamp
+from jaxamp._src import backend
 from jaxamp._src.backend import auto_policy, dot_algorithm
+
+DOCS = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "matmul-rule.md"
 
 
 @dataclasses.dataclass
@@ -24,57 +31,117 @@ class FakeDevice:
     device_kind: str = "a fake device"
 
 
-@pytest.mark.parametrize(
-    "device, preset",
-    [
-        (FakeDevice("gpu", "9.0"), "mixed_bfloat16"),  # H100/H200
-        (FakeDevice("gpu", "8.0"), "mixed_bfloat16"),  # A100
-        (FakeDevice("gpu", "8.6"), "mixed_bfloat16"),
-        (FakeDevice("gpu", "7.5"), "mixed_float16"),  # T4
-        (FakeDevice("gpu", "7.0"), "mixed_float16"),  # V100
-        (FakeDevice("gpu", "6.1"), "float32"),  # Pascal: no tensor cores
-        (FakeDevice("gpu", None, FakeClient("rocm 6.2")), "mixed_bfloat16"),
-        (FakeDevice("tpu"), "mixed_bfloat16"),
-        (FakeDevice("cpu"), "float32"),
-        (FakeDevice("METAL"), "float32"),
+def _documented_table() -> dict[str, str]:
+    """Each row of the docs' "What each backend gives" table: its backend, and the preset
+    its ``auto_policy()`` cell names first."""
+    section = DOCS.read_text().split("## What each backend gives", 1)[1]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and (preset := re.match(r"`(\w+)`", cells[1])):
+            rows[cells[0]] = preset.group(1)
+    return rows
+
+
+# Devices each documented row stands for; a row added to the docs must be added here.
+BF16_CPU = ("Test CPU 9000", {"avx2", "fma", "avx512f", "avx512_bf16"})
+AVX2_CPU = ("Test CPU 8000", {"avx", "avx2", "fma", "f16c"})
+ROWS = {
+    "NVIDIA GPU, compute capability 8.0 and newer": [
+        (FakeDevice("gpu", c), None) for c in ("8.0", "8.6", "8.9", "9.0", "10.0", "12.0")
     ],
-)
-def test_auto_policy_table(device, preset):
-    assert auto_policy(device) == jaxamp.PRESETS[preset]
+    "NVIDIA GPU, compute capability 7.x": [(FakeDevice("gpu", c), None) for c in ("7.0", "7.5")],
+    "NVIDIA GPU before compute capability 7.0": [
+        (FakeDevice("gpu", c), None) for c in ("5.2", "6.0", "6.1")
+    ],
+    "AMD GPU (ROCm), TPU": [
+        (FakeDevice("gpu", None, FakeClient("rocm 6.2")), None),
+        (FakeDevice("rocm"), None),
+        (FakeDevice("tpu"), None),
+    ],
+    "CPU with bf16 units (`avx512_bf16`, `amx_bf16`)": [(FakeDevice("cpu"), BF16_CPU)],
+    "CPU without bf16 units": [(FakeDevice("cpu"), AVX2_CPU)],
+}
 
 
-def _expected_preset(device) -> str:
-    """The README's table, restated for the device this runs on (any backend)."""
-    platform = device.platform
-    if platform == "cpu":
-        return "float32"
-    if platform == "tpu" or platform == "rocm":
-        return "mixed_bfloat16"
-    capability = float(getattr(device, "compute_capability", "8.0"))
-    return (
-        "mixed_bfloat16" if capability >= 8 else "mixed_float16" if capability >= 7 else "float32"
+def test_every_documented_backend_is_tested():
+    assert set(_documented_table()) == set(ROWS)
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_auto_policy_is_the_documented_preset(row, monkeypatch):
+    documented = _documented_table()[row]
+    for device, cpu in ROWS[row]:
+        if cpu is not None:
+            monkeypatch.setattr(backend, "cpu_info", lambda cpu=cpu: cpu)
+        assert auto_policy(device) == jaxamp.PRESETS[documented], (row, device)
+        policy, reason = auto_policy(device, explain=True)
+        assert policy == jaxamp.PRESETS[documented] and reason
+
+
+def _this_cpu() -> tuple[str, set[str]]:
+    """The first processor's model name and flags, read from /proc/cpuinfo here."""
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    return (model.group(1).strip() if model else ""), set(flags.group(1).split() if flags else ())
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo")
+def test_cpu_info_and_the_reason_name_this_machine():
+    model, flags = _this_cpu()
+    assert backend.cpu_info() == (model, flags)
+    units = {"avx512_bf16", "amx_bf16"} & flags
+    assert set(backend.cpu_16bit_units("bfloat16")) == units
+    if jax.default_backend() == "cpu":
+        policy, reason = auto_policy(explain=True)
+        row = (
+            "CPU with bf16 units (`avx512_bf16`, `amx_bf16`)" if units else "CPU without bf16 units"
+        )
+        assert policy == jaxamp.PRESETS[_documented_table()[row]]
+        assert model in reason and all(u in reason for u in units)
+
+
+def _accumulating_operands(dtype):
+    """16-bit operands whose dot a 16-bit accumulator gets wrong: 4096 products of about 1,
+    whose running sum passes 256 (where bfloat16 stops adding 1) and 2048 (float16)."""
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    a = (1 + 0.1 * jax.random.normal(key_a, (2, 4096))).astype(dtype)
+    b = (1 + 0.1 * jax.random.normal(key_b, (4096, 3))).astype(dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_dot_algorithm_is_what_this_backend_compiles_and_accumulates_in_float32(dtype):
+    """The algorithm ``dot_algorithm`` gives compiles here and sums in float32: the 16-bit
+    result is the exact dot (float64 of the same operands) rounded once. Where it gives
+    ``None``, this backend refuses the algorithm (XLA:CPU and ``F16_F16_F32``)."""
+    a, b = _accumulating_operands(dtype)
+    algorithm = dot_algorithm(dtype)
+    preset = {jnp.bfloat16: "BF16_BF16_F32", jnp.float16: "F16_F16_F32"}[dtype]
+    if algorithm is None:
+        refused = getattr(lax.DotAlgorithmPreset, preset)
+        with pytest.raises(Exception, match=preset):  # its type varies with the jax version
+            jax.jit(lambda a, b: lax.dot(a, b, precision=refused)).lower(a, b).compile()
+        return
+    assert algorithm == getattr(lax.DotAlgorithmPreset, preset)
+    got = jax.jit(lambda a, b: lax.dot(a, b, precision=algorithm))(a, b)
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    half_ulp = float(jnp.finfo(dtype).eps) / 2 * np.abs(exact)
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= half_ulp + 1e-3)
+
+
+def test_dot_algorithm_for_other_backends():
+    """What XLA:GPU and TPUs take, which this machine cannot compile (see the docstring)."""
+    assert (
+        dot_algorithm(jnp.float16, FakeDevice("gpu", "7.0")) == lax.DotAlgorithmPreset.F16_F16_F32
     )
-
-
-def test_auto_policy_on_this_machine():
-    device = jax.devices()[0]
-    assert auto_policy() == auto_policy(device) == jaxamp.PRESETS[_expected_preset(device)]
-
-
-@pytest.mark.parametrize(
-    "device, dtype, expected",
-    [
-        (FakeDevice("cpu"), jnp.bfloat16, lax.DotAlgorithmPreset.BF16_BF16_F32),
-        (FakeDevice("cpu"), jnp.float16, None),  # XLA:CPU refuses F16_F16_F32
-        (FakeDevice("gpu", "9.0"), jnp.float16, lax.DotAlgorithmPreset.F16_F16_F32),
-        (FakeDevice("gpu", "9.0"), jnp.bfloat16, lax.DotAlgorithmPreset.BF16_BF16_F32),
-        (FakeDevice("gpu", "7.0"), jnp.bfloat16, None),
-        (FakeDevice("tpu"), jnp.bfloat16, lax.DotAlgorithmPreset.BF16_BF16_F32),
-        (FakeDevice("cpu"), jnp.float32, None),
-    ],
-)
-def test_dot_algorithm(device, dtype, expected):
-    assert dot_algorithm(dtype, device) == expected
+    assert dot_algorithm(jnp.bfloat16, FakeDevice("gpu", "7.5")) is None  # no bf16 tensor cores
+    assert dot_algorithm(jnp.bfloat16, FakeDevice("gpu", "9.0")) == (
+        lax.DotAlgorithmPreset.BF16_BF16_F32
+    )
+    assert dot_algorithm(jnp.bfloat16, FakeDevice("tpu")) == lax.DotAlgorithmPreset.BF16_BF16_F32
+    assert dot_algorithm(jnp.float32, FakeDevice("cpu")) is None
 
 
 def test_dot_algorithm_keeps_backward_dots_16_bit():
@@ -98,30 +165,19 @@ def test_dot_algorithm_keeps_backward_dots_16_bit():
     assert report.count("float32") == len(report.ops) > 0
 
 
-# The three kinds of CPU seen here, by the 16-bit flags of their /proc/cpuinfo.
-CPU_KINDS = {
-    "AMD EPYC, AVX2 only": {"avx", "avx2", "fma", "f16c"},
-    "AMD EPYC, avx512_bf16": {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_bf16"},
-    "Intel Xeon, AMX": {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"},
-}
-
-
-@pytest.mark.parametrize("kind", CPU_KINDS)
-def test_auto_policy_says_why_naming_the_cpu(kind, monkeypatch):
-    from jaxamp._src import backend
-
-    monkeypatch.setattr(backend, "cpu_info", lambda: ("Test CPU 9000", CPU_KINDS[kind]))
-    policy, reason = auto_policy(FakeDevice("cpu"), explain=True)
-    assert policy == jaxamp.PRESETS["float32"]
-    assert "Test CPU 9000" in reason
-    if "avx512_bf16" in CPU_KINDS[kind]:
+@pytest.mark.parametrize("cpu", [BF16_CPU, AVX2_CPU], ids=["bf16 units", "AVX2 only"])
+def test_the_cpu_reason_says_what_the_units_change(cpu, monkeypatch):
+    monkeypatch.setattr(backend, "cpu_info", lambda: cpu)
+    _, reason = auto_policy(FakeDevice("cpu"), explain=True)
+    assert cpu[0] in reason
+    if "avx512_bf16" in cpu[1]:
         assert "speeds up matmul-heavy models" in reason and "mixed_bfloat16" in reason
     else:
         assert "no avx512_bf16 or amx_bf16" in reason and "no faster than float32" in reason
-    assert auto_policy(FakeDevice("cpu")) == policy  # without explain, the policy alone
 
 
 def test_auto_policy_reason_on_gpus_and_tpus():
     _, reason = auto_policy(FakeDevice("gpu", "7.5"), explain=True)
     assert "float16 tensor cores" in reason and "loss scaling" in reason
-    assert auto_policy(FakeDevice("gpu", "6.1"), explain=True)[0] == jaxamp.PRESETS["float32"]
+    _, reason = auto_policy(FakeDevice("gpu", "6.1"), explain=True)
+    assert "no tensor cores" in reason
