@@ -396,7 +396,12 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
         and eqn.params.get("sharding") is None
     ):
         return [env.read(atom)]
-    (out,) = bind(eqn, [env.read(atom)])
+    value = env.read(atom)
+    if getattr(atom.aval, "weak_type", False) and _overflows(value, new_dtype):
+        # A Python scalar JAX narrows to a 16-bit operand's dtype (``jnp.where(m, s, -1e9)``
+        # traced in float16): it keeps the value written, in float32, not ``inf``.
+        return [np.asarray(value, jnp.promote_types(current, FLOAT32))]
+    (out,) = bind(eqn, [value])
     if (
         is_floating(current)
         and is_floating(new_dtype)

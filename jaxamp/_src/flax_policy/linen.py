@@ -217,7 +217,10 @@ class PolicyModule(nn.Module):
             inner = call.inner = mdl.module
             fn = getattr(type(inner), method) if isinstance(method, str) else method
             with nn.intercept_methods(interceptor):
-                return fn(inner, *args, **kwargs)
+                out = fn(inner, *args, **kwargs)
+            # Cast in the program, where a value the policy kept wider than traced (a
+            # constant float16 cannot hold) reaches the output dtype without the traced one.
+            return self.policy.cast_to_output(out)
 
         target.__name__ = _TARGET
 
@@ -239,7 +242,7 @@ class PolicyModule(nn.Module):
                 matched |= layer_plan.matching_overrides(self.overrides, chain)
             paths = (path for chain in call.seen for path, _ in chain)
             layer_plan.warn_unmatched(self.overrides, matched, type(self.module).__name__, paths)
-        return self.policy.cast_to_output(out)
+        return out
 
     @nn.nowrap
     def _method(self, method: Any) -> Any:

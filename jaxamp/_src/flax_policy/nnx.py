@@ -62,8 +62,11 @@ def _policy_call(self, *args, **kwargs):
     )
     config = (policy, getattr(self, _RULES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
-    out = interpreted(base_call, config, residuals, _as_written)(self, *args, **kwargs)
-    return policy.cast_to_output(out)
+
+    def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
+        return policy.cast_to_output(base_call(module, *args, **kwargs))
+
+    return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
 
 
 @contextlib.contextmanager
