@@ -30,6 +30,7 @@ SENSITIVE = (
     "tests/autocast/interpreter_test.py",
     "tests/transformations_test.py",
     "tests/flax_policy/nnx_test.py",
+    "tests/flax_policy/zoo_test.py",
 )
 
 

@@ -10,11 +10,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
+import numpy as np
 from flax.core import lift
 
 from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
+from jaxamp._src.dtypes import is_floating
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
@@ -85,6 +87,18 @@ def _module_chain(module: nn.Module, call: _Call) -> tuple[tuple[tuple[str, ...]
     return tuple(chain)
 
 
+def _cast_cache(module: nn.Module) -> None:
+    """A decode cache made in another dtype (by the model alone: a checkpoint's) put in
+    the layer's compute dtype, where the policy's own ``init`` makes it."""
+    dtype, scope = getattr(module, "dtype", None), module.scope
+    if dtype is None or scope is None or not scope.is_mutable_collection("cache"):
+        return
+    for name, value in scope.variables().get("cache", {}).items():
+        current = getattr(value, "dtype", None)
+        if is_floating(current) and is_floating(dtype) and np.dtype(current) != np.dtype(dtype):
+            scope.put_variable("cache", name, value.astype(dtype))
+
+
 def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
     """A Flax core transformation (like ``flax.core.lift.checkpoint``): ``fn`` evaluated by
     the autocast interpreter with ``config``, its variables and RNGs lifted through it."""
@@ -152,6 +166,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
             with scope:
                 return next_fun(*args, **kwargs)
         with scope, _temporarily_set(module, plan.attributes):
+            _cast_cache(module)
             if plan.matmul is not None:
                 out = layer_plan.run_unhooked(module, plan, *args, **kwargs)
             else:
@@ -209,6 +224,7 @@ class PolicyModule(nn.Module):
     @nn.nowrap
     def _run(self, method: Any, *args, **kwargs):
         """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
+        self._try_setup()  # shares the scope first, when ``init``/``apply`` call ``method`` bare
         args, kwargs = self.policy.cast_to_compute((args, kwargs))
         call = _Call(tuple(self.scope.path) if self.scope is not None else ())
         interceptor = _interceptor(self.policy, self.overrides, call)

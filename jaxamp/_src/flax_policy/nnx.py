@@ -8,11 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxamp._src.autocast.api import interpreted, is_graph_node
 from jaxamp._src.autocast.rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
+from jaxamp._src.dtypes import is_floating
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
@@ -48,6 +50,20 @@ def _set_value(variable: nnx.Variable, value: Any) -> None:
         variable.value = value
 
 
+def _cast_caches(model: nnx.Module) -> None:
+    """Decode caches (``init_cache`` makes float32 ones unless told otherwise) put in their
+    layer's compute dtype, which the layer writes into them."""
+    for _, module in iter_modules(model):
+        dtype = getattr(module, "dtype", None)
+        if dtype is None or not is_floating(dtype):
+            continue
+        for value in vars(module).values():
+            if isinstance(value, nnx.Cache):
+                current = getattr(_get_value(value), "dtype", None)
+                if is_floating(current) and np.dtype(current) != np.dtype(dtype):
+                    _set_value(value, _get_value(value).astype(dtype))
+
+
 def _policy_call(self, *args, **kwargs):
     """``__call__`` of a model under a policy: inputs cast, the call evaluated with the
     policy's rules (see ``jaxamp.linen.apply_policy``), outputs cast."""
@@ -60,6 +76,7 @@ def _policy_call(self, *args, **kwargs):
         (args, kwargs),
         is_leaf=is_graph_node,
     )
+    _cast_caches(self)
     config = (policy, getattr(self, _RULES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
 
