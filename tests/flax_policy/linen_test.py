@@ -555,3 +555,57 @@ def test_a_matmul_the_model_writes_follows_the_rules_compute_set():
     assert operands(None) == {("bfloat16", "bfloat16")}
     no_compute = dataclasses.replace(jaxamp.AUTOCAST_RULES, compute=frozenset())
     assert operands(no_compute) == {("float32", "float32")}
+
+
+class _EncoderDecoder(nn.Module):
+    def setup(self):
+        self.body, self.head = nn.Dense(8), nn.Dense(4)
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+    def encode(self, x):
+        return self.body(x)
+
+
+def test_a_method_that_runs_part_of_the_model_does_not_warn(recwarn):
+    """An override of the head is no typo when ``method="encode"`` runs the body alone."""
+    model = jaxamp.linen.apply_policy(
+        _EncoderDecoder(), "mixed_bfloat16", overrides={"head": "f32"}
+    )
+    x = jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    jax.jit(lambda v: model.apply(v, x, method="encode"))(variables)
+    model.init(jax.random.key(0), x, method="encode")
+    assert not [w for w in recwarn if "override" in str(w.message)]
+
+
+def test_a_second_apply_policy_replaces_the_first():
+    first = jaxamp.linen.apply_policy(
+        _EncoderDecoder(), "mixed_bfloat16", overrides={"head": "f32"}
+    )
+    model = jaxamp.linen.apply_policy(first, "mixed_bfloat16", overrides={"body": "float32"})
+    x = jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    bare = _EncoderDecoder().init(jax.random.key(0), x)
+    assert jax.tree.structure(variables) == jax.tree.structure(bare)
+    ops = jaxamp.precision_report(lambda v: model.apply(v, x))(variables).ops
+    assert {op.lhs_dtype for op in ops if "head" in op.name} == {"bfloat16"}
+    assert {op.lhs_dtype for op in ops if "head" not in op.name} == {"float32"}
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_an_override_of_the_models_own_class_is_its_policy(decode):
+    """{MultiHeadDotProductAttention: "float32"} on the attention layer itself: all of it,
+    inputs and cache included, runs in float32, bit for bit the layer alone."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    module = nn.MultiHeadDotProductAttention(2, decode=decode)
+    model = jaxamp.linen.apply_policy(
+        module, "mixed_bfloat16", overrides={nn.MultiHeadDotProductAttention: "float32"}
+    )
+    variables = module.init(jax.random.key(1), x)
+    step = x[:, :1] if decode else x
+    want = jax.jit(lambda v: module.apply(v, step, mutable=True))(variables)
+    got = jax.jit(lambda v: model.apply(v, step, mutable=True))(variables)
+    for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(ours, theirs)

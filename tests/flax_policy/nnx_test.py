@@ -272,3 +272,25 @@ def test_rngs_and_variables_passed_to_the_call_keep_their_updates(name, under_nn
             np.testing.assert_allclose(y, y_plain, rtol=1e-6, atol=1e-6)
     assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])
     assert int(rngs.dropout.count[...]) == 3 and int(calls[0][...]) == 3
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_an_override_of_the_models_own_class_is_its_policy(decode):
+    """{nnx.MultiHeadAttention: "float32"} on the attention layer itself: its attention
+    matmuls ran bfloat16 (its projections float32); all of it is the layer alone's now."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+
+    def make():
+        layer = nnx.MultiHeadAttention(2, 8, decode=decode, rngs=nnx.Rngs(0))
+        if decode:
+            layer.init_cache(x.shape)
+        return layer
+
+    steps = [x[:, t : t + 1] for t in range(3)] if decode else [x]
+    alone = make()
+    want = [alone(s) for s in steps]
+    model = jaxamp.nnx.apply_policy(
+        make(), "mixed_bfloat16", overrides={nnx.MultiHeadAttention: "float32"}
+    )
+    got = [model(s) for s in steps]
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))

@@ -252,7 +252,9 @@ class PolicyModule(nn.Module):
                 multi_scope=True,
                 **kwargs,
             )
-        if self.overrides and call.seen:  # the layers ran (were traced) in this call
+        # Only a whole-model call (another method may run part of the model) shows that an
+        # override matches no layer; and only if the layers ran (were traced) in it.
+        if self.overrides and call.seen and method == "__call__":
             matched = set()
             for chain in call.seen:
                 matched |= layer_plan.matching_overrides(self.overrides, chain)
@@ -373,16 +375,21 @@ def apply_policy(
             f"apply_policy expects a flax.linen.Module, got {type(module).__name__}: "
             f"{module!r:.80}. For flax.nnx modules use jaxamp.nnx.apply_policy."
         )
+    if isinstance(module, PolicyModule):  # a second policy replaces the first
+        module = module.module
     if policy is None:
         policy = auto_policy()
     policy_rules(rules)  # validates
     # A top-level model's wrapper takes the model's class name, so that the layer names
     # in its program read as the bare model's (``precision_report`` drops the wrapper's).
     name = type(module).__name__ if module.parent is None else None
+    overrides = layer_plan.normalize_overrides(overrides)
+    # An override of the model's own class is the model's policy (its inputs are cast to it).
+    policy = layer_plan.resolve_policy(get_policy(policy), overrides, [((), module)])
     return PolicyModule(
         module,
-        get_policy(policy),
-        layer_plan.normalize_overrides(overrides),
+        policy,
+        overrides,
         validate_residuals(residuals),
         rules,
         name=name,

@@ -219,6 +219,8 @@ def apply_policy(
         )
     policy = get_policy(auto_policy() if policy is None else policy)
     override_list = layer_plan.normalize_overrides(overrides)
+    # An override of the model's own class is the model's policy (its call evaluates with it).
+    policy = layer_plan.resolve_policy(policy, override_list, [((), model)])
     residuals = validate_residuals(residuals)
     rules = policy_rules(rules)
 
