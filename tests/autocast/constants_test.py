@@ -135,3 +135,33 @@ def test_the_written_value_is_found_at_its_line():
     traced, wide = _two_traces(fn, fn, jnp.ones(3))
     (value,) = constants.written_values(traced, wide).values()
     assert value.dtype == np.float32 and float(value) == 1e5
+
+
+def _open_case(kind, s):
+    if kind == "cond":
+        return jax.lax.cond(True, lambda a: a + 1e5, lambda a: a - 1e5, s)
+    if kind == "fori_loop":
+        return jax.lax.fori_loop(0, 2, lambda i, a: a + 1e5, s)
+    return s + jnp.arange(s.shape[-1]) * 1e5  # folded into an array constant at trace time
+
+
+class _OpenNet(nn.Module):
+    kind: str
+
+    @nn.compact
+    def __call__(self, x):
+        return _open_case(self.kind, nn.Dense(8)(x))
+
+
+# Known gaps, strict so that a fix shows up: a loop's carry and a cond's branches keep the
+# traced float16 type, and a constant JAX folds into an array is not a literal.
+@pytest.mark.xfail(strict=True, reason="constants in control flow and folded arrays: open")
+@pytest.mark.parametrize("kind", ["cond", "fori_loop", "folded_array"])
+def test_a_constant_in_control_flow_or_a_folded_array_keeps_its_value(kind):
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    model = _OpenNet(kind)
+    variables = model.init(jax.random.key(0), x)
+    reference = jax.jit(model.apply)(variables, x)
+    out = jax.jit(jaxamp.linen.apply_policy(model, "mixed_float16").apply)(variables, x)
+    assert bool(jnp.all(jnp.isfinite(reference)))
+    assert bool(jnp.all(jnp.isfinite(out))), out
