@@ -10,13 +10,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
-import numpy as np
 from flax.core import lift
 
 from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.dtypes import is_floating
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
@@ -94,9 +92,9 @@ def _cast_cache(module: nn.Module) -> None:
     if dtype is None or scope is None or not scope.is_mutable_collection("cache"):
         return
     for name, value in scope.variables().get("cache", {}).items():
-        current = getattr(value, "dtype", None)
-        if is_floating(current) and is_floating(dtype) and np.dtype(current) != np.dtype(dtype):
-            scope.put_variable("cache", name, value.astype(dtype))
+        cast = layer_plan.in_layer_dtype(value, dtype)
+        if cast is not value:
+            scope.put_variable("cache", name, cast)
 
 
 def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
@@ -255,11 +253,7 @@ class PolicyModule(nn.Module):
         # Only a whole-model call (another method may run part of the model) shows that an
         # override matches no layer; and only if the layers ran (were traced) in it.
         if self.overrides and call.seen and method == "__call__":
-            matched = set()
-            for chain in call.seen:
-                matched |= layer_plan.matching_overrides(self.overrides, chain)
-            paths = (path for chain in call.seen for path, _ in chain)
-            layer_plan.warn_unmatched(self.overrides, matched, type(self.module).__name__, paths)
+            layer_plan.warn_unmatched(self.overrides, call.seen, type(self.module).__name__)
         return out
 
     @nn.nowrap

@@ -8,13 +8,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxamp._src.autocast.api import interpreted, is_graph_node
 from jaxamp._src.autocast.rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.dtypes import is_floating
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
@@ -55,13 +53,12 @@ def _cast_caches(model: nnx.Module) -> None:
     layer's compute dtype, which the layer writes into them."""
     for _, module in iter_modules(model):
         dtype = getattr(module, "dtype", None)
-        if dtype is None or not is_floating(dtype):
-            continue
-        for value in vars(module).values():
-            if isinstance(value, nnx.Cache):
-                current = getattr(_get_value(value), "dtype", None)
-                if is_floating(current) and np.dtype(current) != np.dtype(dtype):
-                    _set_value(value, _get_value(value).astype(dtype))
+        for variable in vars(module).values():
+            if isinstance(variable, nnx.Cache):
+                value = _get_value(variable)
+                cast = layer_plan.in_layer_dtype(value, dtype)
+                if cast is not value:
+                    _set_value(variable, cast)
 
 
 def _policy_call(self, *args, **kwargs):
@@ -228,10 +225,7 @@ def apply_policy(
     chains = {
         path: [(path[:i], modules[path[:i]]) for i in range(len(path), -1, -1)] for path in modules
     }
-    matched = set()
-    for chain in chains.values():
-        matched |= layer_plan.matching_overrides(override_list, chain)
-    layer_plan.warn_unmatched(override_list, matched, type(model).__name__, modules)
+    layer_plan.warn_unmatched(override_list, chains.values(), type(model).__name__)
     for path, module in modules.items():
         layer_policy = layer_plan.resolve_policy(policy, override_list, chains[path])
         originals = dict(getattr(module, _ORIGINALS_ATTR, None) or {})

@@ -42,6 +42,7 @@ from flax.linen import dtypes as linen_dtypes
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
+from jaxamp._src.dtypes import is_floating
 from jaxamp._src.ops import attention
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
 from jaxamp._src.policy import Policy, get_policy
@@ -313,33 +314,29 @@ def resolve_policy(
         return default
     for path, module in chain:
         for key, policy in overrides:
-            if isinstance(key, type):
-                if isinstance(module, key):
-                    return policy
-            elif path and _path_matches(tuple(path), key):
+            if _key_matches(key, path, module):
                 return policy
     return default
 
 
-def matching_overrides(
-    overrides: tuple[tuple[Any, Policy], ...],
-    chain: Iterable[tuple[tuple[Any, ...], Any]],
-) -> set[Any]:
-    """The keys of ``overrides`` that match a module of ``chain`` (as in ``resolve_policy``)."""
-    chain = tuple(chain)
-    return {
-        key
-        for key, _ in overrides
-        for path, module in chain
-        if (isinstance(module, key) if isinstance(key, type) else path and _path_matches(path, key))
-    }
+def _key_matches(key: Any, path: tuple[Any, ...], module: Any) -> bool:
+    """Whether an override key (a class, or a path pattern) names this module."""
+    if isinstance(key, type):
+        return isinstance(module, key)
+    return bool(path) and _path_matches(tuple(path), key)
 
 
 def warn_unmatched(
-    overrides: tuple[tuple[Any, Policy], ...], matched: set[Any], model: str, paths: Iterable
+    overrides: tuple[tuple[Any, Policy], ...],
+    chains: Iterable[Iterable[tuple[tuple[Any, ...], Any]]],
+    model: str,
 ) -> None:
-    """Warns about each override key that matched no layer of ``model``, naming a few of
-    the layer paths it could have matched."""
+    """Warns about each override key that matches no module of ``chains`` (each a layer's
+    ``(path, module)`` pairs up to the root, as ``resolve_policy`` takes them), naming a
+    few of the layer paths it could have matched."""
+    pairs = {(tuple(path), id(module)): (path, module) for c in chains for path, module in c}
+    matched = {key for key, _ in overrides for p, m in pairs.values() if _key_matches(key, p, m)}
+    paths = [path for path, _ in pairs.values()]
     unmatched = [key for key, _ in overrides if key not in matched]
     if not unmatched:
         return
@@ -372,3 +369,12 @@ def _caller_stacklevel() -> int:
     ):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def in_layer_dtype(value: Any, dtype: Any) -> Any:
+    """``value`` (a decode cache) in its layer's floating ``dtype``; itself if it already
+    is, or if either is not floating (the caller writes back only a new value)."""
+    current = getattr(value, "dtype", None)
+    if dtype is None or not (is_floating(current) and is_floating(dtype)):
+        return value
+    return value if np.dtype(current) == np.dtype(dtype) else value.astype(dtype)
