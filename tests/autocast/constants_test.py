@@ -137,31 +137,110 @@ def test_the_written_value_is_found_at_its_line():
     assert value.dtype == np.float32 and float(value) == 1e5
 
 
-def _open_case(kind, s):
+def _control_flow_case(kind, s):
     if kind == "cond":
         return jax.lax.cond(True, lambda a: a + 1e5, lambda a: a - 1e5, s)
     if kind == "fori_loop":
         return jax.lax.fori_loop(0, 2, lambda i, a: a + 1e5, s)
-    return s + jnp.arange(s.shape[-1]) * 1e5  # folded into an array constant at trace time
+    if kind == "while_loop":
+        return jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] - 1e5), (0, s))[1]
+    if kind == "scan":
+        return jax.lax.scan(lambda a, _: (a + 1e5, a * 2), s, length=3)[0]
+    return s + jnp.arange(s.shape[-1]) * 1e5  # an array of constants, not a literal
 
 
-class _OpenNet(nn.Module):
+class _ControlFlowNet(nn.Module):
     kind: str
 
     @nn.compact
     def __call__(self, x):
-        return _open_case(self.kind, nn.Dense(8)(x))
+        return _control_flow_case(self.kind, nn.Dense(8)(x))
 
 
-# Known gaps, strict so that a fix shows up: a loop's carry and a cond's branches keep the
-# traced float16 type, and a constant JAX folds into an array is not a literal.
-@pytest.mark.xfail(strict=True, reason="constants in control flow and folded arrays: open")
-@pytest.mark.parametrize("kind", ["cond", "fori_loop", "folded_array"])
-def test_a_constant_in_control_flow_or_a_folded_array_keeps_its_value(kind):
+class _ControlFlowNNX(nnx.Module):
+    def __init__(self, kind):
+        self.kind = kind
+        self.dense = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return _control_flow_case(self.kind, self.dense(x))
+
+
+@pytest.mark.parametrize("path", ["linen", "nnx"])
+@pytest.mark.parametrize("kind", ["cond", "fori_loop", "while_loop", "scan", "folded_array"])
+def test_a_constant_in_control_flow_or_an_array_keeps_its_value(kind, path):
+    """A loop's carry or a cond's result that a written constant makes too large for
+    float16 is carried in float32, as the same code outside control flow computes it; so
+    is an array computed from constants alone (``jnp.arange(n) * 1e5``)."""
     x = jax.random.normal(jax.random.key(1), (3, 4))
-    model = _OpenNet(kind)
-    variables = model.init(jax.random.key(0), x)
-    reference = jax.jit(model.apply)(variables, x)
-    out = jax.jit(jaxamp.linen.apply_policy(model, "mixed_float16").apply)(variables, x)
+    if path == "linen":
+        model = _ControlFlowNet(kind)
+        variables = model.init(jax.random.key(0), x)
+        reference = jax.jit(model.apply)(variables, x)
+        policed = jaxamp.linen.apply_policy(model, "mixed_float16")
+        out = jax.jit(policed.apply)(variables, x)
+    else:
+        reference = nnx.jit(lambda m, x: m(x))(_ControlFlowNNX(kind), x)
+        policed = jaxamp.nnx.apply_policy(_ControlFlowNNX(kind), "mixed_float16")
+        out = nnx.jit(lambda m, x: m(x))(policed, x)
     assert bool(jnp.all(jnp.isfinite(reference)))
-    assert bool(jnp.all(jnp.isfinite(out))), out
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3)
+
+
+def test_a_loop_without_written_constants_keeps_its_traced_carry():
+    """Only a body holding such a constant widens a carry: a float16 loop stays float16."""
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+
+    class Plain(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8)(x)
+            return jax.lax.fori_loop(0, 2, lambda i, a: jnp.exp(a) * 0.5, h)
+
+    policed = jaxamp.linen.apply_policy(Plain(), "mixed_float16")
+    variables = policed.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(policed.apply)(variables, x).jaxpr
+    (loop,) = [e for e in constants._equations(jaxpr) if e.primitive.name == "scan"]
+    assert {str(v.aval.dtype) for v in loop.outvars if v.aval.ndim} == {"float16"}
+
+
+class _SowingNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8)(x)
+        self.sow("intermediates", "shifted", h + 1e5)
+        return h
+
+
+class _SowingNNX(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        h = self.dense(x)
+        self.sow(nnx.Intermediate, "shifted", h + 1e5)
+        return h
+
+
+@pytest.mark.parametrize("path", ["linen", "nnx"])
+def test_a_sown_value_keeps_a_constant_s_value(path):
+    """State a call writes (a sown intermediate) holding such a constant keeps its value:
+    it comes back in float32 where its float16 type would hold ``inf``."""
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    if path == "linen":
+        model = _SowingNet()
+        variables = model.init(jax.random.key(0), x)
+        policed = jaxamp.linen.apply_policy(model, "mixed_float16")
+        sown = [
+            jax.jit(lambda v, x, m=m: m.apply(v, x, mutable=["intermediates"]))(variables, x)[1]
+            for m in (model, policed)
+        ]
+        reference, out = (s["intermediates"]["shifted"][0] for s in sown)
+    else:
+        sown = []
+        for module in (_SowingNNX(), jaxamp.nnx.apply_policy(_SowingNNX(), "mixed_float16")):
+            nnx.jit(lambda m, x: m(x))(module, x)
+            sown.append(module.shifted.value[0])
+        reference, out = sown
+    assert bool(jnp.all(jnp.isfinite(reference)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3)

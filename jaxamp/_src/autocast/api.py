@@ -64,7 +64,7 @@ from flax import nnx
 from jaxamp._src.autocast import constants
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
-from jaxamp._src.dtypes import FLOAT32, is_16bit
+from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
 from jaxamp._src.policy import Policy, get_policy
@@ -222,6 +222,11 @@ def _as_float32_shape(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, dtype)
 
 
+def _wider_than_traced(value: Any, atom: Any) -> bool:
+    dtype, traced = getattr(value, "dtype", None), atom.aval.dtype
+    return is_floating(dtype) and is_floating(traced) and dtype.itemsize > traced.itemsize
+
+
 def interpreted(
     fun: Callable[..., Any],
     config: tuple[Policy, AutocastRules],
@@ -288,6 +293,16 @@ def interpreted(
         def evaluate_traced(consts, arrays):
             with constants.evaluating_with(written):
                 outs = eval_jaxpr(closed.jaxpr, consts, arrays, config)
+            if written:  # an output such a constant made wider keeps its value (sown state)
+                return [
+                    out if wide else cast
+                    for out, cast, wide in zip(
+                        outs,
+                        cast_to_traced(outs, closed.jaxpr.outvars),
+                        map(_wider_than_traced, outs, closed.jaxpr.outvars),
+                        strict=True,
+                    )
+                ]
             return cast_to_traced(outs, closed.jaxpr.outvars)
 
         evaluate = checkpoint_residuals(evaluate_traced, residuals)

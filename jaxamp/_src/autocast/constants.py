@@ -96,6 +96,12 @@ def evaluating_with(values: dict[int, Any]) -> Iterator[None]:
         _WRITTEN.reset(token)
 
 
+def holds_written(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds a constant evaluated with its written value."""
+    written = _WRITTEN.get()
+    return bool(written) and any(id(atom) in written for _, atom in _literals(jaxpr))
+
+
 def written_value(atom: Any) -> Any:
     """The value the program wrote for the literal ``atom``, or ``None`` (as traced)."""
     written = _WRITTEN.get()

@@ -41,6 +41,21 @@ from jaxamp._src.policy import Policy
 # --- The interpreter --------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class _Record:
+    """What the evaluation of one program learns, shared with the calls evaluated inside
+    (their values are the same objects).
+
+    ``wide``: ``id(narrow value): (narrow value, wider value)`` for each narrowing convert,
+    so a table cast in one function and gathered in another is found. ``made``:
+    ``id(value): (value, equation, its input values, output index)`` for each first-order
+    equation, so a value that depends on no input can be computed as written.
+    """
+
+    wide: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    made: dict[int, tuple[Any, Any, list[Any], int]] = dataclasses.field(default_factory=dict)
+
+
 class _Env:
     """Values of one jaxpr's variables, and the casts made of them (each made once)."""
 
@@ -48,18 +63,14 @@ class _Env:
         self,
         config: tuple[Policy, AutocastRules],
         parent: _Env | None = None,
-        wide: dict[int, tuple[Any, Any]] | None = None,
+        record: _Record | None = None,
     ):
         self.policy, self.rules = config
         self.config = config
         self.values: dict[Any, Any] = {} if parent is None else parent.values
         self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
-        # ``id(narrow value): (narrow value, wider value)`` for each narrowing convert the
-        # program made: shared with the calls evaluated inside (their values are the same
-        # objects), so a table cast in one function and gathered in another is found.
-        self.wide: dict[int, tuple[Any, Any]] = (
-            parent.wide if parent is not None else {} if wide is None else wide
-        )
+        self.record = parent.record if parent is not None else record or _Record()
+        self.wide = self.record.wide
 
     def remember_wide(self, narrow: Any, wide: Any) -> None:
         self.wide[id(narrow)] = (narrow, wide)
@@ -71,6 +82,36 @@ class _Env:
         value = self.values.get(atom)
         entry = self.wide.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
+
+    def remember_made(self, eqn: Any, outs: Sequence[Any]) -> None:
+        if eqn.effects or is_higher_order(eqn):
+            return
+        inputs = [a if isinstance(a, jex.core.Literal) else self.values[a] for a in eqn.invars]
+        for index, out in enumerate(outs):
+            self.record.made[id(out)] = (out, eqn, inputs, index)
+
+    def concrete(self, value: Any, limit: int = 1 << 20) -> Any:
+        """``value`` computed now, as the program wrote it, if it depends on no input of
+        the function (``jnp.arange(n) * 1e5``) and has at most ``limit`` elements; else
+        ``None``."""
+        if isinstance(value, jex.core.Literal):
+            written = constants.written_value(value)
+            return np.asarray(value.val if written is None else written)
+        if not isinstance(value, jax.core.Tracer):
+            return value if isinstance(value, (np.ndarray, np.generic, jax.Array)) else None
+        entry = self.record.made.get(id(value))
+        if entry is None or entry[0] is not value or np.size(value) > limit:
+            return None
+        _, eqn, inputs, index = entry
+        known = [self.concrete(v, limit) for v in inputs]
+        if any(k is None for k in known):
+            return None
+        try:
+            with jax.ensure_compile_time_eval():
+                outs = eqn.primitive.bind(*known, **eqn.params)
+        except (TypeError, ValueError):  # written values in other dtypes than traced
+            return None
+        return np.asarray(outs[index] if eqn.primitive.multiple_results else outs)
 
     def read(self, atom: Any) -> Any:
         if isinstance(atom, jex.core.Literal):
@@ -139,13 +180,13 @@ def _planned_inputs(eqn: Any, env: _Env, wanted: Sequence[Any] | None = None) ->
     return [env.read_as(a, d) for a, d in zip(atoms, dtypes, strict=True)]
 
 
-def _overflows(value: Any, dtype: Any) -> bool:
+def _overflows(value: Any, dtype: Any, limit: int | None = 16) -> bool:
     """Whether a constant (a Python scalar in the traced program) is finite but too large
     for ``dtype``: ``1e30`` in float16 would become ``inf`` (and ``inf * 0`` a NaN)."""
     if not isinstance(value, (int, float, np.ndarray, np.generic)) or not is_floating(dtype):
         return False
     value = np.asarray(value)
-    if value.dtype.kind not in "fiu" or value.size > 16:
+    if value.dtype.kind not in "fiu" or (limit is not None and value.size > limit):
         return False
     finite = np.isfinite(value.astype(np.float64))
     return bool(np.any(finite & (np.abs(value.astype(np.float64)) > jnp.finfo(dtype).max)))
@@ -401,6 +442,13 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
         # A Python scalar JAX narrows to a 16-bit operand's dtype (``jnp.where(m, s, -1e9)``
         # traced in float16): it keeps the value written, in float32, not ``inf``.
         return [np.asarray(value, jnp.promote_types(current, FLOAT32))]
+    if (
+        getattr(atom.aval, "weak_type", False)
+        and is_16bit(new_dtype)
+        and _overflows(env.concrete(value), new_dtype, limit=None)
+    ):
+        # The same, computed from constants (``s + jnp.arange(n) * 1e5``): kept wide.
+        return [lax.convert_element_type(value, jnp.promote_types(current, FLOAT32))]
     (out,) = bind(eqn, [value])
     if (
         is_floating(current)
@@ -420,19 +468,19 @@ def eval_jaxpr(
     consts: Sequence[Any],
     args: Sequence[Any],
     config: tuple,
-    wide: dict[int, tuple[Any, Any]] | None = None,
+    record: _Record | None = None,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs.
 
-    ``wide`` (internal) is the caller's record of narrowing converts, for calls
-    evaluated inline."""
-    env = _Env(config, wide=wide)
+    ``record`` (internal) is the caller's, for calls evaluated inline."""
+    env = _Env(config, record=record)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         with eqn_context(eqn):
             outs = _eval_eqn(eqn, env)
         env.values.update(zip(eqn.outvars, outs, strict=True))
+        env.remember_made(eqn, outs)
     return [env.read(v) for v in jaxpr.outvars]
 
 
@@ -532,7 +580,7 @@ def _inline(key: str) -> Callable[[Any, _Env], list[Any]]:
             return _as_traced(eqn, env)
         jaxpr, consts = open_jaxpr(eqn.params[key])
         args = [env.read(a) for a in eqn.invars]
-        return eval_jaxpr(jaxpr, consts, args, env.config, env.wide)
+        return eval_jaxpr(jaxpr, consts, args, env.config, env.record)
 
     return evaluate
 
@@ -639,22 +687,67 @@ def is_higher_order(eqn: Any) -> bool:
     return any(holds_program(v) for v in eqn.params.values())
 
 
-def _closed_body(closed: Any, config: tuple, cast_outputs: int | None = None):
-    """A function evaluating a ``ClosedJaxpr`` with the rules; its first ``cast_outputs``
-    outputs (all when ``None``) are cast to their traced dtypes."""
+def _closed_body(closed: Any, config: tuple) -> Callable[..., list[Any]]:
+    """A function evaluating a ``ClosedJaxpr`` with the rules."""
     jaxpr, consts = open_jaxpr(closed)
-    n = len(jaxpr.outvars) if cast_outputs is None else cast_outputs
+    return lambda *args: eval_jaxpr(jaxpr, consts, args, config)
 
-    def body(*args):
-        outs = eval_jaxpr(jaxpr, consts, args, config)
-        return cast_to_traced(outs[:n], jaxpr.outvars[:n]) + outs[n:]
 
-    return body
+def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+    """Floating ``values`` cast to ``dtypes`` (``None``: left as they are)."""
+    return [
+        lax.convert_element_type(v, d)
+        if d is not None and is_floating(getattr(v, "dtype", None)) and np.dtype(v.dtype) != d
+        else v
+        for v, d in zip(values, dtypes, strict=True)
+    ]
+
+
+def _widened(dtypes: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """``dtypes``, each floating one promoted to its ``outs`` dtype where that is wider."""
+    return [
+        np.dtype(jnp.promote_types(d, o.dtype))
+        if is_floating(d) and is_floating(o.dtype) and np.dtype(o.dtype).itemsize > d.itemsize
+        else d
+        for d, o in zip(dtypes, outs, strict=True)
+    ]
+
+
+def _output_dtypes(atoms: Sequence[Any], bodies: Sequence[Any], *cases: Any) -> list[Any]:
+    """The dtypes control-flow outputs (a loop's carry, a ``cond``'s results) take: their
+    traced dtypes, widened where a body holds a constant its 16-bit trace rounded to
+    ``inf`` (``a + 1e5`` in float16) and so gives a wider value. ``cases`` are functions
+    from the current dtypes to the abstract outputs of each body."""
+    dtypes = [np.dtype(d) if is_floating(d := _traced_dtype(a)) else None for a in atoms]
+    if not any(constants.holds_written(open_jaxpr(b)[0]) for b in bodies):
+        return dtypes
+    for _ in range(len(dtypes) + 1):  # a loop's carry widens at most once per entry
+        wider = dtypes
+        for case in cases:
+            wider = _widened(wider, case(wider))
+        if wider == dtypes:
+            break
+        dtypes = wider
+    return dtypes
+
+
+def _abstract(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+    return [
+        jax.ShapeDtypeStruct(np.shape(v), d if d is not None else jnp.result_type(v))
+        for v, d in zip(values, dtypes, strict=True)
+    ]
 
 
 def _cond(eqn: Any, env: _Env) -> list[Any]:
     index, *operands = (env.read(a) for a in eqn.invars)
-    branches = [_closed_body(b, env.config) for b in eqn.params["branches"]]
+    closed = eqn.params["branches"]
+    bodies = [_closed_body(b, env.config) for b in closed]
+    dtypes = _output_dtypes(
+        eqn.outvars,
+        closed,
+        *[lambda _, body=body: jax.eval_shape(body, *operands) for body in bodies],
+    )
+    branches = [lambda *a, body=body: _cast_to(body(*a), dtypes) for body in bodies]
     return list(lax.switch(index, branches, *operands))
 
 
@@ -663,14 +756,19 @@ def _while(eqn: Any, env: _Env) -> list[Any]:
     values = [env.read(a) for a in eqn.invars]
     n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = values[:n_cond], values[n_cond : n_cond + n_body]
-    init = cast_to_traced(values[n_cond + n_body :], eqn.outvars)
-    cond = _closed_body(p["cond_jaxpr"], env.config, cast_outputs=0)
+    carry = values[n_cond + n_body :]
+    cond = _closed_body(p["cond_jaxpr"], env.config)
     body = _closed_body(p["body_jaxpr"], env.config)
+    dtypes = _output_dtypes(
+        eqn.outvars,
+        [p["body_jaxpr"]],
+        lambda d: jax.eval_shape(lambda c: body(*body_consts, *c), _abstract(carry, d)),
+    )
     return list(
         lax.while_loop(
-            lambda carry: cond(*cond_consts, *carry)[0],
-            lambda carry: body(*body_consts, *carry),
-            init,
+            lambda c: cond(*cond_consts, *c)[0],
+            lambda c: _cast_to(body(*body_consts, *c), dtypes),
+            _cast_to(carry, dtypes),
         )
     )
 
@@ -679,18 +777,29 @@ def _scan(eqn: Any, env: _Env) -> list[Any]:
     p = eqn.params
     values = [env.read(a) for a in eqn.invars]
     n_consts, n_carry = p["num_consts"], p["num_carry"]
-    consts = values[:n_consts]
-    init = cast_to_traced(values[n_consts : n_consts + n_carry], eqn.outvars[:n_carry])
-    body = _closed_body(p["jaxpr"], env.config, cast_outputs=n_carry)
+    consts, carry, xs = (
+        values[:n_consts],
+        values[n_consts : n_consts + n_carry],
+        values[n_consts + n_carry :],
+    )
+    body = _closed_body(p["jaxpr"], env.config)
+    x_slices = [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in xs]
+    dtypes = _output_dtypes(
+        eqn.outvars[:n_carry],
+        [p["jaxpr"]],
+        lambda d: jax.eval_shape(
+            lambda c, x: body(*consts, *c, *x)[:n_carry], _abstract(carry, d), x_slices
+        ),
+    )
 
     def step(carry, xs):
         outs = body(*consts, *carry, *xs)
-        return outs[:n_carry], outs[n_carry:]
+        return _cast_to(outs[:n_carry], dtypes), outs[n_carry:]
 
     carry, ys = lax.scan(
         step,
-        init,
-        values[n_consts + n_carry :],
+        _cast_to(carry, dtypes),
+        xs,
         length=p["length"],
         reverse=p.get("reverse", False),
         unroll=p.get("unroll", 1),
