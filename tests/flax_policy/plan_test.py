@@ -66,3 +66,37 @@ def test_real_layers_beside_them_still_take_the_policy():
     assert model.real.dtype == jnp.bfloat16
     x = jnp.ones((2, 4))
     assert model.real(x).dtype == jnp.bfloat16
+
+
+class _CustomLoopLinen(nn.Module):
+    """A hand-written recurrence whose carry starts in float32 (``jnp.zeros``)."""
+
+    @nn.compact
+    def __call__(self, xs):
+        dense = nn.Dense(xs.shape[-1])
+        step = lambda c, x: (dense(c) + x, c)
+        return jax.lax.scan(step, jnp.zeros(xs.shape[1:]), xs)[0]
+
+
+class _CustomLoopNNX(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, xs):
+        step = lambda c, x: (self.dense(c) + x, c)
+        return jax.lax.scan(step, jnp.zeros(xs.shape[1:]), xs)[0]
+
+
+@pytest.mark.parametrize("path", ["linen", "nnx"])
+def test_a_loop_carry_that_changes_dtype_is_explained(path):
+    """A carry a 16-bit layer changes inside a hand-written loop cannot be kept by the
+    policy (Flax's own cells' can): the error says why and how to start the carry."""
+    xs = jnp.ones((4, 2, 3))
+    with pytest.raises(TypeError, match=r"jnp.zeros\(shape, x.dtype\)") as error:
+        if path == "linen":
+            model = jaxamp.linen.apply_policy(_CustomLoopLinen(), "mixed_bfloat16")
+            model.init(jax.random.key(0), xs)
+        else:
+            jaxamp.nnx.apply_policy(_CustomLoopNNX(), "mixed_bfloat16")(xs)
+    assert "bfloat16 here" in str(error.value)
+    assert str(error.value).count("jaxamp:") == 1

@@ -612,6 +612,8 @@ ZOO = {
         "Dropout": linen_dropout,
         "RNN-LSTMCell": _linen_rnn(nn.LSTMCell),
         "RNN-GRUCell": _linen_rnn(nn.GRUCell),
+        "RNN-SimpleCell": _linen_rnn(nn.SimpleCell),
+        "RNN-MGUCell": _linen_rnn(nn.MGUCell),
         "scan": linen_scan,
         "remat": linen_remat,
         "masked-scores-1e9": linen_masked_scores,
@@ -635,6 +637,7 @@ ZOO = {
         "Dropout": nnx_dropout,
         "RNN-LSTMCell": _nnx_rnn(nnx.LSTMCell),
         "RNN-GRUCell": _nnx_rnn(nnx.GRUCell),
+        "RNN-SimpleCell": _nnx_rnn(nnx.SimpleCell),
         "scan": nnx_scan,
         "remat": nnx_remat,
         "masked-scores-1e9": nnx_masked_scores,
@@ -868,7 +871,7 @@ _INIT_RNN = (
                 None,
                 marks=pytest.mark.xfail(raises=AssertionError, reason=_INIT_RNN, strict=True),
             )
-            for cell in (nn.LSTMCell, nn.GRUCell)
+            for cell in (nn.LSTMCell, nn.GRUCell, nn.SimpleCell)
         ],
         (nn.Embed(5, 4), (np.ones((2, 4), np.float32),), "attend"),
     ],

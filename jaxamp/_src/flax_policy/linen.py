@@ -171,7 +171,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
                 out = next_fun(*args, **kwargs)
         if plan.cast_output_to is not None:
             out = cast_floating(out, plan.cast_output_to)
-        return out
+        return layer_plan.carry_as_given(module, context.method_name, args, out)
 
     return intercept
 
@@ -238,18 +238,19 @@ class PolicyModule(nn.Module):
 
         target.__name__ = _TARGET
 
-        if self.is_initializing():  # creating params: the layers' settings are all it needs
-            out = target(self, *args, **kwargs)
-        else:
-            config = (self.policy, policy_rules(self.rules))
-            out = nn.transforms.lift_direct_transform(
-                functools.partial(_lifted_policy, config=config, residuals=self.residuals),
-                (target,),
-                self,
-                *args,
-                multi_scope=True,
-                **kwargs,
-            )
+        with layer_plan.explaining_carry_errors(self.policy):
+            if self.is_initializing():  # creating params: the layers' settings are all it needs
+                out = target(self, *args, **kwargs)
+            else:
+                config = (self.policy, policy_rules(self.rules))
+                out = nn.transforms.lift_direct_transform(
+                    functools.partial(_lifted_policy, config=config, residuals=self.residuals),
+                    (target,),
+                    self,
+                    *args,
+                    multi_scope=True,
+                    **kwargs,
+                )
         # Only a whole-model call (another method may run part of the model) shows that an
         # override matches no layer; and only if the layers ran (were traced) in it.
         if self.overrides and call.seen and method == "__call__":

@@ -23,6 +23,7 @@ _RESIDUALS_ATTR = "jaxamp_residuals"
 _RULES_ATTR = "jaxamp_rules"
 _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
 _ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
+_WRAPPED_ATTR = "_jaxamp_policy_wrapper"  # on the subclasses that wrap a layer
 # The attributes a policy changed on a layer, as they were before the first policy: a
 # second ``apply_policy`` starts from them (a float32 policy puts Flax's matmuls back).
 _ORIGINALS_ATTR = "jaxamp_original_attributes"
@@ -80,7 +81,8 @@ def _policy_call(self, *args, **kwargs):
     def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
         return policy.cast_to_output(base_call(module, *args, **kwargs))
 
-    return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
+    with layer_plan.explaining_carry_errors(policy):
+        return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -126,19 +128,38 @@ def _embed_attend(self, *args, **kwargs):
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 
 
+def _keeping_carry(call: Any) -> Any:
+    """A recurrent cell's ``call`` returning its new carry in the given carry's dtypes
+    (see ``layer_plan.carry_as_given``)."""
+
+    def cell_call(self, *args, **kwargs):
+        return layer_plan.carry_as_given(self, "__call__", args, call(self, *args, **kwargs))
+
+    return cell_call
+
+
 @functools.cache
 def _subclass(cls: type, call_name: str) -> type:
-    """A subclass of ``cls`` whose ``__call__`` is one of the wrappers above (cached)."""
+    """A subclass of ``cls`` whose ``__call__`` is one of the wrappers above (cached); a
+    recurrent cell's keeps its carry's dtypes too."""
     methods = {
         "policy": {"__call__": _policy_call},
         "embed": {"__call__": _embed_call, "attend": _embed_attend},
         "as_traced": {"__call__": _as_traced_call},
+        "cell": {},
     }[call_name]
+    if issubclass(cls, nnx.RNNCellBase) and call_name != "policy":
+        methods = {**methods, "__call__": _keeping_carry(methods.get("__call__", cls.__call__))}
 
     def __reduce__(self):  # pickled as the original class plus the name of the wrapper
         return _rebuild, (cls, call_name, self.__getstate__())
 
-    namespace = {**methods, "__reduce__": __reduce__, "__module__": cls.__module__}
+    namespace = {
+        **methods,
+        "__reduce__": __reduce__,
+        "__module__": cls.__module__,
+        _WRAPPED_ATTR: True,
+    }
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -149,12 +170,9 @@ def _rebuild(cls: type, call_name: str, state: Any) -> nnx.Module:
     return module
 
 
-_WRAPPERS = (_policy_call, _embed_call, _as_traced_call)
-
-
 def _original_class(module: nnx.Module) -> type:
     cls = type(module)
-    if cls.__dict__.get("__call__") in _WRAPPERS:
+    if cls.__dict__.get(_WRAPPED_ATTR, False):
         return cls.__mro__[1]  # the policy was applied before
     return cls
 
@@ -246,6 +264,8 @@ def apply_policy(
             wrapper = "embed"
         elif layer_policy.compute_dtype.itemsize > policy.compute_dtype.itemsize:
             wrapper = "as_traced"
+        elif isinstance(module, nnx.RNNCellBase):
+            wrapper = "cell"
         if module is not model:
             _swap_class(module, wrapper)
         for value in vars(module).values():

@@ -352,6 +352,56 @@ def warn_unmatched(
         )
 
 
+def carry_as_given(module: Any, method_name: str, args: tuple[Any, ...], out: Any) -> Any:
+    """A recurrent cell's ``(carry, y)`` with the new carry in the dtypes of the one it was
+    given: a cell running in 16 bits would otherwise turn the float32 carry of
+    ``initialize_carry`` into a 16-bit one, and the loop around it refuse the change."""
+    is_cell = isinstance(module, (nn.RNNCellBase, nnx.RNNCellBase))
+    # ``nn.RNN`` calls the cell through ``nn.scan`` as a method named ``scan_fn``.
+    if not is_cell or method_name == "initialize_carry" or not args:
+        return out
+    if not isinstance(out, tuple) or len(out) != 2:
+        return out
+    carry, y = out
+    given = args[0]
+    if jax.tree.structure(carry) != jax.tree.structure(given):
+        return out
+
+    def as_given(new: Any, old: Any) -> Any:
+        new_dtype, old_dtype = getattr(new, "dtype", None), getattr(old, "dtype", None)
+        if is_floating(new_dtype) and is_floating(old_dtype) and new_dtype != old_dtype:
+            return new.astype(old_dtype)
+        return new
+
+    return jax.tree.map(as_given, carry, given), y
+
+
+_CARRY_HINT = "jaxamp: the layers under this policy"
+
+
+@contextlib.contextmanager
+def explaining_carry_errors(policy: Policy) -> Any:
+    """Adds to JAX's loop-carry ``TypeError`` what under a policy causes it and its fixes."""
+    try:
+        yield
+    except TypeError as error:
+        message = str(error)
+        if "carry" not in message or "dtypes do not match" not in message:
+            raise
+        if _CARRY_HINT in message:
+            raise
+        compute = np.dtype(policy.compute_dtype).name
+        raise TypeError(
+            f"{message}\n\n{_CARRY_HINT} run in their own compute dtype ({compute} here; an "
+            "override's where one matches), as the same layers with that `dtype` in Flax "
+            "would, so a loop carry (lax.scan, nn.scan, nnx.scan, fori_loop) whose first "
+            "value has another dtype (jnp.zeros(shape) is float32) changes dtype in the "
+            "loop. Start the carry in the dtype of the value the loop computes it from "
+            "(jnp.zeros(shape, x.dtype)), or give the layers that compute the carry and its "
+            "first value the same policy."
+        ) from error
+
+
 _LIBRARIES = (
     f"{os.sep}jaxamp{os.sep}_src{os.sep}",
     f"{os.sep}flax{os.sep}",
