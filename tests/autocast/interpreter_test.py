@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -235,18 +237,35 @@ _matmul_with_own_vjp.defvjp(
 
 def test_a_custom_vjp_forward_is_entered_and_its_backward_runs_as_written():
     """A jax.custom_vjp function was passed through whole: its forward matmul stayed
-    float32 under mixed_bfloat16. (Under jax_custom_vjp3 it is a "hi" primitive that
-    autocast does not enter yet: refused by name.)"""
+    float32 under mixed_bfloat16. (Under jax_custom_vjp3 it is a "hi" primitive,
+    ``CustomVJPTraced``, entered the same way.)"""
     loss = lambda w, x: jnp.sum(_matmul_with_own_vjp(x, w).astype(jnp.float32))
     fwd = jaxamp.autocast(loss, "mixed_bfloat16")
-    if getattr(jax.config, "jax_custom_vjp3", False):
-        with pytest.raises(NotImplementedError, match="'CustomVJPTraced'"):
-            fwd(W, XS)
-        return
     assert _matmul_dtypes(fwd, W, XS) == [("bfloat16", "forward")]
     # the backward rule is the user's, in the dtypes it was written for
     assert {d for d, _ in _matmul_dtypes(jax.grad(fwd), W, XS) if _ == "backward"} == {"float32"}
     np.testing.assert_allclose(jax.grad(fwd)(W, XS), jax.grad(loss)(W, XS), rtol=1e-2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scaled_matmul_with_own_vjp(x, w, scale):
+    return (x @ w) * scale
+
+
+_scaled_matmul_with_own_vjp.defvjp(
+    lambda x, w, scale: ((x @ w) * scale, (x, w)),
+    lambda scale, res, g: (g @ res[1].T * scale, res[0].T @ g * scale),
+)
+
+
+def test_a_custom_vjp_with_static_arguments_is_entered():
+    """``nondiff_argnums`` (static under jax_custom_vjp3): the forward matmul runs in
+    bfloat16 and the gradient matches the function alone's."""
+    loss = lambda w, x: jnp.sum(_scaled_matmul_with_own_vjp(x, w, 0.5).astype(jnp.float32))
+    fwd = jaxamp.autocast(loss, "mixed_bfloat16")
+    assert _matmul_dtypes(fwd, W, XS) == [("bfloat16", "forward")]
+    got = jax.jit(jax.grad(fwd))(W, XS)
+    np.testing.assert_allclose(got, jax.grad(loss)(W, XS), rtol=1e-2)
 
 
 def test_a_higher_order_primitive_it_does_not_enter_is_refused_by_name():

@@ -605,18 +605,80 @@ def _rematerialized(closed: Any, params: dict[str, Any], eqn: Any, env: _Env) ->
 def _hi_primitive(eqn: Any, env: _Env) -> list[Any]:
     """A primitive of JAX's newer "hi" kind (``call_hi_primitive``), whose ``_prim`` says
     what it is. ``jax.checkpoint`` under ``jax_remat3`` is one (``RematTraced``, with
-    the body and the policy): rebuilt as ``checkpoint`` is. Any other is refused."""
+    the body and the policy): rebuilt as ``checkpoint`` is; ``jax.custom_vjp`` under
+    ``jax_custom_vjp3`` is another (``CustomVJPTraced``). Any other is refused."""
     prim = eqn.params.get("_prim")
     kind = type(prim).__name__
     params = getattr(prim, "params", None) or {}
     if kind == "RematTraced" and "jaxpr" in params:
         return _rematerialized(params["jaxpr"], params, eqn, env)
+    if kind == "CustomVJPTraced" and set(params) >= _CUSTOM_VJP3_PARAMS:
+        return _custom_vjp3(prim, eqn, env)
     raise NotImplementedError(
         f"jaxamp cannot evaluate the higher-order primitive {kind!r} (call_hi_primitive, "
         f"jax {jax.__version__}) with its rules; passing it through would leave every "
         "matmul inside in the dtype it was traced in. Call the function that binds it "
         "outside jaxamp.autocast and apply_policy, or report it to jaxamp."
     )
+
+
+_CUSTOM_VJP3_PARAMS = {"traced", "fwd", "bwd", "symbolic_zeros", "static_argnums", "opt_remat"}
+
+
+def _ruled_function(fun: Callable[..., Any], config: tuple) -> Callable[..., Any]:
+    """``fun`` (of array pytrees) traced and evaluated with the rules, its outputs cast
+    back to their traced dtypes: the same signature, 16-bit inside."""
+
+    def ruled(*args):
+        closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        outs = jex.core.jaxpr_as_fun(_with_rules(closed, config))(*jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return ruled
+
+
+def _custom_vjp3(prim: Any, eqn: Any, env: _Env) -> list[Any]:
+    """A ``jax.custom_vjp`` function under ``jax_custom_vjp3`` (``CustomVJPTraced``):
+    bound again as ``_custom_vjp`` does, with its primal and forward functions evaluated
+    with the rules and its backward function as written."""
+    p = prim.params
+    if p["symbolic_zeros"]:
+        raise NotImplementedError(
+            "jaxamp cannot evaluate a jax.custom_vjp function defined with "
+            "symbolic_zeros=True under jax_custom_vjp3 with its rules. Call it outside "
+            "jaxamp.autocast and apply_policy, or report it to jaxamp."
+        )
+    static = frozenset(p["static_argnums"])
+    values = [env.read_as(a, _traced_dtype(a)) for a in eqn.invars]
+    args = jax.tree.unflatten(prim.in_tree, values)
+    dynamic = [a for i, a in enumerate(args) if i not in static]
+    traced = p["traced"]
+
+    def primal(*dynamic):
+        outs = jex.core.jaxpr_as_fun(_with_rules(traced.jaxpr, env.config))(
+            *jax.tree.leaves(dynamic)
+        )
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+    def fwd(*full):
+        def fwd_of_dynamic(*dynamic):
+            it = iter(dynamic)
+            return p["fwd"](*[full[i] if i in static else next(it) for i in range(len(full))])
+
+        return _ruled_function(fwd_of_dynamic, env.config)(
+            *[a for i, a in enumerate(full) if i not in static]
+        )
+
+    rebuilt = type(prim)(
+        jax.jit(primal).trace(*dynamic),
+        fwd,
+        p["bwd"],
+        prim.in_avals,
+        p["symbolic_zeros"],
+        p["static_argnums"],
+        p["opt_remat"],
+    )
+    return bind(eqn, values, {**eqn.params, "_prim": rebuilt})
 
 
 def _with_rules(closed: Any, config: tuple) -> Any:
