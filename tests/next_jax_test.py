@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SENSITIVE = (
     "tests/autocast/api_test.py",
     "tests/autocast/interpreter_test.py",
+    "tests/autocast/constants_test.py",
     "tests/transformations_test.py",
     "tests/flax_policy/nnx_test.py",
     "tests/flax_policy/zoo_test.py",
