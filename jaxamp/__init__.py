@@ -12,7 +12,6 @@ from jaxamp._src.audit.report import precision_report
 from jaxamp._src.autocast.api import autocast, autocast_float32
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.deprecated import deprecation_getattr, install_moved_modules
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
 from jaxamp._src.numerics.numerics_diff import numerics_diff
 from jaxamp._src.numerics.range_report import range_report
@@ -58,20 +57,3 @@ __all__ = (
     "value_and_grad",
     "with_state_dtype",
 )
-
-# Top-level names of jaxamp 0.1 that now live in a namespace only (or, for the sharding
-# helpers, nowhere): served with a DeprecationWarning until jaxamp 0.3.
-_MOVED = {
-    **{
-        name: f"{namespace.__name__}:{name}"
-        for namespace in (optim, debug, ops)
-        for name in namespace.__all__
-        if name not in __all__
-    },
-    **{
-        name: f"jaxamp._src.deprecated:{name}"
-        for name in ("data_parallel_mesh", "fsdp_shardings", "replicated", "shard_batch")
-    },
-}
-__getattr__ = deprecation_getattr(__name__, _MOVED)
-install_moved_modules()  # pickles written with 0.1 name its private module paths

@@ -1,6 +1,5 @@
 """The ops under the policy: the 16-bit matmul rule and its forms, attention, residuals."""
 
-from jaxamp._src.backend import dot_algorithm
 from jaxamp._src.ops.attention import dot_product_attention, softmax_float32
 from jaxamp._src.ops.forms import FORMS as MATMUL_FORMS
 from jaxamp._src.ops.forms import MatmulForm, matmul_form, use_matmul_form
@@ -11,7 +10,6 @@ __all__ = (
     "MatmulForm",
     "activation_bytes",
     "checkpoint_residuals",
-    "dot_algorithm",
     "dot_product_attention",
     "matmul_form",
     "saved_residuals",

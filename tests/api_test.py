@@ -1,5 +1,5 @@
 """The public API: every exported name imports (ruff keeps ``__all__`` sorted), and the
-core imports without the ``compare`` extra (the moved 0.1 names: deprecated_test.py)."""
+core imports without the ``compare`` extra."""
 
 import importlib
 import os

@@ -1,6 +1,5 @@
 """Tests for examples/distributed_train.py (mixed precision on a mesh, in plain
-``jax.sharding``) and ``jaxamp.optim.reduce_gradients`` (the deprecated sharding helpers:
-deprecated_test.py).
+``jax.sharding``) and ``jaxamp.optim.reduce_gradients``.
 
 In-process tests use the 8 fake CPU devices the root conftest sets up; runs with
 other device counts, and the two-process run, are subprocesses.

@@ -112,38 +112,10 @@ def test_numerics_diff_marks_rows_whose_float32_value_is_near_zero():
     assert not rows[("GatedNet/gate", "backward")].near_zero  # the gate's own gradient
 
 
-def test_numerics_diff_takes_the_policy_by_keyword_and_says_when_it_is_missing():
-    params, x = {"w": jnp.full((4,), 0.3)}, jnp.ones((2, 4))
+def test_numerics_diff_says_when_the_policy_is_missing():
     loss = lambda p, x: jnp.mean(jnp.tanh(x * p["w"]))
-    by_keyword = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, x)
-    with pytest.warns(DeprecationWarning, match=r"numerics_diff\(fun, policy=\.\.\.\)"):
-        positional = jaxamp.numerics_diff(loss, "mixed_bfloat16")(params, x)
-    assert positional == by_keyword
     with pytest.raises(ValueError, match="numerics_diff needs the policy"):
         jaxamp.numerics_diff(loss)
-
-
-@pytest.mark.parametrize(
-    "legacy, argnums",
-    [
-        (lambda loss, p: jaxamp.numerics_diff(loss, p, (0, 1)), (0, 1)),
-        (lambda loss, p: jaxamp.numerics_diff(loss, p, argnums=1), 1),
-        (lambda loss, p: jaxamp.numerics_diff(loss, p, 1, has_aux=False), 1),
-    ],
-)
-def test_numerics_diff_keeps_0_1s_policy_second_calls_with_argnums(legacy, argnums):
-    """0.1's numerics_diff(fun, policy, argnums=0, ...) still works (with a warning)."""
-    params, x = {"w": jnp.full((4,), 0.3)}, jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
-    loss = lambda p, x: jnp.mean(jnp.tanh(x * p["w"]) ** 2)
-    by_keyword = jaxamp.numerics_diff(loss, argnums, policy="mixed_bfloat16")(params, x)
-    with pytest.warns(DeprecationWarning, match=r"numerics_diff\(fun, policy=\.\.\.\)"):
-        old_style = legacy(loss, "mixed_bfloat16")(params, x)
-    assert old_style == by_keyword
-    argnums_0 = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(params, x)
-    assert len(old_style.gradients) == (2 if argnums == (0, 1) else 1)
-    assert old_style.gradients != argnums_0.gradients  # argnums was not dropped
-    with pytest.raises(TypeError, match="both in second place and as policy="):
-        jaxamp.numerics_diff(loss, "mixed_bfloat16", policy="mixed_float16")
 
 
 def test_numerics_tools_take_a_jmp_policy():
@@ -155,9 +127,6 @@ def test_numerics_tools_take_a_jmp_policy():
     assert jaxamp.numerics_diff(loss, policy=theirs)(params, x) == jaxamp.numerics_diff(
         loss, policy=ours
     )(params, x)
-    with pytest.warns(DeprecationWarning):
-        positional = jaxamp.numerics_diff(loss, theirs)(params, x)
-    assert positional == jaxamp.numerics_diff(loss, policy=ours)(params, x)
     assert jaxamp.find_nonfinite(loss, policy=theirs)(params, x) is None
     report = jaxamp.range_report(loss, policy=theirs)(params, x)
     assert report == jaxamp.range_report(loss, policy=ours)(params, x)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -232,36 +230,6 @@ def _common_root(forward: dict[str, Any]) -> str:
     return ""
 
 
-def _policy_second(impl: Callable[..., Any]) -> Callable[..., Any]:
-    """0.1's ``numerics_diff(fun, policy, argnums=0, *, has_aux, loss_scale)`` call, kept
-    working until 0.3 with a ``DeprecationWarning``: a policy (anything but argnums) in
-    the second place moves to ``policy=``, and what follows it is ``argnums``."""
-
-    @functools.wraps(impl)
-    def numerics_diff(fun, *args, **kwargs):
-        if args and not _is_argnums(args[0]):
-            warnings.warn(
-                "numerics_diff(fun, policy) is deprecated and will stop working in jaxamp "
-                "0.3: pass numerics_diff(fun, policy=...), as to find_nonfinite and "
-                "range_report.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if "policy" in kwargs:
-                raise TypeError("numerics_diff got a policy both in second place and as policy=.")
-            kwargs["policy"], args = args[0], args[1:]
-        return impl(fun, *args, **kwargs)
-
-    return numerics_diff
-
-
-def _is_argnums(value: Any) -> bool:
-    if isinstance(value, int):
-        return True
-    return isinstance(value, Sequence) and not isinstance(value, str)
-
-
-@_policy_second
 def numerics_diff(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -286,9 +254,8 @@ def numerics_diff(
       argnums: what the gradient is taken with respect to.
       policy: what ``jaxamp.get_policy`` takes (a ``jaxamp.Policy``, a ``jmp.Policy``
         or a policy string; ``fun`` runs under ``jaxamp.autocast``), or the
-        mixed-precision version of ``fun``. Required (given by keyword, as to the
-        other numerics tools; 0.1's ``numerics_diff(fun, policy, argnums)``, with the
-        policy second, still works until 0.3, with a ``DeprecationWarning``).
+        mixed-precision version of ``fun``. Required, given by keyword, as to the
+        other numerics tools.
       has_aux: whether the losses return ``(loss, aux)``.
       loss_scale: differentiate the policy's loss times this scale (a number or an
         optimizer state with ``jaxamp.loss_scaled``), as a float16 step does, and
