@@ -20,6 +20,17 @@ def test_predicates_of_the_floating_dtypes(dtype):
     assert jax.jit(dtypes.upcast)(x).dtype == jnp.float32
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_is_narrow_but_not_16_bit(dtype):
+    """``is_16bit`` means 16 bits; ``is_narrow`` is any float narrower than float32 (what
+    master weights and ``upcast`` act on)."""
+    x = jnp.ones(3, dtype)
+    assert not dtypes.is_16bit(dtype) and not dtypes.is_16bit_array(x)
+    assert dtypes.is_narrow(dtype) and dtypes.is_narrow_array(x)
+    assert dtypes.is_narrower(dtype, jnp.bfloat16) and not dtypes.is_narrower(jnp.float32, dtype)
+    assert jax.jit(dtypes.upcast)(x).dtype == jnp.float32
+
+
 @pytest.mark.parametrize(
     "value", [jnp.int16, jnp.int32, jnp.bool_, jnp.complex64, None, jax.random.key(0)]
 )

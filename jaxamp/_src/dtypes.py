@@ -90,6 +90,20 @@ def is_16bit(dtype: Any) -> bool:
     return is_floating(dtype) and np.dtype(dtype).itemsize == 2
 
 
+def is_narrow(dtype: Any) -> bool:
+    """Whether ``dtype`` is a floating dtype narrower than float32 (16 or 8 bits)."""
+    return is_floating(dtype) and np.dtype(dtype).itemsize < 4
+
+
+def is_narrower(dtype: Any, than: Any) -> bool:
+    """Whether ``dtype`` and ``than`` are floating and ``dtype`` has fewer bits."""
+    return (
+        is_floating(dtype)
+        and is_floating(than)
+        and np.dtype(dtype).itemsize < np.dtype(than).itemsize
+    )
+
+
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array or a tracer (not a Python number, not ``None``)."""
     return isinstance(x, (np.ndarray, np.generic, jax.Array))
@@ -106,8 +120,13 @@ def is_inexact_array(x: Any) -> bool:
 
 
 def is_16bit_array(x: Any) -> bool:
+    """Whether ``x`` is an array (or tracer) of a 16-bit floating dtype."""
+    return is_array(x) and is_16bit(x.dtype)
+
+
+def is_narrow_array(x: Any) -> bool:
     """Whether ``x`` is an array (or tracer) of a floating dtype narrower than float32."""
-    return is_floating_array(x) and x.dtype.itemsize < 4
+    return is_array(x) and is_narrow(x.dtype)
 
 
 def upcast(x: Any) -> Any:
@@ -118,7 +137,7 @@ def upcast(x: Any) -> Any:
       >>> upcast(jnp.ones(2, jnp.bfloat16)).dtype, upcast(jnp.ones(2, jnp.int32)).dtype
       (dtype('float32'), dtype('int32'))
     """
-    return x.astype(FLOAT32) if is_16bit_array(x) else x
+    return x.astype(FLOAT32) if is_narrow_array(x) else x
 
 
 def float32_tree(tree: T) -> T:
@@ -173,8 +192,10 @@ def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:
     except TypeError as e:
         raise invalid_choice(what, value, POLICY_DTYPES.values()) from e
     if dtype not in POLICY_DTYPES:
-        raise ValueError(
-            f"{what} must be a floating dtype, got {dtype.name!r}. "
-            f"Valid choices: {', '.join(POLICY_DTYPES.values())}."
+        raise invalid_choice(
+            what,
+            dtype.name,
+            POLICY_DTYPES.values(),
+            why=f"{what} must be a floating dtype, got {dtype.name!r}.",
         )
     return dtype

@@ -11,7 +11,15 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxamp._src.dtypes import JMP_DTYPE_NAMES, canonical_dtype, is_floating_array
+from jaxamp._src.dtypes import (
+    FLOAT32,
+    JMP_DTYPE_NAMES,
+    canonical_dtype,
+    is_floating_array,
+    is_narrow,
+    is_narrower,
+)
+from jaxamp._src.errors import invalid_choice
 
 T = TypeVar("T")
 
@@ -103,15 +111,15 @@ class Policy:
     @property
     def is_mixed(self) -> bool:
         """True when compute runs in a narrower floating type than params are stored in."""
-        return self.compute_dtype.itemsize < self.param_dtype.itemsize
+        return is_narrower(self.compute_dtype, self.param_dtype)
 
     @property
     def grad_reduce_dtype(self) -> np.dtype:
         """The dtype gradients are reduced in across devices (see ``reduce_dtype``)."""
         if self.reduce_dtype is not None:
             return self.reduce_dtype
-        if self.compute_dtype.itemsize < 4:
-            return np.dtype(jnp.float32) if self.param_dtype.itemsize <= 4 else self.param_dtype
+        if is_narrow(self.compute_dtype):
+            return max(FLOAT32, self.param_dtype, key=lambda d: d.itemsize)
         return self.param_dtype
 
     def cast_to_param(self, tree: T) -> T:
@@ -154,11 +162,11 @@ PRESETS: dict[str, Policy] = {
 """The named policies ``get_policy`` accepts (with the ``p=,c=,o=`` grammar and jmp's)."""
 
 
-def _valid_choices() -> str:
+def _valid_choices() -> tuple[str, ...]:
     return (
         f"presets {', '.join(PRESETS)}; dtype names {', '.join(list(JMP_DTYPE_NAMES))}; "
         "or 'params=<dtype>,compute=<dtype>,output=<dtype>' (short keys p, c, o; "
-        "optional reduce=<dtype> or r=<dtype>)"
+        "optional reduce=<dtype> or r=<dtype>)",
     )
 
 
@@ -166,7 +174,9 @@ def _unknown(spec: str, bad: str, why: str) -> ValueError:
     candidates = list(PRESETS) + list(JMP_DTYPE_NAMES)
     close = difflib.get_close_matches(bad, candidates, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"Invalid policy {spec!r}: {why}.{hint} Valid choices: {_valid_choices()}.")
+    return invalid_choice(
+        "policy", spec, _valid_choices(), why=f"Invalid policy {spec!r}: {why}.{hint}"
+    )
 
 
 def _parse_grammar(spec: str) -> Policy:

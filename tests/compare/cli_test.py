@@ -35,7 +35,7 @@ def test_flags():
     [
         (
             ["--variants", "fp32,fp8"],
-            "unknown variant(s) fp8; valid choices: fp32, tf32, bf16, fp16",
+            "unknown variant(s) fp8. Valid choices: fp32, tf32, bf16, fp16,",
         ),
         (["--epochs", "0"], "must be a positive integer, got 0"),
         (["--model", "vgg"], "invalid choice: 'vgg'"),

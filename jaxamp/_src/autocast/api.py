@@ -64,7 +64,7 @@ from flax import nnx
 from jaxamp._src.autocast import constants
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
-from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
+from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
 from jaxamp._src.policy import Policy, get_policy
@@ -223,8 +223,7 @@ def _as_float32_shape(x: Any) -> Any:
 
 
 def _wider_than_traced(value: Any, atom: Any) -> bool:
-    dtype, traced = getattr(value, "dtype", None), atom.aval.dtype
-    return is_floating(dtype) and is_floating(traced) and dtype.itemsize > traced.itemsize
+    return is_narrower(atom.aval.dtype, getattr(value, "dtype", None))
 
 
 def interpreted(
@@ -252,7 +251,7 @@ def interpreted(
     """
     policy, _ = config
     validate_residuals(residuals)
-    if policy.compute_dtype.itemsize >= 4:
+    if not is_narrow(policy.compute_dtype):
         residuals = "all"
     callee, method = _callee_and_method(fun)
 

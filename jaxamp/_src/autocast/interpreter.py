@@ -27,7 +27,7 @@ from jax import lax
 
 from jaxamp._src.autocast import constants
 from jaxamp._src.autocast.rules import AutocastRules, primitive_names
-from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
+from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating, is_narrow, is_narrower
 from jaxamp._src.jaxprs import (
     bind,
     eqn_context,
@@ -224,10 +224,7 @@ def _float32(eqn: Any, env: _Env) -> list[Any]:
     """A sensitive primitive: floating inputs narrower than float32 are cast up. An input
     the program narrowed from float32 just before (``jnp.linalg.norm`` returns its
     float32 sum in float16 before the square root) is read as the float32 value."""
-    wanted = [
-        FLOAT32 if is_floating(env.dtype(a)) and np.dtype(env.dtype(a)).itemsize < 4 else None
-        for a in eqn.invars
-    ]
+    wanted = [FLOAT32 if is_narrow(env.dtype(a)) else None for a in eqn.invars]
     name = eqn.primitive.name
     planned = _planned_inputs(eqn, env, wanted)
     values = [_wide(env, a, v, name) for a, v in zip(eqn.invars, planned, strict=True)]
@@ -287,7 +284,7 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
     if _is_vector_dot(eqn):
         compute = np.dtype(functools.reduce(jnp.promote_types, [env.dtype(a) for a in eqn.invars]))
     params = dict(eqn.params)
-    if np.dtype(compute).itemsize == 2:
+    if is_16bit(compute):
         # An operand the program narrowed just before (a kernel cast to the compute dtype,
         # as Flax's ConvTranspose does) is read as the wider value: the rule casts it
         # itself, so its gradient comes out of the GEMM in float32, never rounded.
@@ -298,14 +295,12 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
             # operands, float32 logits) stays that wide; other results are 16-bit.
             preferred = params.get("preferred_element_type")
             traced = _traced_dtype(eqn.invars[0])
-            wider = is_floating(preferred) and np.dtype(preferred).itemsize > max(
-                compute.itemsize, np.dtype(traced).itemsize
-            )
+            wider = is_narrower(compute, preferred) and is_narrower(traced, preferred)
             if not wider and in_backward_pass(eqn):
                 # A gradient the function takes itself: its GEMMs keep their traced (float32)
                 # result, so a float32 weight's gradient is not rounded to 16 bits.
                 preferred = _traced_dtype(eqn.outvars[0])
-                wider = is_floating(preferred) and np.dtype(preferred).itemsize > compute.itemsize
+                wider = is_narrower(compute, preferred)
             return [
                 amp_dot_general(
                     lhs,
@@ -450,11 +445,7 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
         # The same, computed from constants (``s + jnp.arange(n) * 1e5``): kept wide.
         return [lax.convert_element_type(value, jnp.promote_types(current, FLOAT32))]
     (out,) = bind(eqn, [value])
-    if (
-        is_floating(current)
-        and is_floating(new_dtype)
-        and np.dtype(new_dtype).itemsize < np.dtype(current).itemsize
-    ):
+    if is_floating(current) and is_floating(new_dtype) and is_narrower(new_dtype, current):
         env.remember_wide(out, env.read(atom))
     return [out]
 
@@ -501,11 +492,7 @@ def _gather(eqn: Any, env: _Env) -> list[Any]:
         values = [wide, *(env.read(a) for a in eqn.invars[1:])]
         return [out.astype(narrow) for out in bind(eqn, values)]
     traced, arrived = _traced_dtype(table), env.dtype(table)
-    if (
-        is_floating(traced)
-        and is_floating(arrived)
-        and (np.dtype(arrived).itemsize < np.dtype(traced).itemsize)
-    ):
+    if is_narrower(arrived, traced):
         return bind(eqn, [env.read_as(table, traced), *(env.read(a) for a in eqn.invars[1:])])
     if is_16bit(arrived) and not isinstance(table, jex.core.Literal):
         rest = [env.read(a) for a in eqn.invars[1:]]
@@ -768,9 +755,7 @@ def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def _widened(dtypes: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     """``dtypes``, each floating one promoted to its ``outs`` dtype where that is wider."""
     return [
-        np.dtype(jnp.promote_types(d, o.dtype))
-        if is_floating(d) and is_floating(o.dtype) and np.dtype(o.dtype).itemsize > d.itemsize
-        else d
+        np.dtype(jnp.promote_types(d, o.dtype)) if is_narrower(d, o.dtype) else d
         for d, o in zip(dtypes, outs, strict=True)
     ]
 

@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 import sys
 
+from jaxamp._src.errors import valid_choices
+
 # The compare app needs the ``compare`` extra (tqdm, matplotlib, tensorflow-datasets, scipy,
 # scikit-learn, pillow); without it the command says which extra to install. The app
 # imports some of them only when it uses them, so each is looked for up front.
@@ -41,8 +43,7 @@ def _variants(value: str) -> tuple[str, ...]:
     unknown = [v for v in names if v not in VARIANTS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown variant(s) {', '.join(unknown) or repr(value)}; "
-            f"valid choices: {', '.join(VARIANTS)}"
+            f"unknown variant(s) {', '.join(unknown) or repr(value)}. {valid_choices(VARIANTS)}"
         )
     return names
 

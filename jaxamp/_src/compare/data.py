@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 import jax
 import numpy as np
 
+from jaxamp._src.errors import invalid_choice
+
 FASHION_MNIST_CLASSES = (
     "T-shirt/top",
     "Trouser",
@@ -382,11 +384,9 @@ def load_dataset(
       DatasetUnavailable: with ``source="tfds"`` when the dataset cannot be had.
     """
     if source not in DATA_SOURCES:
-        raise ValueError(
-            f"Unknown data source {source!r}. Valid choices: {', '.join(DATA_SOURCES)}."
-        )
+        raise invalid_choice("data source", source, DATA_SOURCES)
     if kind not in ("images", "text"):
-        raise ValueError(f"Unknown data kind {kind!r}. Valid choices: images, text.")
+        raise invalid_choice("data kind", kind, ("images", "text"))
     tokenizer = tokenizer or HashingTokenizer()
     note = None
     if source in ("auto", "tfds"):

@@ -34,6 +34,7 @@ import jax
 import optax
 
 from jaxamp._src.backend import auto_policy
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim.loss_scaled import loss_scaled
 from jaxamp._src.optim.recipes import OPTIMIZER_RECIPES, optimizer_recipe
 from jaxamp._src.optim.scales import DynamicLossScale, NoOpLossScale
@@ -129,7 +130,7 @@ def get_variant(name: str) -> Variant:
     try:
         return VARIANTS[name.strip().lower()]
     except KeyError as e:
-        raise ValueError(f"Unknown variant {name!r}. Valid choices: {', '.join(VARIANTS)}.") from e
+        raise invalid_choice("variant", name, VARIANTS) from e
 
 
 def default_variants(device=None) -> list[str]:

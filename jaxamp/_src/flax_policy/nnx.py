@@ -13,6 +13,7 @@ from flax import nnx
 from jaxamp._src.autocast.api import interpreted, is_graph_node
 from jaxamp._src.autocast.rules import AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
+from jaxamp._src.dtypes import is_narrower
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
@@ -262,7 +263,7 @@ def apply_policy(
                 module, _ATTEND_PLAN_ATTR, layer_plan.plan_layer(module, layer_policy, "attend")
             )
             wrapper = "embed"
-        elif layer_policy.compute_dtype.itemsize > policy.compute_dtype.itemsize:
+        elif is_narrower(policy.compute_dtype, layer_policy.compute_dtype):
             wrapper = "as_traced"
         elif isinstance(module, nnx.RNNCellBase):
             wrapper = "cell"

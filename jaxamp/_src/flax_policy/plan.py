@@ -42,7 +42,7 @@ from flax.linen import dtypes as linen_dtypes
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from jaxamp._src.dtypes import is_floating
+from jaxamp._src.dtypes import is_16bit, is_floating, is_narrower
 from jaxamp._src.ops import attention
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
 from jaxamp._src.policy import Policy, get_policy
@@ -128,7 +128,7 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         attrs["param_dtype"] = policy.param_dtype
     if hasattr(module, "dtype") and _is_float_setting(module.dtype):
         attrs["dtype"] = policy.compute_dtype
-    sixteen_bit = policy.compute_dtype.itemsize == 2
+    sixteen_bit = is_16bit(policy.compute_dtype)
     if isinstance(module, EMBED_LAYERS):
         if method_name == "attend":  # a matmul against the table, with no hook
             matmul = DotGeneral(policy.compute_dtype) if sixteen_bit else None
@@ -246,7 +246,7 @@ def as_traced_scope(root: Policy, policy: Policy, scope: str) -> Any:
     """A context for a layer whose policy computes wider than the root's (an override to
     float32): its calls run in ``jax.named_scope(scope)``, which the autocast interpreter
     evaluates exactly as traced, so matmuls the layer writes itself stay in float32."""
-    if policy.compute_dtype.itemsize > root.compute_dtype.itemsize:
+    if is_narrower(root.compute_dtype, policy.compute_dtype):
         return jax.named_scope(scope)
     return contextlib.nullcontext()
 

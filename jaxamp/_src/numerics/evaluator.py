@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxamp._src.audit.checks import short_name
-from jaxamp._src.dtypes import is_inexact
+from jaxamp._src.dtypes import is_16bit, is_inexact
 from jaxamp._src.jaxprs import bind, open_jaxpr
 from jaxamp._src.numerics import phases, sources
 
@@ -309,13 +309,10 @@ def _concrete_mesh(mesh: Any) -> Any:
     return current if same else None
 
 
-_SIXTEEN = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-
-
 def _is_sixteen(dtype: Any) -> bool:
     try:
-        return np.dtype(dtype) in _SIXTEEN
-    except TypeError:
+        return is_16bit(dtype)
+    except TypeError:  # an extended dtype (a PRNG key)
         return False
 
 

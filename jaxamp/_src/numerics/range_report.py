@@ -17,6 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src.dtypes import is_narrow
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
@@ -146,7 +147,7 @@ class _Measure:
 
 
 def _wide(x: Any) -> bool:
-    return np.asarray(x).dtype.itemsize >= 4
+    return not is_narrow(np.asarray(x).dtype)
 
 
 def _float16(x: Any) -> bool:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._src.autocast.api import autocast
+from jaxamp._src.dtypes import is_narrow
 from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
 from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
@@ -185,7 +186,7 @@ def trace(
             )
         if loss_scale is not None:
             with jax.named_scope(LOSS_SCALE_SCOPE):
-                if jnp.dtype(loss.dtype).itemsize < 4:  # as jaxamp.scale_loss: float32 first
+                if is_narrow(loss.dtype):  # as jaxamp.scale_loss: float32 first
                     loss = loss.astype(jnp.float32)
                 loss = loss * jnp.asarray(loss_scale, jnp.float32).astype(loss.dtype)
         return (loss, aux) if has_aux else loss

@@ -16,10 +16,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxamp._src.dtypes import is_16bit
 from jaxamp._src.ops.matmul import DotGeneral
 
 Array = jax.Array
@@ -134,7 +134,7 @@ def dot_product_attention(
         key = jnp.repeat(key, q_heads // kv_heads, axis=-2)
         value = jnp.repeat(value, q_heads // kv_heads, axis=-2)
 
-    rule_einsum = DotGeneral(dtype).einsum if np.dtype(dtype).itemsize == 2 else jnp.einsum
+    rule_einsum = DotGeneral(dtype).einsum if is_16bit(dtype) else jnp.einsum
     qk_einsum = qk_attn_weights_einsum or rule_einsum
     wv_einsum = attn_weights_value_einsum or rule_einsum
     query = query / jnp.sqrt(query.shape[-1]).astype(dtype)

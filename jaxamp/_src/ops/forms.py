@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src.dtypes import FLOAT32
+from jaxamp._src.errors import invalid_choice
 
 ENV_VAR = "JAXAMP_MATMUL_FORM"
 
@@ -95,7 +96,7 @@ def get_form(form: str | MatmulForm) -> MatmulForm:
         return form
     if isinstance(form, str) and form.strip().lower() in FORMS:
         return FORMS[form.strip().lower()]
-    raise ValueError(f"Unknown matmul form {form!r}. Valid choices: {', '.join(FORMS)}.")
+    raise invalid_choice("matmul form", form, FORMS)
 
 
 @contextlib.contextmanager

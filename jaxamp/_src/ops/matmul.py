@@ -56,6 +56,7 @@ from jax._src.lax.lax import canonicalize_precision as _canonicalize_precision
 from jax._src.sharding_impls import canonicalize_sharding
 
 from jaxamp._src.dtypes import FLOAT32, is_16bit
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.ops.forms import (
     FORMS,
     MatmulForm,
@@ -81,10 +82,8 @@ def _rule_precision(precision: Any) -> Any:
             precision = _canonicalize_precision(precision)
         except ValueError as e:
             strings = sorted(k for k in _PRECISION_STRINGS if isinstance(k, str))
-            raise ValueError(
-                f"Unknown precision {precision!r}. Valid choices: {', '.join(strings)}, the "
-                "lax.Precision values, or a lax.DotAlgorithmPreset name."
-            ) from e
+            choices = [*strings, "a lax.Precision", "a lax.DotAlgorithmPreset name"]
+            raise invalid_choice("precision", precision, choices) from e
     if isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset)):
         return None
     if isinstance(precision, tuple) and any(

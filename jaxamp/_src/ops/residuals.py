@@ -62,10 +62,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._src.dtypes import is_floating, is_narrow, is_narrower
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.ops.matmul import amp_conv_general_dilated_p, amp_dot_general_p
 
 RESIDUAL_MODES = ("compute_dtype", "dots", "all")
@@ -95,8 +96,7 @@ _BOOL_OUTPUT = frozenset(
 
 
 def _is_wide_float(dtype: Any) -> bool:
-    dtype = np.dtype(dtype)
-    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4
+    return is_floating(dtype) and not is_narrow(dtype)
 
 
 def _output_is_wide_float(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]) -> bool:
@@ -121,12 +121,7 @@ def _is_downcast(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]) -> b
     if prim.name != "convert_element_type" or not avals:
         return False
     src, dst = getattr(avals[0], "dtype", None), np.dtype(params["new_dtype"])
-    return (
-        src is not None
-        and _is_wide_float(src)
-        and jnp.issubdtype(dst, jnp.floating)
-        and dst.itemsize < np.dtype(src).itemsize
-    )
+    return src is not None and _is_wide_float(src) and is_narrower(dst, src)
 
 
 def save_compute_dtype(
@@ -160,9 +155,7 @@ _POLICIES = {"compute_dtype": save_compute_dtype, "dots": save_dots}
 def validate_residuals(residuals: str) -> str:
     """Returns ``residuals`` if it is a known mode, else raises ``ValueError``."""
     if residuals not in RESIDUAL_MODES:
-        raise ValueError(
-            f"Unknown residuals mode {residuals!r}. Valid choices: {', '.join(RESIDUAL_MODES)}."
-        )
+        raise invalid_choice("residuals mode", residuals, RESIDUAL_MODES)
     return residuals
 
 

@@ -18,15 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._src.dtypes import is_narrow, is_narrower
+from jaxamp._src.errors import invalid_choice
+
 ROUNDINGS = ("nearest", "stochastic")
 
 
 def validate_rounding(rounding: str) -> str:
     """Returns ``rounding`` if it is one of ``ROUNDINGS``, else raises ``ValueError``."""
     if rounding not in ROUNDINGS:
-        raise ValueError(
-            f"Unknown rounding {rounding!r}. Valid choices: {', '.join(map(repr, ROUNDINGS))}."
-        )
+        raise invalid_choice("rounding", rounding, ROUNDINGS, quote=True)
     return rounding
 
 
@@ -42,9 +43,11 @@ def validate_stochastic_dtype(dtype: Any) -> np.dtype:
         canonical = None
     if canonical is None or canonical.name not in STOCHASTIC_DTYPES:
         shown = canonical.name if canonical is not None else repr(dtype)
-        raise ValueError(
-            f"stochastic_round cannot round to {shown}. Valid choices: "
-            f"{', '.join(STOCHASTIC_DTYPES)} (float32 returns x as it is)."
+        raise invalid_choice(
+            "dtype",
+            dtype,
+            STOCHASTIC_DTYPES,
+            why=f"stochastic_round cannot round to {shown} (float32 returns x as it is).",
         )
     return canonical
 
@@ -139,7 +142,7 @@ def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
     """
     dtype = np.dtype(dtype)
     x = jnp.asarray(x, jnp.float32)
-    if dtype.itemsize >= 4:
+    if not is_narrow(dtype):
         return x
     info = jnp.finfo(dtype)
     reduced = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
@@ -149,7 +152,7 @@ def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
 
 def round_to(x: jax.Array, dtype: Any, rounding: str, key: jax.Array | None) -> jax.Array:
     """``x`` cast to ``dtype`` with ``rounding`` (``key`` is used only for ``"stochastic"``)."""
-    if rounding == "stochastic" and np.dtype(dtype).itemsize < np.dtype(x.dtype).itemsize:
+    if rounding == "stochastic" and is_narrower(dtype, x.dtype):
         return stochastic_round(x, dtype, key)
     return x.astype(dtype)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._src.dtypes import is_floating_array
+from jaxamp._src.dtypes import is_floating_array, is_narrow
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.optim.loss_scaled import count_16bit
 from jaxamp._src.optim.opt_state import find_loss_scaled_state
@@ -43,7 +43,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
       ``loss * scale`` in float32 (or the loss's dtype when that is wider).
     """
     loss = jnp.asarray(loss)
-    if loss.dtype.itemsize < 4:
+    if is_narrow(loss.dtype):
         loss = loss.astype(jnp.float32)
     return loss * get_loss_scale(opt_state).astype(loss.dtype)
 
@@ -90,7 +90,7 @@ def value_and_grad(
             out = fun(*a, **k)
             loss, aux = out if has_aux else (out, None)
             loss_f32 = jnp.asarray(loss)
-            if loss_f32.dtype.itemsize < 4:
+            if is_narrow(loss_f32.dtype):
                 loss_f32 = loss_f32.astype(jnp.float32)
             return loss_f32 * scale.astype(loss_f32.dtype), (loss, aux)
 

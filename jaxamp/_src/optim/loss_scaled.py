@@ -38,9 +38,9 @@ from jax import lax
 
 from jaxamp._src.dtypes import (
     float32_tree,
-    is_16bit_array,
     is_floating_array,
     is_inexact_array,
+    is_narrow_array,
 )
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim import master_weights as masters
@@ -102,7 +102,7 @@ def _gradient_structure(params: Any) -> Any:
 
 def count_16bit(tree: Any) -> int:
     """How many leaves of ``tree`` are 16-bit floating arrays."""
-    return sum(is_16bit_array(x) for x in jax.tree.leaves(tree))
+    return sum(is_narrow_array(x) for x in jax.tree.leaves(tree))
 
 
 def _record_nonfinite(checks: Any, finite: jax.Array, record: Any) -> Any:
@@ -359,7 +359,7 @@ def _validated_seed(seed: Any) -> Any:
 
 
 def _init(config: _Config, params: Any) -> LossScaledState:
-    has_16_bit = any(is_16bit_array(x) for x in jax.tree.leaves(params))
+    has_16_bit = any(is_narrow_array(x) for x in jax.tree.leaves(params))
     master, compensation, key = masters.init(params, config.master_weights, config.seed)
     inner_params = float32_tree(params) if has_16_bit else params
     return LossScaledState(
@@ -459,7 +459,7 @@ def _apply_or_skip(
     has_master = state.master_params is not None
     rounds = state.compensation is not None or state.rounding_key is not None
     master_params = masters.adopt_changes(state.master_params, params) if has_master else None
-    if has_master or rounds or any(is_16bit_array(x) for x in jax.tree.leaves(params)):
+    if has_master or rounds or any(is_narrow_array(x) for x in jax.tree.leaves(params)):
         # float32, as init saw them (master_weights="none" has neither master nor state)
         inner_params = masters.inner_params(params, master_params, state.compensation)
     else:

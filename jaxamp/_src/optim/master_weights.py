@@ -39,7 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._src.dtypes import float32_tree, is_16bit_array, is_inexact_array
+from jaxamp._src.dtypes import float32_tree, is_inexact_array, is_narrow_array
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.ops.rounding import (
     leaf_keys,
     new_key_data,
@@ -54,10 +55,7 @@ MASTER_WEIGHTS = ("float32", "kahan", "stochastic", "none")
 
 def validate_master_weights(master_weights: str) -> str:
     if master_weights not in MASTER_WEIGHTS:
-        raise ValueError(
-            f"Unknown master_weights {master_weights!r}. Valid choices: "
-            f"{', '.join(map(repr, MASTER_WEIGHTS))}."
-        )
+        raise invalid_choice("master_weights", master_weights, MASTER_WEIGHTS, quote=True)
     return master_weights
 
 
@@ -68,16 +66,16 @@ def _placeholder() -> jax.Array:
 
 def init(params: Any, recipe: str, seed: int) -> tuple[Any, Any, Any]:
     """``(master, compensation, rounding_key)`` for ``params`` (``None`` where unused)."""
-    if not any(is_16bit_array(x) for x in jax.tree.leaves(params)):
+    if not any(is_narrow_array(x) for x in jax.tree.leaves(params)):
         return None, None, None
     if recipe == "float32":
         master = jax.tree.map(
-            lambda p: p.astype(jnp.float32) if is_16bit_array(p) else _placeholder(), params
+            lambda p: p.astype(jnp.float32) if is_narrow_array(p) else _placeholder(), params
         )
         return master, None, None
     if recipe == "kahan":
         compensation = jax.tree.map(
-            lambda p: jnp.zeros_like(p) if is_16bit_array(p) else _placeholder(), params
+            lambda p: jnp.zeros_like(p) if is_narrow_array(p) else _placeholder(), params
         )
         return None, compensation, None
     if recipe == "stochastic":
@@ -92,7 +90,7 @@ def adopt_changes(master: Any, params: Any) -> Any:
     element; placeholders are kept as they are."""
 
     def adopt(m, p):
-        if not is_16bit_array(p):
+        if not is_narrow_array(p):
             return m
         return jnp.where(
             round_in_float32(m, p.dtype) == p.astype(jnp.float32), m, p.astype(jnp.float32)
@@ -114,7 +112,7 @@ def valid_compensation(params: Any, compensation: Any) -> Any:
     """
 
     def fit(p, c):
-        if not is_16bit_array(p):
+        if not is_narrow_array(p):
             return c
         p32, c32 = p.astype(jnp.float32), c.astype(jnp.float32)
         toward = jnp.where(c32 > 0, jnp.inf, -jnp.inf).astype(p.dtype)
@@ -127,13 +125,13 @@ def valid_compensation(params: Any, compensation: Any) -> Any:
 def inner_params(params: Any, master: Any, compensation: Any) -> Any:
     """The float32 params the inner optimizer sees (for weight decay and the like)."""
     if master is not None:
-        return jax.tree.map(lambda m, p: m if is_16bit_array(p) else p, master, params)
+        return jax.tree.map(lambda m, p: m if is_narrow_array(p) else p, master, params)
     f32 = float32_tree(params)
     if compensation is None:
         return f32
     compensation = valid_compensation(params, compensation)
     return jax.tree.map(
-        lambda p, c: p + c.astype(jnp.float32) if is_16bit_array(c) else p, f32, compensation
+        lambda p, c: p + c.astype(jnp.float32) if is_narrow_array(c) else p, f32, compensation
     )
 
 
@@ -150,7 +148,7 @@ def step_master(master: Any, updates: Any, params: Any) -> tuple[Any, Any]:
     def step(m, u, p):
         if not is_inexact_array(p):
             return jnp.zeros_like(p), m
-        if not is_16bit_array(p):
+        if not is_narrow_array(p):
             return u, m
         new = m + u
         return round_in_float32(new, p.dtype) - p.astype(jnp.float32), new
@@ -171,7 +169,7 @@ def apply(
         compensation = valid_compensation(params, compensation)
 
         def kahan(u, p, c):
-            if not is_16bit_array(p):
+            if not is_narrow_array(p):
                 return u, c
             y = u + c.astype(jnp.float32)
             # the rounding no compiler may fold away (see round_in_float32)
@@ -186,7 +184,7 @@ def apply(
         keys = leaf_keys(step_key(key_data, step), params)
 
         def stochastic(u, p, k):
-            if not is_16bit_array(p):
+            if not is_narrow_array(p):
                 return u
             new = stochastic_round(p.astype(jnp.float32) + u, p.dtype, k)
             return new.astype(jnp.float32) - p.astype(jnp.float32)

@@ -6,6 +6,7 @@ from typing import Any
 
 import optax
 
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim.loss_scaled import loss_scaled
 from jaxamp._src.optim.state_dtype import with_state_dtype
 from jaxamp._src.policy import get_policy
@@ -49,10 +50,7 @@ def optimizer_recipe(
     """
 
     if name not in OPTIMIZER_RECIPES:
-        raise ValueError(
-            f"Unknown optimizer recipe {name!r}. Valid choices: "
-            f"{', '.join(map(repr, OPTIMIZER_RECIPES))}."
-        )
+        raise invalid_choice("optimizer recipe", name, OPTIMIZER_RECIPES, quote=True)
     policy, master_weights, state_dtype = OPTIMIZER_RECIPES[name]
     if state_dtype is not None:  # its noise is independent of the params' (same seed)
         seed = loss_scaled_kwargs.get("seed", 0)

@@ -47,6 +47,7 @@ import numpy as np
 import optax
 
 from jaxamp._src.dtypes import canonical_dtype, is_floating_array, upcast
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.jaxprs import depends_on_inputs
 from jaxamp._src.ops.rounding import leaf_keys, new_key_data, round_to, step_key, validate_rounding
 from jaxamp._src.optim.loss_scaled import LossScaledState
@@ -230,10 +231,13 @@ def _targets(
     found = {field for path in stats if path is not None for field in _field_names(path)}
     unknown = sorted(set(wanted) - found)
     if unknown and found:
-        raise ValueError(
-            f"with_state_dtype({name}): no state field of per-parameter statistics named "
-            f"{', '.join(map(repr, unknown))} in this optimizer's state. "
-            f"Valid choices: {', '.join(map(repr, sorted(found)))}."
+        raise invalid_choice(
+            "state field",
+            unknown,
+            sorted(found),
+            quote=True,
+            why=f"with_state_dtype({name}): no state field of per-parameter statistics named "
+            f"{', '.join(map(repr, unknown))} in this optimizer's state.",
         )
     if unknown:
         raise ValueError(
