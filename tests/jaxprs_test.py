@@ -12,7 +12,9 @@ from jaxamp._src.jaxprs import (
     eqn_context,
     in_backward_pass,
     in_float32_scope,
+    is_backward_name,
     open_jaxpr,
+    varying_axes,
 )
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -135,3 +137,27 @@ def test_the_float32_scope_and_the_backward_pass_are_read_from_the_name_stack():
     backward = [e for e in grad_eqns if in_backward_pass(e)]
     assert backward and not all(in_backward_pass(e) for e in grad_eqns)
     assert any(in_float32_scope(e) for e in backward)  # exp's derivative, in its scope
+
+
+def test_varying_axes_reads_a_shard_map_bodys_types():
+    """Inside ``shard_map`` a sharded value varies over its mesh axis and a replicated one
+    over none; outside, types say nothing."""
+    mesh = jax.make_mesh((2,), ("d",))
+    seen = {}
+
+    def body(x, w):
+        seen["x"], seen["w"] = varying_axes(jax.typeof(x)), varying_axes(jax.typeof(w))
+        return x * w.sum()
+
+    sharded = jax.device_put(jnp.ones(4), jax.NamedSharding(mesh, jax.P("d")))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(jax.P("d"), jax.P()), out_specs=jax.P("d"))
+    jax.jit(mapped)(sharded, jnp.ones(3))
+    assert seen == {"x": frozenset({"d"}), "w": frozenset()}
+    assert not varying_axes(jax.typeof(jnp.ones(2)))
+
+
+def test_is_backward_name_tells_the_transposed_equations():
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))(W, jnp.ones((2, 4)))
+    stacks = {str(e.source_info.name_stack) for e in jaxpr.jaxpr.eqns}
+    assert any(is_backward_name(s) for s in stacks) and not is_backward_name("jit(f)/Dense_0")
+

@@ -67,6 +67,12 @@ HLO_DTYPE_NAMES = {
     "s64": "int64",
 }
 
+
+def hlo_dtype_name(element_type: str) -> str:
+    """The numpy name of an HLO or StableHLO element type (``"bf16"``: ``"bfloat16"``)."""
+    return HLO_DTYPE_NAMES.get(element_type, element_type)
+
+
 SIXTEEN_BIT_NAMES = frozenset({"bfloat16", "float16"})
 
 # The numpy names of the floating element types a lowered program may hold.

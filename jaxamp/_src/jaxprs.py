@@ -49,11 +49,28 @@ def eqn_context(eqn: Any) -> contextlib.ExitStack:
     return stack
 
 
+def is_backward_name(name: str) -> bool:
+    """Whether a name stack (``jit(f)/transpose(jvp(M))/Dense_0``) is a backward pass's:
+    JAX names the equations it transposes ``transpose(...)``."""
+    return "transpose(" in name
+
+
 def in_backward_pass(eqn: Any) -> bool:
-    """Whether ``eqn`` belongs to a backward pass traced in the program (``jax.grad`` called
-    inside the function names its transposed equations ``transpose(...)``)."""
+    """Whether ``eqn`` belongs to a backward pass traced in the program (``jax.grad``
+    called inside the function)."""
     source_info = getattr(eqn, "source_info", None)
-    return source_info is not None and "transpose(" in str(source_info.name_stack)
+    return source_info is not None and is_backward_name(str(source_info.name_stack))
+
+
+def varying_axes(aval: Any) -> frozenset[str] | None:
+    """The mesh axes a value in a ``shard_map`` body varies over, as its type says
+    (``None``: its type does not say). jax 0.10 calls the field ``manual_axis_type``
+    (``mat`` too); earlier versions ``vma``."""
+    manual = getattr(aval, "manual_axis_type", None) or getattr(aval, "mat", None)
+    if manual is not None and hasattr(manual, "varying"):
+        return frozenset(manual.varying)
+    vma = getattr(aval, "vma", None)
+    return None if vma is None else frozenset(vma)
 
 
 def in_float32_scope(eqn: Any) -> bool:

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from jaxamp._src.audit.stablehlo import WalkedOp, tensor_type, walk
-from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES, SIXTEEN_BIT_NAMES, canonical_dtype
+from jaxamp._src.dtypes import FLOAT_NAMES, SIXTEEN_BIT_NAMES, canonical_dtype, hlo_dtype_name
+from jaxamp._src.jaxprs import is_backward_name
 from jaxamp._src.policy import get_policy, is_policy_spec
 
 # StableHLO/CHLO operation -> the JAX primitive it lowers.
@@ -108,14 +109,10 @@ EXACT = frozenset(
 _ALGORITHM = re.compile(r"accumulation_type\s*=\s*(\w+)")
 
 
-def dtype_name(element_type: str) -> str:
-    return HLO_DTYPE_NAMES.get(element_type, element_type)
-
-
 def direction(name: str) -> str:
     if not name:
         return "unknown"
-    return "backward" if "transpose(" in name else "forward"
+    return "backward" if is_backward_name(name) else "forward"
 
 
 # Name-stack entries JAX's transformations add, which are not layers.
@@ -245,7 +242,7 @@ PrecisionError.__module__ = "jaxamp.debug"  # raised to users as jaxamp.debug.Pr
 
 def _operand_dtype(operation: Any) -> tuple[tuple[int, ...], str]:
     shape, element = tensor_type(operation.operands[0])
-    return shape, dtype_name(element)
+    return shape, hlo_dtype_name(element)
 
 
 def combined_primitive(family: str, combiner: str | None) -> str | None:
@@ -383,7 +380,7 @@ def _converted_from(value: Any) -> str | None:
     owner = getattr(getattr(value, "owner", None), "operation", None)
     if owner is None or owner.name != "stablehlo.convert" or not owner.operands:
         return None
-    return dtype_name(tensor_type(owner.operands[0])[1])
+    return hlo_dtype_name(tensor_type(owner.operands[0])[1])
 
 
 def _upcast_operands(operation: Any, lhs: str, rhs: str) -> str | None:
@@ -403,15 +400,15 @@ def read_lowered(module: Any) -> tuple[list[dict[str, Any]], list[SensitiveOp], 
         operation = op.operation
         name = operation.name
         if name == "stablehlo.convert" and operation.operands and operation.results:
-            src = dtype_name(tensor_type(operation.operands[0])[1])
-            dst = dtype_name(tensor_type(operation.results[0])[1])
+            src = hlo_dtype_name(tensor_type(operation.operands[0])[1])
+            dst = hlo_dtype_name(tensor_type(operation.results[0])[1])
             converts += src != dst and src in FLOAT_NAMES and dst in FLOAT_NAMES
         elif name in ("stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"):
             (lhs_shape, lhs), (rhs_shape, rhs) = (tensor_type(v) for v in operation.operands[:2])
-            lhs, rhs = dtype_name(lhs), dtype_name(rhs)
-            result = dtype_name(tensor_type(operation.results[0])[1])
+            lhs, rhs = hlo_dtype_name(lhs), hlo_dtype_name(rhs)
+            result = hlo_dtype_name(tensor_type(operation.results[0])[1])
             algorithm = _ALGORITHM.search(_attribute(operation, "algorithm"))
-            accumulation = dtype_name(algorithm.group(1)) if algorithm else None
+            accumulation = hlo_dtype_name(algorithm.group(1)) if algorithm else None
             upcast = _upcast_operands(operation, lhs, rhs)
             if upcast is not None:
                 lhs = rhs = upcast
@@ -504,11 +501,11 @@ def compute_dtype_name(value: Any) -> str | None:
         return None
     if is_policy_spec(value):
         spec = value.strip().lower() if isinstance(value, str) else value
-        return get_policy(HLO_DTYPE_NAMES.get(spec, spec)).compute_dtype.name
+        return get_policy(hlo_dtype_name(spec)).compute_dtype.name
     return canonical_dtype(value, "compute_dtype").name
 
 
 def canonical_dtype_name(dtype: Any) -> str:
     if isinstance(dtype, str):
-        return HLO_DTYPE_NAMES.get(dtype, dtype)
+        return hlo_dtype_name(dtype)
     return np.dtype(dtype).name

@@ -38,7 +38,7 @@ from jaxamp._src.audit.checks import (
     read_lowered,
     short_name,
 )
-from jaxamp._src.dtypes import FLOAT_NAMES, HLO_DTYPE_NAMES
+from jaxamp._src.dtypes import FLOAT_NAMES, hlo_dtype_name
 
 _HLO_INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\([^)]*\)|\S+)\s+"
@@ -86,15 +86,11 @@ _FLOAT_BYTES = {
 }
 
 
-def _dtype_name(hlo_type: str) -> str:
-    return HLO_DTYPE_NAMES.get(hlo_type, hlo_type)
-
-
 def _tensor_type(text: str) -> tuple[tuple[int, ...], str]:
     """``'4x3xbf16'`` -> ``((4, 3), 'bfloat16')``."""
     parts = text.strip().split("x")
     shape = tuple(int(p) for p in parts[:-1] if p.isdigit())
-    return shape, _dtype_name(parts[-1])
+    return shape, hlo_dtype_name(parts[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,13 +334,13 @@ def _algorithm_accumulation(match: re.Match) -> str:
         for p in next(g for g in match.groups() if g).lower().split("_")
         if not re.fullmatch(r"x\d+", p)
     ]
-    return _dtype_name(parts[-1])
+    return hlo_dtype_name(parts[-1])
 
 
 def _hlo_operands(operands: str, types: dict[str, tuple[str, tuple[int, ...]]]):
     """Operand ``(dtype, shape)`` pairs, from inline types or from their definitions."""
     inline = [
-        (_dtype_name(t), tuple(int(d) for d in dims.split(",") if d))
+        (hlo_dtype_name(t), tuple(int(d) for d in dims.split(",") if d))
         for t, dims in _HLO_OPERAND.findall(operands)
     ]
     if inline:
@@ -359,7 +355,7 @@ def _hlo_types(instructions: list[re.Match]) -> dict[str, tuple[str, tuple[int, 
         first = _HLO_OPERAND.search(match.group("type"))
         if first:
             types[match.group("name")] = (
-                _dtype_name(first.group(1)),
+                hlo_dtype_name(first.group(1)),
                 tuple(int(d) for d in first.group(2).split(",") if d),
             )
     return types

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec
 
 from jaxamp._src.audit.checks import short_name
 from jaxamp._src.dtypes import is_16bit, is_inexact
-from jaxamp._src.jaxprs import bind, open_jaxpr
+from jaxamp._src.jaxprs import bind, is_backward_name, open_jaxpr, varying_axes
 from jaxamp._src.numerics import phases, sources
 
 LOSS_SCALE_SCOPE = "jaxamp_loss_scale"  # the multiplication of the loss by the loss scale
@@ -168,7 +168,7 @@ def _apply(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None
         return list(fun(*(jnp.asarray(x) for x in invals)))
 
     def spec(atom: Any) -> PartitionSpec:
-        vma = _varying(atom.aval) if shards.check_vma else None
+        vma = varying_axes(atom.aval) if shards.check_vma else None
         return PartitionSpec(*(a if vma is None or a in vma else None for a in shards.axes))
 
     in_specs = tuple(spec(a) for a in eqn.invars)
@@ -216,16 +216,6 @@ def _names_axes(value: Any, axes: Sequence[str]) -> bool:
     if isinstance(value, (tuple, list, set, frozenset)):
         return any(_names_axes(v, axes) for v in value)
     return isinstance(value, (jex.core.ClosedJaxpr, jex.core.Jaxpr))
-
-
-def _varying(aval: Any) -> frozenset[str] | None:
-    """The mesh axes a value of a ``shard_map``'s body varies over, as its type says
-    (``None``: not typed so)."""
-    mat = getattr(aval, "mat", None)  # jax >= 0.9: ManualAxisType
-    if mat is not None and hasattr(mat, "varying"):
-        return frozenset(mat.varying)
-    vma = getattr(aval, "vma", None)
-    return None if vma is None else frozenset(vma)
 
 
 def _group(entry: Any, axes: Sequence[str]) -> tuple[str, ...]:
@@ -342,7 +332,7 @@ def _bind_widened(eqn: Any, invals: Sequence[Any]) -> list[Any]:
 
 
 def _site(eqn: Any, stack: str, iteration: tuple[int, ...], ctx: _Context, where: str) -> Site:
-    backward = "transpose(" in stack or (ctx.primal is not None and id(eqn) not in ctx.primal)
+    backward = is_backward_name(stack) or (ctx.primal is not None and id(eqn) not in ctx.primal)
     return Site(
         primitive=eqn.primitive.name,
         phase="backward" if backward else "forward",

@@ -57,6 +57,7 @@ from jax._src.sharding_impls import canonicalize_sharding
 
 from jaxamp._src.dtypes import FLOAT32, is_16bit
 from jaxamp._src.errors import invalid_choice
+from jaxamp._src.jaxprs import varying_axes
 from jaxamp._src.ops.forms import (
     FORMS,
     MatmulForm,
@@ -304,13 +305,6 @@ def _normalize_dimension_numbers(dimension_numbers):
     )
 
 
-def _varying_axes(aval) -> frozenset:
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def _same_varying_axes(*operands):
     """Inside ``shard_map``, marks each operand varying over the axes any of them varies over.
 
@@ -318,7 +312,7 @@ def _same_varying_axes(*operands):
     varying before the rule, the weight's cotangent is summed over the mesh axes
     by the marking's own transpose, as JAX does for its built-in dot.
     """
-    vmas = [_varying_axes(jax.typeof(x)) for x in operands]
+    vmas = [varying_axes(jax.typeof(x)) or frozenset() for x in operands]
     union = frozenset().union(*vmas)
     if all(v == union for v in vmas):
         return operands
