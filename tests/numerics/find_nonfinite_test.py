@@ -264,7 +264,7 @@ def test_a_zero_scale_in_an_optimizer_state_is_named_by_its_value():
     for tool in (
         lambda: jaxamp.find_nonfinite(loss, loss_scale=zero),
         lambda: jaxamp.range_report(loss, loss_scale=zero),
-        lambda: jaxamp.numerics_diff(loss, "mixed_float16", loss_scale=zero),
+        lambda: jaxamp.numerics_diff(loss, policy="mixed_float16", loss_scale=zero),
     ):
         with pytest.raises(ValueError, match=r"got 0\.0 \(the scale of") as info:
             tool()(params, jnp.ones((2, 64)))
