@@ -83,3 +83,25 @@ def test_jaxamp_compare_with_a_broken_extra_names_the_extra_to_install(tmp_path)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 2, result.stderr[-2000:]
     assert "tqdm is broken here" in result.stderr and "jaxamp[compare]" in result.stderr
+
+
+def _imported_modules(path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+
+
+def test_autocast_depends_on_jax_alone():
+    """``jaxamp.autocast`` is for any JAX function: its modules import neither Flax nor
+    the Flax policies (NNX arguments are split by flax_policy/graph.py, which it plugs in)."""
+    from pathlib import Path
+
+    root = Path(jaxamp.__file__).parent / "_src" / "autocast"
+    for path in root.glob("*.py"):
+        for name in _imported_modules(path):
+            assert not name.startswith(("flax", "jaxamp._src.flax_policy")), (path.name, name)

@@ -52,18 +52,16 @@ wrapped function under ``jax.jit``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
 
 from jaxamp._src.autocast import constants
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
-from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
+from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
@@ -125,93 +123,51 @@ def autocast(
             f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
             "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
-    return interpreted(fun, (policy, rules), residuals)
+    return interpreted(fun, AutocastConfig(policy, rules), residuals)
 
 
-def is_graph_node(x: Any) -> bool:
-    """Whether ``x`` is an NNX graph node that holds state: a module, any other
-    ``nnx.Pytree`` (``nnx.Optimizer``, ``nnx.Rngs``), a registered graph-node type or
-    an ``nnx.Variable``. A bare ``jax.Ref`` (a graph leaf to NNX) is left to JAX."""
-    if isinstance(x, nnx.Variable):
-        return True
-    return nnx.graph.is_graph_node(x) and not nnx.graph.is_node_leaf(x)
+class _NoGraph:
+    """Arguments without graph nodes: the whole tree is passed as it is."""
+
+    @staticmethod
+    def is_node(x: Any) -> bool:
+        return False
+
+    @staticmethod
+    def split(tree: Any) -> tuple[Any, Any, list[Any]]:
+        return _Whole(), None, [tree]
+
+    @staticmethod
+    def state_values(state: Any) -> dict[Any, Any]:
+        return {}
+
+    @staticmethod
+    def changed_state(before: Any, merged: Any) -> Any:
+        return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _GraphNodes:
-    """The NNX graph nodes among the leaves of a pytree, split off so that a trace is pure.
-
-    Attributes:
-      treedef: the pytree's structure, with every graph node as one leaf.
-      where: the positions of the graph nodes among its leaves.
-      nodes: the graph nodes, in that order (the caller's objects).
-      graphdef: their joint ``nnx.split`` graph definition; nodes that share
-        variables or submodules share them again when merged.
-    """
-
-    treedef: Any
-    where: frozenset[int]
-    nodes: list[Any]
-    graphdef: Any
-
+class _Whole:
     def merge(self, state: Any, others: list[Any]) -> tuple[Any, list[Any]]:
-        """The pytree rebuilt from ``state`` (fresh graph nodes) and the ``others`` leaves.
-
-        Returns:
-          ``(tree, merged)``: the pytree and its fresh graph nodes.
-        """
-        merged = nnx.merge(self.graphdef, state)
-        merged_iter, others_iter = iter(merged), iter(others)
-        size = len(self.where) + len(others)
-        leaves = [next(merged_iter) if i in self.where else next(others_iter) for i in range(size)]
-        return jax.tree.unflatten(self.treedef, leaves), merged
+        return others[0], []
 
     def update(self, new_state: Any) -> None:
-        """Writes the variables a call changed (``None``: none did) back into the nodes."""
-        if new_state is not None:
-            nnx.update(self.nodes, new_state)
+        pass
 
 
-def _split_graph_nodes(tree: Any) -> tuple[_GraphNodes, Any, list[Any]]:
-    """Splits the NNX graph nodes of ``tree`` (see ``is_graph_node``) into their state.
-
-    Returns:
-      ``(nodes, state, others)``: the ``_GraphNodes``, the state of all the nodes
-      (one ``nnx.State``, each variable once) and the other leaves of ``tree``.
-    """
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_graph_node)
-    where = frozenset(i for i, leaf in enumerate(leaves) if is_graph_node(leaf))
-    nodes = [leaves[i] for i in sorted(where)]
-    graphdef, state = nnx.split(nodes)
-    others = [leaf for i, leaf in enumerate(leaves) if i not in where]
-    return _GraphNodes(treedef, where, nodes, graphdef), state, others
+# How arguments that hold state (NNX graph nodes) are split off for a pure trace: set by
+# ``jaxamp._src.flax_policy.graph`` when Flax's NNX is in use, so autocast needs JAX alone.
+_GRAPH: list[Any] = [_NoGraph]
 
 
-def _state_values(state: Any) -> dict[Any, tuple[Any, ...]]:
-    """``{path: the variable's leaves}`` of an NNX state, taken now (variables mutate)."""
-    return {path: tuple(jax.tree.leaves(v)) for path, v in nnx.to_flat_state(state)}
-
-
-def _changed_state(before: dict[Any, tuple[Any, ...]], merged: Any) -> Any:
-    """The variables of ``merged`` whose values are not those of ``before`` (by identity:
-    an unchanged variable still holds its input tracer), or ``None`` when none changed.
-    Only these are written back, so a module whose call mutates nothing is left untouched."""
-    changed = []
-    for path, variable in nnx.to_flat_state(nnx.state(merged)):
-        previous = before.get(path, ())
-        leaves = jax.tree.leaves(variable)
-        same = len(leaves) == len(previous) and all(
-            a is b for a, b in zip(leaves, previous, strict=True)
-        )
-        if not same:
-            changed.append((path, variable))
-    return nnx.from_flat_state(changed) if changed else None
+def use_graph_nodes(graph: Any) -> None:
+    """Makes ``interpreted`` split the graph nodes ``graph`` knows (see ``_NoGraph``)."""
+    _GRAPH[0] = graph
 
 
 def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any] | None]:
     """``(callee, method)``: a method bound to an NNX graph node as the node (split like
     an argument) and its function; anything else as ``(fun, None)``."""
-    if inspect.ismethod(fun) and is_graph_node(fun.__self__):
+    if inspect.ismethod(fun) and _GRAPH[0].is_node(fun.__self__):
         return fun.__self__, fun.__func__
     return fun, None
 
@@ -228,7 +184,7 @@ def _wider_than_traced(value: Any, atom: Any) -> bool:
 
 def interpreted(
     fun: Callable[..., Any],
-    config: tuple[Policy, AutocastRules],
+    config: AutocastConfig,
     residuals: str,
     as_written: Callable[[Any], Any] | None = None,
 ) -> Callable[..., Any]:
@@ -249,7 +205,7 @@ def interpreted(
     context with float32 inputs, and each constant the 16-bit trace rounded to
     ``inf`` (``x + 1e5`` in float16) is evaluated with the value written there.
     """
-    policy, _ = config
+    policy = config.policy
     validate_residuals(residuals)
     if not is_narrow(policy.compute_dtype):
         residuals = "all"
@@ -257,19 +213,20 @@ def interpreted(
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        nodes, state, others = _split_graph_nodes((callee, args, kwargs))
+        graph = _GRAPH[0]
+        nodes, state, others = graph.split((callee, args, kwargs))
         arrays, rebuild_inputs = partition_arrays((state, others))
         rebuild_outputs = []
 
         def traced(*arrays):
             state, others = rebuild_inputs(arrays)
-            before = _state_values(state)
+            before = graph.state_values(state)
             (call_callee, call_args, call_kwargs), merged = nodes.merge(state, others)
             if method is None:
                 out = call_callee(*call_args, **call_kwargs)
             else:
                 out = method(call_callee, *call_args, **call_kwargs)
-            out_arrays, rebuild = partition_arrays((out, _changed_state(before, merged)))
+            out_arrays, rebuild = partition_arrays((out, graph.changed_state(before, merged)))
             rebuild_outputs.append(rebuild)
             return out_arrays
 

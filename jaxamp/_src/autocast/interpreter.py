@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._src.autocast import constants
-from jaxamp._src.autocast.rules import AutocastRules, primitive_names
+from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating, is_narrow, is_narrower
 from jaxamp._src.jaxprs import (
     bind,
@@ -36,7 +36,6 @@ from jaxamp._src.jaxprs import (
     open_jaxpr,
 )
 from jaxamp._src.ops.matmul import amp_conv_from_params, amp_dot_general
-from jaxamp._src.policy import Policy
 
 # --- The interpreter --------------------------------------------------------------------------
 
@@ -61,11 +60,11 @@ class _Env:
 
     def __init__(
         self,
-        config: tuple[Policy, AutocastRules],
+        config: AutocastConfig,
         parent: _Env | None = None,
         record: _Record | None = None,
     ):
-        self.policy, self.rules = config
+        self.policy, self.rules = config.policy, config.rules
         self.config = config
         self.values: dict[Any, Any] = {} if parent is None else parent.values
         self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
@@ -335,7 +334,7 @@ def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:
     ):
         return _as_traced(eqn, env)
     policy = dataclasses.replace(env.policy, compute_dtype=np.dtype(lhs_dtype))
-    return cast_to_traced(_compute(eqn, _Env((policy, env.rules), env)), eqn.outvars)
+    return cast_to_traced(_compute(eqn, _Env(AutocastConfig(policy, env.rules), env)), eqn.outvars)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
@@ -458,7 +457,7 @@ def eval_jaxpr(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
-    config: tuple,
+    config: AutocastConfig,
     record: _Record | None = None,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs.
@@ -612,7 +611,7 @@ def _hi_primitive(eqn: Any, env: _Env) -> list[Any]:
 _CUSTOM_VJP3_PARAMS = {"traced", "fwd", "bwd", "symbolic_zeros", "static_argnums", "opt_remat"}
 
 
-def _ruled_function(fun: Callable[..., Any], config: tuple) -> Callable[..., Any]:
+def _ruled_function(fun: Callable[..., Any], config: AutocastConfig) -> Callable[..., Any]:
     """``fun`` (of array pytrees) traced and evaluated with the rules, its outputs cast
     back to their traced dtypes: the same signature, 16-bit inside."""
 
@@ -668,7 +667,7 @@ def _custom_vjp3(prim: Any, eqn: Any, env: _Env) -> list[Any]:
     return bind(eqn, values, {**eqn.params, "_prim": rebuilt})
 
 
-def _with_rules(closed: Any, config: tuple) -> Any:
+def _with_rules(closed: Any, config: AutocastConfig) -> Any:
     """``closed`` (a ``ClosedJaxpr``) evaluated with the rules and traced again, its
     outputs cast back to their traced dtypes: the same signature, 16-bit inside."""
     jaxpr, consts = open_jaxpr(closed)
@@ -736,7 +735,7 @@ def is_higher_order(eqn: Any) -> bool:
     return any(holds_program(v) for v in eqn.params.values())
 
 
-def _closed_body(closed: Any, config: tuple) -> Callable[..., list[Any]]:
+def _closed_body(closed: Any, config: AutocastConfig) -> Callable[..., list[Any]]:
     """A function evaluating a ``ClosedJaxpr`` with the rules."""
     jaxpr, consts = open_jaxpr(closed)
     return lambda *args: eval_jaxpr(jaxpr, consts, args, config)

@@ -32,6 +32,8 @@ from typing import Any
 
 from jax import lax
 
+from jaxamp._src.policy import Policy
+
 
 def primitive_names(*attributes: str) -> frozenset[str]:
     """Primitive names of ``jax.lax.<attribute>`` objects; those a JAX version lacks are skipped."""
@@ -213,3 +215,11 @@ def policy_rules(rules: AutocastRules | None = None) -> AutocastRules:
             "from dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
     return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastConfig:
+    """What the autocast interpreter evaluates with: a policy and a rule table."""
+
+    policy: Policy
+    rules: AutocastRules

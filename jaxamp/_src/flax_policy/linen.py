@@ -13,7 +13,7 @@ import flax.linen as nn
 from flax.core import lift
 
 from jaxamp._src.autocast.api import interpreted
-from jaxamp._src.autocast.rules import AutocastRules, policy_rules
+from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
@@ -242,7 +242,7 @@ class PolicyModule(nn.Module):
             if self.is_initializing():  # creating params: the layers' settings are all it needs
                 out = target(self, *args, **kwargs)
             else:
-                config = (self.policy, policy_rules(self.rules))
+                config = AutocastConfig(self.policy, policy_rules(self.rules))
                 out = nn.transforms.lift_direct_transform(
                     functools.partial(_lifted_policy, config=config, residuals=self.residuals),
                     (target,),

@@ -10,11 +10,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxamp._src.autocast.api import interpreted, is_graph_node
-from jaxamp._src.autocast.rules import AutocastRules, policy_rules
+from jaxamp._src.autocast.api import interpreted
+from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.dtypes import is_narrower
 from jaxamp._src.flax_policy import plan as layer_plan
+from jaxamp._src.flax_policy.graph import is_node as is_graph_node
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
 from jaxamp._src.policy import Policy, cast_floating, get_policy
@@ -76,7 +77,7 @@ def _policy_call(self, *args, **kwargs):
         is_leaf=is_graph_node,
     )
     _cast_caches(self)
-    config = (policy, getattr(self, _RULES_ATTR))
+    config = AutocastConfig(policy, getattr(self, _RULES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
 
     def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
