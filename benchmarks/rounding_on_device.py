@@ -28,7 +28,7 @@ import optax
 
 import jaxamp
 from benchmarks.common import environment, markdown_table, write_results
-from jaxamp._src.ops.rounding import stochastic_round
+from jaxamp._src.optim.rounding import stochastic_round
 
 
 def kahan_check(steps: int = 400) -> dict:

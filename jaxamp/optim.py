@@ -1,6 +1,5 @@
 """Loss scaling and optimizer state as optax transformations, and their records."""
 
-from jaxamp._src.ops.rounding import stochastic_round
 from jaxamp._src.optim.diagnostics import (
     LossScaleStuckError,
     loss_scale_metrics,
@@ -13,6 +12,7 @@ from jaxamp._src.optim.loss_scaled import LossScaledState, all_finite, loss_scal
 from jaxamp._src.optim.master_weights import MASTER_WEIGHTS
 from jaxamp._src.optim.opt_state import find_loss_scaled_state, nonfinite_gradients
 from jaxamp._src.optim.recipes import OPTIMIZER_RECIPES, optimizer_recipe
+from jaxamp._src.optim.rounding import stochastic_round
 from jaxamp._src.optim.scales import (
     DynamicLossScale,
     LossScaleState,

@@ -160,4 +160,3 @@ def test_is_backward_name_tells_the_transposed_equations():
     jaxpr = jax.make_jaxpr(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))))(W, jnp.ones((2, 4)))
     stacks = {str(e.source_info.name_stack) for e in jaxpr.jaxpr.eqns}
     assert any(is_backward_name(s) for s in stacks) and not is_backward_name("jit(f)/Dense_0")
-

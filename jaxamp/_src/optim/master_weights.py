@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxamp._src.dtypes import float32_tree, is_inexact_array, is_narrow_array
 from jaxamp._src.errors import invalid_choice
-from jaxamp._src.ops.rounding import (
+from jaxamp._src.optim.rounding import (
     leaf_keys,
     new_key_data,
     round_in_float32,

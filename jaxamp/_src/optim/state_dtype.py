@@ -6,7 +6,7 @@ of any inner state in the dtypes asked for (one dtype, or one per state field
 such as ``{"mu": jnp.bfloat16, "nu": jnp.float32}``) and computes each update in
 float32: it casts the stored 16-bit leaves up, runs the inner update, and casts the
 new statistics down to their storage dtypes, to nearest or stochastically
-(unbiased, see ``jaxamp._src.ops.rounding``), and every other floating leaf back to
+(unbiased, see ``jaxamp._src.optim.rounding``), and every other floating leaf back to
 the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
 
 A per-parameter statistic is a floating leaf that sits in a subtree of the state
@@ -49,9 +49,15 @@ import optax
 from jaxamp._src.dtypes import canonical_dtype, is_floating_array, upcast
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.jaxprs import depends_on_inputs
-from jaxamp._src.ops.rounding import leaf_keys, new_key_data, round_to, step_key, validate_rounding
 from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.opt_state import hide_never_cast, is_masked
+from jaxamp._src.optim.rounding import (
+    leaf_keys,
+    new_key_data,
+    round_to,
+    step_key,
+    validate_rounding,
+)
 
 # Folded into the seed's key: the state's rounding noise is independent of the params'
 # (loss_scaled(master_weights="stochastic") draws from the same seed's key unfolded).

@@ -1,4 +1,4 @@
-"""Tests for jaxamp/_src/ops/rounding.py: stochastic rounding is unbiased and reproducible."""
+"""Tests for jaxamp/_src/optim/rounding.py: stochastic rounding is unbiased and reproducible."""
 
 import functools
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxamp
-from jaxamp._src.ops.rounding import (
+from jaxamp._src.optim.rounding import (
     round_in_float32,
     round_to,
     stochastic_round,
