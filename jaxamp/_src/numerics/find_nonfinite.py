@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,9 +115,6 @@ class NonFinite:
         return "\n".join(lines)
 
 
-NON_SCALAR = "the function returns a non-scalar"
-
-
 def find_nonfinite(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -195,15 +191,16 @@ def find_nonfinite(
         bad_input = _first_nonfinite_argument(args, kwargs)
         if bad_input is not None:
             return bad_input
-        forward_only = "" if grad else "grad=False"
-        try:
-            traced = tracing.trace(
-                target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
-            )
-        except tracing.NotALoss as e:
-            warn_forward_only("find_nonfinite", e)
-            forward_only = NON_SCALAR
-            traced = tracing.trace(target, argnums, args, kwargs, grad=False)
+        traced, forward_only = tracing.trace_or_forward(
+            "find_nonfinite",
+            target,
+            argnums,
+            args,
+            kwargs,
+            has_aux=has_aux,
+            loss_scale=scale,
+            grad=grad,
+        )
         origins = _Origins(forward_only)
         result = evaluator.run(
             traced.jaxpr,
@@ -220,16 +217,6 @@ def find_nonfinite(
         return origins.first(outputs)
 
     return find
-
-
-def warn_forward_only(tool: str, error: tracing.NotALoss) -> None:
-    """Warns that ``tool`` checks ``fun``'s forward pass only, ``fun`` not being a loss."""
-    warnings.warn(
-        f"{tool}: forward only: fun returns {error.returned}, not a floating scalar (a "
-        "loss), so no gradient was taken and only the forward pass is checked.",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 CONSTANT = "constant"  # the tag of a value computed from the program's constants alone

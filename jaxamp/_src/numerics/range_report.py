@@ -21,12 +21,10 @@ from jaxamp._src.dtypes import is_narrow
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
-    NON_SCALAR,
     carried,
     constant,
     merge_tags,
     scale_of,
-    warn_forward_only,
 )
 from jaxamp._src.numerics.ranges import LayerRange, RangeReport, Recommendation, beyond_float16
 
@@ -224,15 +222,16 @@ def range_report(
     target, described = tracing.under_policy(fun, policy)
 
     def measure(args, kwargs, scale) -> RangeReport:
-        forward_only = "" if grad else "grad=False"
-        try:
-            traced = tracing.trace(
-                target, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
-            )
-        except tracing.NotALoss as e:
-            warn_forward_only("range_report", e)
-            forward_only = NON_SCALAR
-            traced = tracing.trace(target, argnums, args, kwargs, grad=False)
+        traced, forward_only = tracing.trace_or_forward(
+            "range_report",
+            target,
+            argnums,
+            args,
+            kwargs,
+            has_aux=has_aux,
+            loss_scale=scale,
+            grad=grad,
+        )
         measured = _Measure(counted=lambda sixteen: sixteen or described is None)
         evaluator.run(
             traced.jaxpr,

@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -201,3 +202,35 @@ def trace(
         return sources.custom_vjp_rules(jax.make_jaxpr(merged)(*pieces))
 
     return Traced(closed, flat_args, jax.tree.structure(out_shape), primal, rules)
+
+
+NON_SCALAR = "the function returns a non-scalar"
+
+
+def trace_or_forward(
+    tool: str,
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    has_aux: bool,
+    loss_scale: Any,
+    grad: bool,
+) -> tuple[Traced, str]:
+    """``trace``, falling back to the forward pass alone, with a warning, where ``fun``
+    is not a loss. Returns the trace and why it is forward only (``""``: it is not)."""
+    forward_only = "" if grad else "grad=False"
+    try:
+        traced = trace(
+            fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=loss_scale, grad=grad
+        )
+    except NotALoss as e:
+        warnings.warn(
+            f"{tool}: forward only: fun returns {e.returned}, not a floating scalar (a "
+            "loss), so no gradient was taken and only the forward pass is checked.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return trace(fun, argnums, args, kwargs, grad=False), NON_SCALAR
+    return traced, forward_only
