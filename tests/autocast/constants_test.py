@@ -244,3 +244,123 @@ def test_a_sown_value_keeps_a_constant_s_value(path):
         reference, out = sown
     assert bool(jnp.all(jnp.isfinite(reference)))
     np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3)
+
+
+# ---- from the hostile review: constants the first pass of this work missed ----------------
+
+
+def _policy_pair(linen_module, nnx_factory, path, *inputs):
+    """``(reference, out)``: the model alone in float32 and under mixed_float16."""
+    if path == "linen":
+        variables = linen_module.init(jax.random.key(0), *inputs)
+        reference = jax.jit(linen_module.apply)(variables, *inputs)
+        policed = jaxamp.linen.apply_policy(linen_module, "mixed_float16")
+        return reference, jax.jit(policed.apply)(variables, *inputs)
+    reference = nnx.jit(lambda m, *a: m(*a))(nnx_factory(), *inputs)
+    policed = jaxamp.nnx.apply_policy(nnx_factory(), "mixed_float16")
+    return reference, nnx.jit(lambda m, *a: m(*a))(policed, *inputs)
+
+
+class _TwoShifts(nn.Module):
+    """One line adds two different constants (a layer used twice, a Python loop)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4)(x)
+        for c in (1e5, 3e5):
+            h = h + c
+        return h - 4e5
+
+
+class _TwoShiftsNNX(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        h = self.dense(x)
+        for c in (1e5, 3e5):
+            h = h + c
+        return h - 4e5
+
+
+class _MaskBias(nn.Module):
+    """The additive mask bias: ``jnp.where(mask, 0.0, -1e9)``, a fully masked row."""
+
+    @nn.compact
+    def __call__(self, x, mask):
+        return jax.nn.softmax(nn.Dense(3)(x) + jnp.where(mask, 0.0, -1e9))
+
+
+class _MaskBiasNNX(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, mask):
+        return jax.nn.softmax(self.dense(x) + jnp.where(mask, 0.0, -1e9))
+
+
+_CAPTURED = jnp.arange(4) * 1e5  # made outside the model: a constant of its program
+
+
+class _Captured(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x) + _CAPTURED - _CAPTURED
+
+
+class _CapturedNNX(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.dense(x) + _CAPTURED - _CAPTURED
+
+
+class _ScatterFill(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x).at[:, 0].set(-1e9)
+
+
+class _ScatterFillNNX(nnx.Module):
+    def __init__(self):
+        self.dense = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.dense(x).at[:, 0].set(-1e9)
+
+
+_MASK = jnp.array([[1, 1, 0], [1, 1, 1], [0, 0, 0]], bool)
+_REVIEW_CASES = {
+    "same line, two values": (_TwoShifts(), _TwoShiftsNNX, ()),
+    "where(mask, 0, -1e9) bias": (_MaskBias(), _MaskBiasNNX, (_MASK,)),
+    "captured array": (_Captured(), _CapturedNNX, ()),
+    "scatter fill": (_ScatterFill(), _ScatterFillNNX, ()),
+}
+
+
+@pytest.mark.parametrize("path", ["linen", "nnx"])
+@pytest.mark.parametrize("case", _REVIEW_CASES)
+def test_constants_the_review_found_keep_their_value(case, path):
+    """Each was NaN, inf or wrong under mixed_float16: one place holding two constants,
+    a mask bias selected from two Python scalars (a fully masked row), an array made
+    outside the model, and ``.at[...].set(-1e9)``."""
+    module, factory, extra = _REVIEW_CASES[case]
+    x = jax.random.normal(jax.random.key(1), (3, 3)) * 0.1
+    reference, out = _policy_pair(module, factory, path, x, *extra)
+    assert bool(jnp.all(jnp.isfinite(reference)))
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3, atol=1e-3)
+
+
+def test_a_mask_bias_inside_a_loop_widens_the_carry():
+    x = jax.random.normal(jax.random.key(1), (3, 3)) * 0.1
+
+    class Loop(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            s = nn.Dense(3)(x)
+            body = lambda i, a: a + jnp.where(mask, 0.0, -1e9) - jnp.where(mask, 0.0, -1e9)
+            return jax.lax.fori_loop(0, 2, body, s)
+
+    reference, out = _policy_pair(Loop(), None, "linen", x, _MASK)
+    np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3, atol=1e-3)

@@ -609,3 +609,22 @@ def test_an_override_of_the_models_own_class_is_its_policy(decode):
     got = jax.jit(lambda v: model.apply(v, step, mutable=True))(variables)
     for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("key", [nn.RNN, "rnn"])
+def test_an_override_on_nn_rnn_reaches_its_cell(key):
+    """nn.RNN's cell is bound beside it, not under it: the override matched the RNN and
+    left every matmul of the cell in bfloat16 (and did not warn)."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, 3)).astype(jnp.bfloat16).astype(jnp.float32)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.RNN(nn.GRUCell(4), name="rnn")(x)
+
+    model = Net()
+    variables = model.init(jax.random.key(0), x)
+    policed = jaxamp.linen.apply_policy(model, "mixed_bfloat16", overrides={key: "float32"})
+    report = jaxamp.precision_report(policed.apply)(variables, x)
+    assert {op.lhs_dtype for op in report.ops} == {"float32"}
+    np.testing.assert_array_equal(jax.jit(policed.apply)(variables, x), model.apply(variables, x))

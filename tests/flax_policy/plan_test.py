@@ -100,3 +100,32 @@ def test_a_loop_carry_that_changes_dtype_is_explained(path):
             jaxamp.nnx.apply_policy(_CustomLoopNNX(), "mixed_bfloat16")(xs)
     assert "bfloat16 here" in str(error.value)
     assert str(error.value).count("jaxamp:") == 1
+
+
+@pytest.mark.parametrize("key", ["blocks", "blocks/Dense_0"])
+def test_an_override_on_an_nn_scan_body_keeps_the_carry_dtype(key):
+    """The model's input (cast to bfloat16) is the carry of an nn.scan whose block an
+    override runs in float32: the loop failed with a carry TypeError. The body now
+    returns its carry in the dtype it was given, its matmuls in float32."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, c, _):
+            return nn.Dense(c.shape[-1])(c), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+            )
+            return scan(name="blocks")(x, None)[0]
+
+    x = jnp.ones((2, 8))
+    model = Net()
+    variables = model.init(jax.random.key(0), x)
+    policed = jaxamp.linen.apply_policy(model, "mixed_bfloat16", overrides={key: "float32"})
+    out = jax.jit(policed.apply)(variables, x)
+    report = jaxamp.precision_report(policed.apply)(variables, x)
+    assert {op.lhs_dtype for op in report.ops} == {"float32"}
+    np.testing.assert_allclose(out, model.apply(variables, x), rtol=2e-2, atol=2e-2)

@@ -231,8 +231,10 @@ def interpreted(
             return out_arrays
 
         closed = jax.make_jaxpr(traced)(*arrays)
-        written = {}
-        if as_written is not None and constants.rounded_to_inf(closed.jaxpr):
+        written, consts = {}, list(closed.consts)
+        if as_written is not None and (
+            constants.rounded_to_inf(closed.jaxpr) or constants.consts_hold_inf(closed)
+        ):
 
             def traced_as_written(*arrays):
                 state, others = rebuild_inputs(arrays)
@@ -245,11 +247,13 @@ def interpreted(
 
             wide = jax.make_jaxpr(traced_as_written)(*map(_as_float32_shape, arrays))
             written = constants.written_values(closed.jaxpr, wide.jaxpr)
+            for i, value in constants.written_consts(closed, wide).items():
+                consts[i] = value
 
-        def evaluate_traced(consts, arrays):
-            with constants.evaluating_with(written):
+        def evaluate_traced(arrays):  # constants closed over, so the rules see their values
+            with constants.evaluating_with(written), constants.watching() as kept:
                 outs = eval_jaxpr(closed.jaxpr, consts, arrays, config)
-            if written:  # an output such a constant made wider keeps its value (sown state)
+            if written or kept:  # an output a constant made wider keeps its value (sown state)
                 return [
                     out if wide else cast
                     for out, cast, wide in zip(
@@ -262,7 +266,7 @@ def interpreted(
             return cast_to_traced(outs, closed.jaxpr.outvars)
 
         evaluate = checkpoint_residuals(evaluate_traced, residuals)
-        out, new_state = rebuild_outputs[0](evaluate(closed.consts, arrays))
+        out, new_state = rebuild_outputs[0](evaluate(arrays))
         nodes.update(new_state)
         return out
 

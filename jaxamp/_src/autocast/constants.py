@@ -7,6 +7,7 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.extend as jex
 import numpy as np
 
@@ -60,29 +61,83 @@ def written_values(jaxpr: Any, wide_jaxpr: Any) -> dict[int, Any]:
     """The float32 values of ``jaxpr``'s non-finite 16-bit constants, read off
     ``wide_jaxpr`` (the same function traced in float32).
 
-    A constant gets a value only where the wide trace holds one finite value at the
-    same source line, primitive and operand, which rounds to the same ``inf``;
-    any other constant keeps its traced value (an ``inf`` the program wrote).
+    Constants are matched by where the program wrote them (source line, primitive and
+    operand) and, where one place holds several (a layer used twice, a Python loop), by
+    their order there; if the two traces hold a different number at one place, only a
+    place with one finite value in the wide trace is read. A constant gets the wide
+    value only where that is finite and rounds to the same ``inf``; any other keeps its
+    traced value (an ``inf`` the program wrote).
     """
-    seen: dict[tuple[str, str, int], set[tuple[float, ...]]] = {}
+    wide: dict[tuple[str, str, int], list[np.ndarray]] = {}
     for key, atom in _literals(wide_jaxpr):
-        seen.setdefault(key, set()).add(tuple(np.ravel(np.asarray(atom.val, np.float64))))
-    found = {}
+        wide.setdefault(key, []).append(np.asarray(atom.val, np.float64))
+    narrow: dict[tuple[str, str, int], list[Any]] = {}
     for key, atom in _literals(jaxpr):
-        traced = np.asarray(atom.val)
-        if not is_16bit(traced.dtype) or np.all(np.isfinite(traced.astype(np.float32))):
+        narrow.setdefault(key, []).append(atom)
+    found = {}
+    for key, atoms in narrow.items():
+        values = wide.get(key, [])
+        if len(values) != len(atoms):  # pair by order only where the counts agree
+            distinct = {tuple(np.ravel(v)) for v in values}
+            values = [values[0]] * len(atoms) if len(distinct) == 1 else []
+        for atom, value in zip(atoms, values, strict=False):
+            traced = np.asarray(atom.val)
+            if not is_16bit(traced.dtype) or np.all(np.isfinite(traced.astype(np.float32))):
+                continue
+            if value.size != traced.size:
+                continue
+            written = np.asarray(value, FLOAT32).reshape(traced.shape)
+            with np.errstate(over="ignore"):
+                rounds_to_traced = np.array_equal(written.astype(traced.dtype), traced)
+            if np.all(np.isfinite(written)) and rounds_to_traced:
+                found[id(atom)] = written
+    return found
+
+
+def _const_keys(jaxpr: Any) -> dict[int, tuple[str, str, int]]:
+    """``{constvar's position: where the program first uses it}`` (as ``_literals`` keys)."""
+    summarize = jex.source_info_util.summarize
+    position = {var: i for i, var in enumerate(jaxpr.constvars)}
+    keys: dict[int, tuple[str, str, int]] = {}
+    for eqn in jaxpr.eqns:
+        for index, atom in enumerate(eqn.invars):
+            if not isinstance(atom, jex.core.Literal) and atom in position:
+                keys.setdefault(
+                    position[atom], (summarize(eqn.source_info), eqn.primitive.name, index)
+                )
+    return keys
+
+
+def _holds_inf(value: Any) -> bool:
+    value = np.asarray(value)
+    return is_16bit(value.dtype) and not np.all(np.isfinite(value.astype(np.float32)))
+
+
+def consts_hold_inf(closed: Any) -> bool:
+    """Whether a ``ClosedJaxpr``'s constants hold a 16-bit ``inf`` (an array computed
+    outside the function, ``jnp.arange(4) * 1e5``, narrowed to float16 as it was traced)."""
+    return any(_holds_inf(c) for c in closed.consts if not isinstance(c, jax.core.Tracer))
+
+
+def written_consts(closed: Any, wide: Any) -> dict[int, Any]:
+    """``{position: float32 value}`` for the constants of ``closed`` that hold a 16-bit
+    ``inf`` where ``wide`` (the same function traced in float32) holds, at the constant
+    first used at the same place, finite values that round to them."""
+    wide_at = {key: i for i, key in _const_keys(wide.jaxpr).items()}
+    found = {}
+    for i, key in _const_keys(closed.jaxpr).items():
+        traced = closed.consts[i]
+        if isinstance(traced, jax.core.Tracer) or not _holds_inf(traced) or key not in wide_at:
             continue
-        values = seen.get(key, set())
-        if len(values) != 1:
+        traced = np.asarray(traced)
+        written = np.asarray(wide.consts[wide_at[key]])
+        if written.shape != traced.shape or not is_floating(written.dtype):
             continue
-        (value,) = values
-        if len(value) != traced.size:
-            continue
-        wide = np.asarray(value, FLOAT32).reshape(traced.shape)
+        written = written.astype(FLOAT32)
         with np.errstate(over="ignore"):
-            rounds_to_traced = np.array_equal(wide.astype(traced.dtype), traced)
-        if np.all(np.isfinite(wide)) and rounds_to_traced:
-            found[id(atom)] = wide
+            rounds_to_traced = np.array_equal(written.astype(traced.dtype), traced)
+        if np.all(np.isfinite(written)) and rounds_to_traced:
+            found[i] = written
     return found
 
 
@@ -96,10 +151,46 @@ def evaluating_with(values: dict[int, Any]) -> Iterator[None]:
         _WRITTEN.reset(token)
 
 
-def holds_written(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` holds a constant evaluated with its written value."""
+def may_keep_wide(jaxpr: Any) -> bool:
+    """Whether evaluating ``jaxpr`` may keep a value wider than traced: it holds a constant
+    evaluated with its written value, or narrows a weakly typed value to 16 bits."""
     written = _WRITTEN.get()
-    return bool(written) and any(id(atom) in written for _, atom in _literals(jaxpr))
+    if written and any(id(atom) in written for _, atom in _literals(jaxpr)):
+        return True
+    return any(
+        eqn.primitive.name == "convert_element_type"
+        and getattr(eqn.invars[0].aval, "weak_type", False)
+        and is_16bit(eqn.params.get("new_dtype"))
+        for eqn in _equations(jaxpr)
+    )
+
+
+# Set while an evaluation is watched: each value the interpreter keeps wider than traced,
+# so that it keeps its value, appends to it.
+_KEPT: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "jaxamp_kept_wide", default=None
+)
+
+
+def note_kept_wide() -> None:
+    """Records that the interpreter kept a value wider than traced (see ``watching``)."""
+    kept = _KEPT.get()
+    if kept is not None:
+        kept.append(True)
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[list[bool]]:
+    """A list that is non-empty after the block if a value was kept wider than traced."""
+    outer = _KEPT.get()
+    kept: list[bool] = []
+    token = _KEPT.set(kept)
+    try:
+        yield kept
+    finally:
+        _KEPT.reset(token)
+        if kept and outer is not None:
+            outer.append(True)
 
 
 def written_value(atom: Any) -> Any:

@@ -97,6 +97,8 @@ class _Env:
             written = constants.written_value(value)
             return np.asarray(value.val if written is None else written)
         if not isinstance(value, jax.core.Tracer):
+            if isinstance(value, (bool, int, float)):
+                return np.asarray(value)
             return value if isinstance(value, (np.ndarray, np.generic, jax.Array)) else None
         entry = self.record.made.get(id(value))
         if entry is None or entry[0] is not value or np.size(value) > limit:
@@ -111,6 +113,38 @@ class _Env:
         except (TypeError, ValueError):  # written values in other dtypes than traced
             return None
         return np.asarray(outs[index] if eqn.primitive.multiple_results else outs)
+
+    def bound(self, value: Any) -> float | None:
+        """An upper bound on ``|value|`` where the program computes it from constants and
+        from booleans by moves, selections and arithmetic (``jnp.where(mask, 0.0, -1e9)``,
+        ``(1 - mask) * -1e9``), else ``None``: whether a value too large for 16 bits may
+        reach a narrowing convert, though no concrete value is known."""
+        if isinstance(value, jex.core.Literal) or not isinstance(value, jax.core.Tracer):
+            known = self.concrete(value)
+            if known is None or np.asarray(known).dtype.kind not in "biuf":
+                return None
+            known = np.abs(np.asarray(known, np.float64))
+            return float(np.max(known, initial=0.0))
+        entry = self.record.made.get(id(value))
+        if entry is None or entry[0] is not value:
+            return None
+        _, eqn, inputs, _ = entry
+        name = eqn.primitive.name
+        if name == "convert_element_type" and getattr(inputs[0], "dtype", None) == np.bool_:
+            return 1.0
+        if name == "convert_element_type" and isinstance(inputs[0], jex.core.Literal):
+            return self.bound(inputs[0])
+        operands = _BOUND_OPERANDS.get(name)
+        if operands is not None:
+            bounds = [self.bound(v) for v in operands(inputs)]
+            if all(b is not None for b in bounds):
+                if name == "mul":
+                    return float(np.prod(bounds))
+                if name in ("add", "sub"):
+                    return float(np.sum(bounds))
+                return max(bounds, default=0.0)
+        known = self.concrete(value, limit=1 << 16)
+        return None if known is None else float(np.max(np.abs(known), initial=0.0))
 
     def read(self, atom: Any) -> Any:
         if isinstance(atom, jex.core.Literal):
@@ -174,6 +208,7 @@ def _planned_inputs(eqn: Any, env: _Env, wanted: Sequence[Any] | None = None) ->
         target = functools.reduce(jnp.promote_types, [dtypes[i] for i in strong or members])
         if any(_overflows(env.read(atoms[i]), target) for i in members if _is_weak(atoms[i])):
             target = np.dtype(jnp.promote_types(target, FLOAT32))
+            constants.note_kept_wide()
         for i in members:
             dtypes[i] = target
     return [env.read_as(a, d) for a, d in zip(atoms, dtypes, strict=True)]
@@ -189,6 +224,14 @@ def _overflows(value: Any, dtype: Any, limit: int | None = 16) -> bool:
         return False
     finite = np.isfinite(value.astype(np.float64))
     return bool(np.any(finite & (np.abs(value.astype(np.float64)) > jnp.finfo(dtype).max)))
+
+
+def _may_overflow(env: _Env, value: Any, dtype: Any) -> bool:
+    """Whether ``value`` (traced) may hold a finite value too large for ``dtype``."""
+    if _overflows(env.concrete(value), dtype, limit=None):
+        return True
+    bound = env.bound(value)
+    return bound is not None and np.isfinite(bound) and bound > float(jnp.finfo(dtype).max)
 
 
 def _is_weak(atom: Any) -> bool:
@@ -435,19 +478,57 @@ def _convert(eqn: Any, env: _Env) -> list[Any]:
     if getattr(atom.aval, "weak_type", False) and _overflows(value, new_dtype):
         # A Python scalar JAX narrows to a 16-bit operand's dtype (``jnp.where(m, s, -1e9)``
         # traced in float16): it keeps the value written, in float32, not ``inf``.
+        constants.note_kept_wide()
         return [np.asarray(value, jnp.promote_types(current, FLOAT32))]
     if (
         getattr(atom.aval, "weak_type", False)
         and is_16bit(new_dtype)
-        and _overflows(env.concrete(value), new_dtype, limit=None)
+        and is_floating(current)
+        and _may_overflow(env, value, new_dtype)
     ):
-        # The same, computed from constants (``s + jnp.arange(n) * 1e5``): kept wide.
+        # The same, computed from constants (``s + jnp.arange(n) * 1e5``) or selected by a
+        # mask (``s + jnp.where(mask, 0.0, -1e9)``): kept wide.
+        constants.note_kept_wide()
         return [lax.convert_element_type(value, jnp.promote_types(current, FLOAT32))]
     (out,) = bind(eqn, [value])
     if is_floating(current) and is_floating(new_dtype) and is_narrower(new_dtype, current):
         env.remember_wide(out, env.read(atom))
     return [out]
 
+
+# The inputs whose size bounds an equation's output (``_Env.bound``).
+_BOUND_OPERANDS: dict[str, Callable[[list[Any]], list[Any]]] = {
+    **dict.fromkeys(
+        (
+            "broadcast_in_dim",
+            "reshape",
+            "squeeze",
+            "expand_dims",
+            "transpose",
+            "rev",
+            "copy",
+            "copy_p",
+            "slice",
+            "reduce_precision",
+            "neg",
+            "abs",
+            "convert_element_type",
+        ),
+        lambda inputs: inputs[:1],
+    ),
+    "dynamic_slice": lambda inputs: inputs[:1],
+    "gather": lambda inputs: inputs[:1],
+    "pad": lambda inputs: inputs[:2],
+    "concatenate": lambda inputs: inputs,
+    "select_n": lambda inputs: inputs[1:],
+    "max": lambda inputs: inputs,
+    "min": lambda inputs: inputs,
+    "clamp": lambda inputs: inputs[1:2],
+    "dynamic_update_slice": lambda inputs: inputs[:2],
+    "mul": lambda inputs: inputs,
+    "add": lambda inputs: inputs,
+    "sub": lambda inputs: inputs,
+}
 
 _MATMULS = frozenset({lax.dot_general_p.name, lax.conv_general_dilated_p.name})
 _RULES = {"compute": _compute, "float32": _float32, "promote": _promote, "traced": _as_traced}
@@ -548,6 +629,10 @@ def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
         return _gather(eqn, env)
     if rule == "traced" and name in _MATMULS:
         return _traced_matmul(eqn, env)
+    if rule == "traced" and name == "scatter" and eqn.params.get("update_jaxpr") is None:
+        # ``x.at[i].set(v)`` has no typed combiner: its inputs are promoted, so a fill
+        # value float16 cannot hold (``.set(-1e9)``) keeps its value.
+        return _promote(eqn, env)
     if rule == "promote" and name == "broadcast_in_dim":
         return _broadcast_in_dim(eqn, env)
     if rule == "promote" and name in _IMPLICIT_BROADCAST:
@@ -765,13 +850,14 @@ def _output_dtypes(atoms: Sequence[Any], bodies: Sequence[Any], *cases: Any) -> 
     ``inf`` (``a + 1e5`` in float16) and so gives a wider value. ``cases`` are functions
     from the current dtypes to the abstract outputs of each body."""
     dtypes = [np.dtype(d) if is_floating(d := _traced_dtype(a)) else None for a in atoms]
-    if not any(constants.holds_written(open_jaxpr(b)[0]) for b in bodies):
+    if not any(constants.may_keep_wide(open_jaxpr(b)[0]) for b in bodies):
         return dtypes
     for _ in range(len(dtypes) + 1):  # a loop's carry widens at most once per entry
         wider = dtypes
-        for case in cases:
-            wider = _widened(wider, case(wider))
-        if wider == dtypes:
+        with constants.watching() as kept:
+            for case in cases:
+                wider = _widened(wider, case(wider))
+        if not kept or wider == dtypes:
             break
         dtypes = wider
     return dtypes

@@ -85,6 +85,28 @@ def _module_chain(module: nn.Module, call: _Call) -> tuple[tuple[tuple[str, ...]
     return tuple(chain)
 
 
+def _is_scan_body(owner: nn.Module, module: nn.Module) -> bool:
+    """Whether ``module`` is the body of ``owner``, a module class ``nn.scan`` made (Flax
+    names it ``Scan<Body>`` and calls a clone of the body inside the scan)."""
+    cls = type(owner)
+    return cls.__name__ == f"Scan{type(module).__name__}" and type(module) in cls.__bases__
+
+
+def _holds(owner: nn.Module, module: nn.Module) -> bool:
+    """Whether ``module`` is a field of ``owner`` that Flax binds outside it (a layer
+    passed in, not one ``owner`` defines)."""
+    if module.parent is owner:
+        return False
+    for field in dataclasses.fields(owner):
+        value = getattr(owner, field.name, None)
+        if value is module:
+            return True
+        same_layer = isinstance(value, nn.Module) and type(value) is type(module)
+        if same_layer and value.name is not None and value.name == module.name:
+            return True
+    return False
+
+
 def _cast_cache(module: nn.Module) -> None:
     """A decode cache made in another dtype (by the model alone: a checkpoint's) put in
     the layer's compute dtype, where the policy's own ``init`` makes it."""
@@ -150,11 +172,29 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
             return next_fun(*args, **kwargs)
         chain = _module_chain(module, call)
         call.seen.append(chain)
+        caller = _RUNNING.get()
+        if caller and _holds(caller[0][1], module):
+            # A layer passed to the running one (nn.RNN's cell, which Flax binds beside
+            # it) runs under the running layer's override too, and so do its own layers.
+            chain = chain + caller
+        elif caller:
+            top = next((i for i, (_, m) in enumerate(caller) if m is chain[-1][1]), None)
+            if top is not None:
+                chain = chain + caller[top + 1 :]
+        # Flax calls an nn.scan body (a clone of the scanned class) after the Scan<Body>
+        # layer at the same path; the running layer is not always that one.
+        scan_body = any(
+            seen[0][0] == chain[0][0] and _is_scan_body(seen[0][1], module)
+            for seen in call.seen[-2::-1][:4]
+        )
         token = _RUNNING.set(chain)
         try:
-            return run(chain, module, next_fun, args, kwargs, context)
+            out = run(chain, module, next_fun, args, kwargs, context)
         finally:
             _RUNNING.reset(token)
+        if scan_body:  # an override may run the body wider than the carry it is given
+            out = layer_plan.carry_as_given(module, context.method_name, args, out, True)
+        return out
 
     def run(chain, module, next_fun, args, kwargs, context):
         policy = layer_plan.resolve_policy(root, overrides, chain)

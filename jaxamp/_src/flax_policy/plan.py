@@ -352,18 +352,20 @@ def warn_unmatched(
         )
 
 
-def carry_as_given(module: Any, method_name: str, args: tuple[Any, ...], out: Any) -> Any:
+def carry_as_given(
+    module: Any, method_name: str, args: tuple[Any, ...], out: Any, loop_body: bool = False
+) -> Any:
     """A recurrent cell's ``(carry, y)`` with the new carry in the dtypes of the one it was
     given: a cell running in 16 bits would otherwise turn the float32 carry of
     ``initialize_carry`` into a 16-bit one, and the loop around it refuse the change."""
-    is_cell = isinstance(module, (nn.RNNCellBase, nnx.RNNCellBase))
+    is_cell = loop_body or isinstance(module, (nn.RNNCellBase, nnx.RNNCellBase))
     # ``nn.RNN`` calls the cell through ``nn.scan`` as a method named ``scan_fn``.
     if not is_cell or method_name == "initialize_carry" or not args:
         return out
     if not isinstance(out, tuple) or len(out) != 2:
         return out
     carry, y = out
-    given = args[0]
+    given = args[0] if args else None
     if jax.tree.structure(carry) != jax.tree.structure(given):
         return out
 
@@ -392,13 +394,15 @@ def explaining_carry_errors(policy: Policy) -> Any:
             raise
         compute = np.dtype(policy.compute_dtype).name
         raise TypeError(
-            f"{message}\n\n{_CARRY_HINT} run in their own compute dtype ({compute} here; an "
-            "override's where one matches), as the same layers with that `dtype` in Flax "
+            f"{message}\n\n{_CARRY_HINT} run in their own compute dtype ({compute} here, or "
+            "an override's where one matches), as the same layers with that `dtype` in Flax "
             "would, so a loop carry (lax.scan, nn.scan, nnx.scan, fori_loop) whose first "
-            "value has another dtype (jnp.zeros(shape) is float32) changes dtype in the "
-            "loop. Start the carry in the dtype of the value the loop computes it from "
-            "(jnp.zeros(shape, x.dtype)), or give the layers that compute the carry and its "
-            "first value the same policy."
+            "value has another dtype changes dtype in the loop. If the carry starts in "
+            "float32 (jnp.zeros(shape) is float32) and a 16-bit layer computes it, start it "
+            "in the dtype of what computes it (jnp.zeros(shape, x.dtype)). If an override "
+            "gives the looped layer a wider dtype than the carry's first value (the model's "
+            "inputs come in its compute dtype), put the override on the layers inside the "
+            "looped one, or on the layers that compute the first value too."
         ) from error
 
 
