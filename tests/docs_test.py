@@ -54,11 +54,42 @@ def test_the_site_builds_strictly(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    for page in ("index.html", "benchmarks/index.html", "api/optim/index.html"):
+    for page in ("index.html", "benchmarks/index.html", "api/loss-scaling/index.html"):
         assert (tmp_path / "site" / page).is_file(), page
     # the benchmark tables are generated from the committed result files
     benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text(encoding="utf-8")
     assert "results:" not in benchmarks and "AMD EPYC" in benchmarks
+
+
+_NAMESPACES = ("jaxamp", "jaxamp.linen", "jaxamp.nnx", "jaxamp.optim", "jaxamp.debug")
+_NAMESPACES += ("jaxamp.ops", "jaxamp.models")
+
+
+def _resolve(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_public_name_has_one_place_in_the_api_pages():
+    """The API pages are grouped by task: each public object (whichever namespace also
+    re-exports it) is documented once, and each page opens with prose, not a constant."""
+    import types
+
+    documented = {}
+    for page in sorted((DOCS / "api").glob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        first_block = text.split("\n## ", 1)[0]
+        assert ":::" not in first_block, f"{page.name} opens with an object, not prose"
+        for path in re.findall(r"^::: (\S+)$", text, re.MULTILINE):
+            assert id(_resolve(path)) not in documented, f"{path} documented twice"
+            documented[id(_resolve(path))] = path
+    for namespace in _NAMESPACES:
+        module = importlib.import_module(namespace)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, types.ModuleType):
+                continue
+            assert id(value) in documented, f"{namespace}.{name} is on no API page"
 
 
 def test_readme_is_short():
