@@ -8,7 +8,8 @@ from __future__ import annotations
 import functools
 import os
 import platform
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def _is_rocm(device: Any) -> bool:
 
 
 def cpu_info() -> tuple[str, set[str]]:
-    model, flags = platform.processor(), set()
+    model, flags = platform.processor(), set[str]()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -92,6 +93,14 @@ def _cpu_reason() -> str:
         "XLA:CPU computes 16-bit matmuls there with float32 arithmetic, so mixed precision "
         "runs no faster than float32 and pays for its casts; it saves activation memory only"
     )
+
+
+@typing.overload
+def auto_policy(device: Any = None, *, explain: Literal[False] = False) -> Policy: ...
+
+
+@typing.overload
+def auto_policy(device: Any = None, *, explain: Literal[True]) -> tuple[Policy, str]: ...
 
 
 def auto_policy(device: Any = None, *, explain: bool = False) -> Policy | tuple[Policy, str]:

@@ -144,7 +144,8 @@ _POLICY_CALL = ".jaxamp_policy"  # the wrapper's lifted call (``linen_policy._TA
 def short_name(name: str) -> str:
     """The layer path of a source name: ``jit(f)/transpose(jvp(M))/Dense_0/dot_general``
     -> ``M/Dense_0`` (entries that transformations add, such as ``checkpoint``, dropped)."""
-    layers, previous = [], ""
+    layers: list[str] = []
+    previous = ""
     for raw in [p for p in name.split("/") if p][1:-1]:
         part = re.sub(r"^(?:\w+\()+|\)+$", "", raw)  # transpose(jvp(M)) -> M
         wrapper = previous.endswith(_POLICY_CALL)

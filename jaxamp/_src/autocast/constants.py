@@ -44,7 +44,9 @@ def _literals(jaxpr: Any) -> Iterator[tuple[tuple[str, str, int], Any]]:
     summarize = jex.source_info_util.summarize
     for eqn in _equations(jaxpr):
         for index, atom in enumerate(eqn.invars):
-            if isinstance(atom, jex.core.Literal) and is_floating(atom.aval.dtype):
+            if isinstance(atom, jex.core.Literal) and is_floating(
+                getattr(atom.aval, "dtype", None)
+            ):
                 yield (summarize(eqn.source_info), eqn.primitive.name, index), atom
 
 

@@ -68,7 +68,7 @@ class _Env:
         self.config = config
         self.values: dict[Any, Any] = {} if parent is None else parent.values
         self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
-        self.record = parent.record if parent is not None else record or _Record()
+        self.record: _Record = parent.record if parent is not None else record or _Record()
         self.wide = self.record.wide
 
     def remember_wide(self, narrow: Any, wide: Any) -> None:
@@ -136,8 +136,9 @@ class _Env:
             return self.bound(inputs[0])
         operands = _BOUND_OPERANDS.get(name)
         if operands is not None:
-            bounds = [self.bound(v) for v in operands(inputs)]
-            if all(b is not None for b in bounds):
+            found = [self.bound(v) for v in operands(inputs)]
+            bounds = [b for b in found if b is not None]
+            if len(bounds) == len(found):
                 if name == "mul":
                     return float(np.prod(bounds))
                 if name in ("add", "sub"):
@@ -155,7 +156,7 @@ class _Env:
     def dtype(self, atom: Any) -> Any:
         if isinstance(atom, jex.core.Literal):
             written = constants.written_value(atom)
-            return atom.aval.dtype if written is None else written.dtype
+            return getattr(atom.aval, "dtype", None) if written is None else written.dtype
         return getattr(self.values[atom], "dtype", None)
 
     def read_as(self, atom: Any, dtype: Any) -> Any:

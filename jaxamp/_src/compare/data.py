@@ -199,7 +199,7 @@ def load_digits_28x28(seed: int = 0) -> Dataset:
     images = np.zeros((len(digits.images), 28, 28, 1), np.uint8)
     for i, image in enumerate(digits.images):
         small = PIL.Image.fromarray((image * 255.0 / 16.0).astype(np.uint8))
-        images[i, 4:24, 4:24, 0] = np.asarray(small.resize((20, 20), PIL.Image.BILINEAR))
+        images[i, 4:24, 4:24, 0] = np.asarray(small.resize((20, 20), PIL.Image.Resampling.BILINEAR))
     order = np.random.default_rng(seed).permutation(len(images))
     images, labels = images[order], digits.target[order].astype(np.int32)
     split = int(0.8 * len(images))

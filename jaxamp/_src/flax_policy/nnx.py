@@ -167,7 +167,7 @@ def _subclass(cls: type, call_name: str) -> type:
 
 def _rebuild(cls: type, call_name: str, state: Any) -> nnx.Module:
     """Unpickles a module under a policy: the original class, wrapped again."""
-    module = object.__new__(_subclass(cls, call_name))
+    module: Any = object.__new__(_subclass(cls, call_name))
     module.__setstate__(state)
     return module
 

@@ -334,7 +334,8 @@ def _gradient_pairs(
 ) -> tuple[list[tuple[str, float | None]], list[_Pair]]:
     """Each gradient leaf's relative error, and each layer's gradients compared at once
     (its parameters' gradients, concatenated)."""
-    grads, by_layer = [], {}
+    grads: list[Any] = []
+    by_layer: dict[str, Any] = {}
     paths = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
     single = isinstance(argnums, int)
     for (path, g), a in zip(paths, jax.tree.leaves(amp_grads), strict=True):

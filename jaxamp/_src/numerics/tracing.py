@@ -151,7 +151,8 @@ def trace(
                 f"argnums {argnums!r} does not name a positional argument of the {len(args)} given."
             )
     argnums_tuple = tuple(i % len(args) for i in argnums_tuple)
-    split, pieces, rests = {}, list(args), []
+    split: dict[int, Any] = {}
+    pieces, rests = list(args), list[Any]()
     for i, a in enumerate(args):
         if _nnx_module(a):
             graphdef, params, rest = nnx.split(a, nnx.Param, ...)

@@ -39,7 +39,7 @@ def underflow_fraction(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
     total = float(sum(x.size for x in leaves))
     if total == 0:  # only empty arrays: nothing flushes
         return jnp.zeros([], jnp.float32)
-    return count / total
+    return jnp.asarray(count / total)
 
 
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:

@@ -153,6 +153,8 @@ def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
 def round_to(x: jax.Array, dtype: Any, rounding: str, key: jax.Array | None) -> jax.Array:
     """``x`` cast to ``dtype`` with ``rounding`` (``key`` is used only for ``"stochastic"``)."""
     if rounding == "stochastic" and is_narrower(dtype, x.dtype):
+        if key is None:
+            raise ValueError("stochastic rounding needs a key.")
         return stochastic_round(x, dtype, key)
     return x.astype(dtype)
 

@@ -52,7 +52,7 @@ def _real(name: str, value: Any) -> float:
     scalar_types = (numbers.Real, np.generic, np.ndarray, jax.Array)
     if isinstance(value, bool) or not isinstance(value, scalar_types):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
-    if np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
+    if np.ndim(np.asarray(value)) != 0 or not np.issubdtype(np.asarray(value).dtype, np.number):
         raise TypeError(f"{name} must be a real scalar, got {value!r}.")
     return float(value)
 

@@ -125,7 +125,7 @@ def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
     def params_like(node):
         return jax.tree.structure(node, is_leaf=is_masked) in refs
 
-    out = []
+    out: list[Any] = []
     for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=params_like)[0]:
         if not params_like(node):  # a leaf outside any params-shaped subtree
             out.append(None)
