@@ -1,11 +1,6 @@
 """jaxamp: automatic mixed precision for JAX.
 
-Precision policies that apply to unmodified Flax models (``jaxamp.linen``,
-``jaxamp.nnx``), op-level autocast for any JAX function (``jaxamp.autocast``),
-loss scaling as an optax transformation (``jaxamp.loss_scaled``, more in
-``jaxamp.optim``), and the tools that show what precision a compiled program
-really runs in and where its infs come from (``jaxamp.debug``).
-"""
+Flax policies, op-level autocast, loss scaling as an optax transformation, precision tools."""
 
 from jaxamp import debug, linen, nnx, ops, optim
 from jaxamp._src.audit.report import precision_report

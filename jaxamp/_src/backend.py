@@ -183,7 +183,7 @@ def dot_algorithm(compute_dtype: Any, device: Any = None) -> lax.DotAlgorithmPre
     """The dot algorithm that makes 16-bit operands accumulate in float32, if the backend has it.
 
     jaxamp's layers and ``autocast`` no longer use it: they run the 16-bit
-    matmul rule (``jaxamp/_src/ops/matmul.py``), whose float32-result GEMMs XLA:CPU
+    16-bit matmul rule, whose float32-result GEMMs XLA:CPU
     runs on its bf16 kernels where this algorithm runs no faster than float32.
     It stays for code that sets ``precision=`` itself.
 

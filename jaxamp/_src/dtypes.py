@@ -1,12 +1,4 @@
-"""The one dtype vocabulary: names, predicates and upcasts shared by every module.
-
-Examples:
-  >>> import jax.numpy as jnp
-  >>> is_16bit(jnp.bfloat16), is_16bit(jnp.float32), is_16bit(jnp.int16)
-  (True, False, False)
-  >>> canonical_dtype("bf16")
-  dtype(bfloat16)
-"""
+"""The one dtype vocabulary: names, predicates and upcasts shared by every module."""
 
 from __future__ import annotations
 
@@ -92,7 +84,13 @@ def is_inexact(dtype: Any) -> bool:
 
 
 def is_16bit(dtype: Any) -> bool:
-    """Whether ``dtype`` is a 16-bit floating dtype (bfloat16 or float16)."""
+    """Whether ``dtype`` is a 16-bit floating dtype (bfloat16 or float16).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> is_16bit(jnp.bfloat16), is_16bit(jnp.float32), is_16bit(jnp.int16)
+      (True, False, False)
+    """
     return is_floating(dtype) and np.dtype(dtype).itemsize == 2
 
 

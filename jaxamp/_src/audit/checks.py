@@ -1,25 +1,5 @@
-"""The precision audit: what a lowered program computes in which dtype, and what is wrong.
-
-``read_lowered`` walks the StableHLO module of a lowered function (see
-``jaxamp._src.audit.stablehlo``) and returns its matmuls and convolutions and
-its numerically sensitive operations, each with its dtype, layer, pass and the
-number of times it runs per call. ``find_problems`` reads those lists the
-way a reviewer of a mixed-precision program would:
-
-* a sensitive operation computed in a 16-bit type (an exponential, logarithm,
-  square root, ``erf``, sum or product: the parts of a softmax, a
-  normalisation or a loss). Sums are read wherever the program accumulates:
-  ``reduce`` (``jnp.sum``), ``reduce_window`` (average pooling, and ``cumsum``,
-  which JAX lowers to a reduce-window over a whole axis), ``scatter``
-  (``segment_sum``, ``.at[].add``), ``all_reduce`` and ``reduce_scatter``
-  (``psum``, ``psum_scatter``) and ``chlo.scan``. Max and min reductions are
-  listed but are not problems: they are exact in any dtype;
-* where a 16-bit compute dtype is given, a float32 matmul (the silent upcast a
-  custom layer's ``x @ self.param(...)`` causes under a policy);
-* a matmul that accumulates in 16 bits: 16-bit operands and a 16-bit result,
-  with no accumulation type stated (a ``dot_general`` with no contracting
-  dimension, an einsum that only multiplies, accumulates nothing and is not one).
-"""
+"""The precision audit's reading of a lowered program: its matmuls and sensitive operations,
+each with dtype, layer, pass and executions, and the problems a mixed-precision reviewer flags."""
 
 from __future__ import annotations
 
@@ -450,7 +430,8 @@ def _ignored(layer: str, ignore: tuple[str, ...]) -> bool:
 
 
 def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...] = ()) -> list:
-    """The ``Problem`` list of a ``PrecisionReport`` (see the module docs)."""
+    """The ``Problem`` list of a ``PrecisionReport`` (see the Precision audit guide,
+    guides/precision-audit.md)."""
     compute = compute_dtype_name(compute_dtype)
     problems = []
     for op in report.sensitive:

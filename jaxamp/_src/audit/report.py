@@ -1,20 +1,5 @@
-"""Seeing precision: every matmul and convolution of a program, with its dtypes.
-
-A policy is a promise; the program is the proof. ``precision_report``
-lowers a function and lists each ``dot_general`` and ``convolution`` with its
-operand, result and (where the program states it) accumulation dtypes, whether
-it belongs to the forward or the backward pass, and the layer it came from,
-and counts the converts between floating types.
-
-Read the lowered StableHLO: it is what JAX asked for, on any backend. The
-compiled program (``compiled=True``) shows what the backend runs instead: on GPU
-and TPU its kernels (cuBLAS and cuDNN calls included); on CPU, XLA turns 16-bit
-convolutions and dots into float32 ones, computes bfloat16 elementwise math
-(``exp``, ``log``...) in float32, and runs 16-bit reductions in float32 while
-rounding each partial result to the 16-bit type. The compiled report lists the
-sensitive operations as the compiled program computes them, so it says what the
-backend really does, not what AMP asked for.
-"""
+"""``precision_report``: every matmul and convolution of a lowered or compiled program, with
+its dtypes, pass and layer, beside its sensitive operations and its converts."""
 
 from __future__ import annotations
 
@@ -285,7 +270,8 @@ def precision_report(
       static_argnames: static keyword arguments, as for ``jax.jit``.
       compiled: report the compiled HLO instead of the lowered StableHLO: what the
         backend runs (on CPU, XLA computes 16-bit matmuls and bfloat16
-        elementwise math in float32; see the module docs).
+        elementwise math in float32; see the Precision audit guide,
+        guides/precision-audit.md).
 
     Returns:
       A function taking ``fun``'s arguments and returning a ``PrecisionReport``.

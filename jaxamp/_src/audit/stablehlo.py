@@ -1,28 +1,4 @@
-"""Walking a lowered program: every operation, its full layer name and how often it runs.
-
-``jaxamp.precision_report`` reads the StableHLO module JAX lowers a
-function to (``Lowered.compiler_ir("stablehlo")``), as MLIR objects rather than
-text, so that it can follow the program's structure:
-
-* a function JAX outlined (a nested ``jit``, ``cumsum``'s lowering, a ``scan``
-  body) is defined once but runs once per call: its operations are counted at
-  each call site, and their layer names are the call site's name followed by
-  their own;
-* the body of a ``stablehlo.while`` runs as many times as its condition allows:
-  the loops JAX writes for ``scan``, ``fori_loop`` and a counted ``while_loop``
-  return ``counter < bound`` from their condition, with a constant bound and a
-  counter that starts at a constant and that the body steps by a constant
-  (``ceil((bound - start) / step)`` trips), and that trip count multiplies the
-  body's operations. Any other loop's trip count is unknown (``None``): a
-  condition that combines the comparison with anything else (a data-dependent
-  exit), a bound or step the program computes, a counter that is not added to;
-* each branch of a ``stablehlo.case`` (``lax.cond``/``switch``) is counted as
-  running once, which is at most what it does.
-
-Nothing here is JAX-private: the module and its operations are the MLIR Python
-objects ``compiler_ir`` returns, read through their documented attributes
-(``operation.name``, ``regions``, ``operands``, ``results``, ``location``).
-"""
+"""Walking a lowered program: every operation, its full layer name and how often it runs."""
 
 from __future__ import annotations
 
@@ -31,6 +7,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+# The module is read as the MLIR Python objects ``Lowered.compiler_ir("stablehlo")`` returns,
+# through their documented attributes (``name``, ``regions``, ``operands``, ``results``,
+# ``location``), not as text: nothing here is JAX-private.
 _LOC_NAME = re.compile(r'loc\("([^"]*)"')
 _DENSE_INT = re.compile(r"dense<(-?\d+)>")
 _TENSOR = re.compile(r"tensor<([^>]*)>")

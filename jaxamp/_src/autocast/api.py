@@ -1,54 +1,4 @@
-"""Op-level automatic mixed precision for any JAX function, like ``torch.autocast``.
-
-``autocast`` wraps a function. Each call traces it with ``jax.make_jaxpr``
-on its arrays in their own dtypes, then evaluates the traced program with an
-interpreter (the "custom Jaxpr interpreter" pattern of the JAX docs) that
-binds every primitive again, with its inputs cast by the rules of
-``jaxamp.AutocastRules``:
-
-=========  ==========================================  ===================================
-rule       primitives (``jaxamp.AUTOCAST_RULES``)      inputs
-=========  ==========================================  ===================================
-compute    ``dot_general``, ``conv_general_dilated``   floating operands -> compute dtype
-float32    exp, log, log1p, expm1, pow, rsqrt, sqrt,    floating inputs -> float32
-           square, erf, logistic, reduce_sum/max/min/
-           prod, cumsum...
-promote    add, mul, max, select_n, reshape, gather,    shared dtypes -> widest arrival
-           concatenate... (elementwise, shapes)
-traced     everything else                              floating inputs -> traced dtypes
-=========  ==========================================  ===================================
-
-Matmuls and convolutions on a 16-bit compute dtype run under the 16-bit matmul
-rule (``jaxamp/_src/ops/matmul.py``): 16-bit operands, float32 accumulation in the
-forward and both backward GEMMs, float32 weight gradients. A matmul left as
-traced (not in the ``compute`` set, as under ``apply_policy``) whose traced
-operands are 16-bit runs under the rule too, in its traced dtype. A 16-bit value
-broadcast into a larger one gets its gradient summed in float32. Softmax,
-log-softmax, logsumexp, normalisation and the losses built from them run in
-float32 because their reductions and exponentials do. Integer and boolean
-values are never cast. The outputs come back in the dtypes they had in the
-traced program, so a float32 model returns float32 logits and BatchNorm's
-running statistics stay float32.
-
-Because the interpreter binds primitives on whatever values arrive, ``jit``,
-``grad``, ``vmap`` and ``shard_map`` applied outside the wrapped function
-transform the mixed-precision program. Inside it:
-
-* nested ``jax.jit`` calls are inlined and their bodies follow the rules;
-* ``jax.checkpoint``, ``lax.cond``, ``lax.while_loop``, ``lax.scan`` and
-  ``jax.shard_map`` are rebuilt with their public APIs around the transformed
-  bodies; loop carries and branch outputs are cast to their traced dtypes at the
-  end of each body or branch, so they type-check;
-* functions with custom derivatives (``jax.custom_jvp``/``custom_vjp``, such as
-  ``jax.nn.relu`` and ``jax.nn.softplus``) and any other higher-order
-  primitive run as traced: their rules were written for those dtypes;
-* ``autocast_float32`` marks a function to be evaluated exactly as traced.
-
-Known limits: decisions ``fun`` makes in Python from dtypes (``if x.dtype ==
-...``) are made once, at the traced dtypes; nested ``jit`` calls lose their own
-shardings and donation when inlined; each call traces ``fun`` again, so call the
-wrapped function under ``jax.jit``.
-"""
+"""Op-level automatic mixed precision for any JAX function, like ``torch.autocast``."""
 
 from __future__ import annotations
 
@@ -80,7 +30,7 @@ def autocast(
     Each call traces ``fun`` on its arrays in their own dtypes, then evaluates
     the traced program with matmuls and convolutions on compute-dtype operands,
     numerically sensitive primitives in float32 and everything else in the dtype
-    that arrives (see the module docs and ``AutocastRules``). Arguments
+    that arrives (see the Autocast guide, guides/autocast.md, and ``AutocastRules``). Arguments
     that are not arrays (Python numbers, strings, callables) are held static.
     Floating outputs come back in the dtypes they had in the traced program.
 

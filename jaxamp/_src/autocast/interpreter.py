@@ -1,16 +1,6 @@
-"""The interpreter behind ``jaxamp.autocast``.
-
-It evaluates a traced program equation by equation, the way
-``jax.core.eval_jaxpr`` does (the "custom Jaxpr interpreter" pattern of the JAX
-docs), binding each primitive again on inputs cast by the rule its name has in
-``jaxamp.AutocastRules``. Calls (nested ``jit``) are inlined; ``checkpoint``,
-``cond``, ``while``, ``scan`` and ``shard_map`` are rebuilt with their public
-APIs around interpreted bodies (``checkpoint`` under ``jax_remat3`` too);
-``custom_jvp`` and ``custom_vjp`` functions are bound again with their primal
-programs evaluated with the rules. Any other higher-order primitive is refused
-with an error that names it, never passed through. The JAX internals it needs are
-kept in one section, with the versions they differ between.
-"""
+"""The interpreter behind ``jaxamp.autocast``: evaluates a traced program equation by equation
+(the JAX docs' "custom Jaxpr interpreter"), binding each primitive again on inputs cast by its
+rule; higher-order primitives are entered or refused, never passed through."""
 
 from __future__ import annotations
 

@@ -1,28 +1,5 @@
-"""The rule table of ``jaxamp.autocast``: which primitive runs in which dtype.
-
-Three sets of primitive names, read in this order (a name in two sets follows
-the first):
-
-* ``compute``: matmuls and convolutions. Floating operands are cast to the
-  policy's ``compute_dtype``; the result comes out in it.
-* ``float32``: numerically sensitive primitives (exponentials, logarithms,
-  powers, reductions, cumulative sums, ``erf``, ``logistic``...). Floating
-  inputs narrower than float32 are cast to float32; the result is float32.
-  Softmax, log-softmax, logsumexp, normalisation statistics and the losses
-  built from them run in float32 because their parts are here.
-* ``promote``: primitives that run in whatever dtype arrives: elementwise
-  arithmetic and comparisons, shape and indexing operations, ``select_n``,
-  ``concatenate``... Floating inputs that shared one dtype in the traced
-  program are promoted to the widest dtype they now arrive in (Python scalars
-  and weakly typed values follow the others rather than widening them, unless
-  that dtype cannot hold them: a model's ``scores - 1e30 * (1 - mask)`` in
-  float16 would turn ``1e30`` into ``inf`` and ``inf * 0`` into NaN, so such
-  an operation runs in float32).
-
-Every other primitive (collectives, custom derivative rules, scatters, random
-number generation, primitives of other libraries) runs as traced: floating
-inputs are cast back to the dtypes they had in the traced program.
-"""
+"""The rule table of ``jaxamp.autocast``: which primitive runs in the compute dtype, in float32,
+in the widest dtype that arrives, or as traced."""
 
 from __future__ import annotations
 

@@ -1,36 +1,5 @@
-"""How ``jaxamp compare`` scores a variant and reads its accuracy against fp32's.
-
-Every variant is scored on the same test examples, and with several seeds each
-seed fixes the initialisation and the batch order of every variant. So the
-comparison with fp32 is **paired**, twice over:
-
-* **Test-set sampling**, paired by example: only the examples one run gets right
-  and the other wrong (the discordant ones) tell the two apart. With one seed the
-  verdict is McNemar's exact test on them (a binomial test of the discordant
-  examples against one half).
-* **Training's own spread**, paired by seed: fp32 against fp32 from another seed
-  differs too. With several seeds, the difference of each seed's pair is taken, and
-  the mean difference is read against both noises at once: the seeds' spread of
-  the paired differences and the test set's sampling error of the per-example
-  differences (averaged over seeds), in a t-test with the seeds' degrees of freedom
-  (``seeds - 1``, the fewer of the two terms': Welch-Satterthwaite's were found
-  overconfident with two seeds). Two or three seeds can show no spread by chance, so
-  the seeds' term is never taken below what the examples that flip within each seed
-  alone would give (the residual mean square of the two-way, seed x example, analysis
-  of variance, over the examples). In simulated runs with no difference it calls a
-  variant worse at most 5% of the time; two seeds give it one degree of freedom and
-  the widest interval, three or more are sharper. When the seeds show no spread at
-  all (each seed alike), McNemar's exact test on the first seed decides, and says so.
-  With one seed the training spread is unknown, and the report says so.
-
-The question is one-sided: is the variant worse than fp32 by more than the noise?
-A variant is ``"worse"`` when the one-sided p-value of that question is below
-``ALPHA``, ``"better"`` when the p-value of the opposite question is, and
-``"no difference detected"`` otherwise. The interval reported with it is the
-two-sided ``1 - 2 * ALPHA`` (90%) interval of the same test, each side a one-sided
-``1 - ALPHA`` bound: the verdict is "worse" exactly when the whole interval lies below
-0, "better" exactly when it lies above.
-"""
+"""How ``jaxamp compare`` scores a variant and reads its accuracy against fp32's: paired by
+example and by seed, one-sided, with the interval of the same test."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""``jaxamp compare``: train one model under several precision variants, side by side.
-
-Every variant starts from the same initial parameters and sees the same
-batches in the same order. The variants' training steps are interleaved, one
-step of each per batch, so that machine noise falls on all of them alike and
-their speed ratio is measured side by side in one process.
-"""
+"""``jaxamp compare``: train one model under several precision variants, side by side."""
 
 from __future__ import annotations
 

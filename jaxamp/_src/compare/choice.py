@@ -1,14 +1,4 @@
-"""Which model ``jaxamp compare`` runs by default on this machine, and why.
-
-16-bit GEMMs pay on GPUs, TPUs and on CPUs with bf16 units (``avx512_bf16``,
-``amx_bf16``); 16-bit convolutions pay on GPUs and TPUs but on no CPU measured
-here. With ``model="auto"`` the comparison runs the reference ResNet50 on
-accelerators; on a CPU with bf16 units, a BERT-shaped transformer (width 768, the
-shape whose GEMMs the units run); on a CPU without them, a ResNet18 of width 32,
-which shows in a minute or two what ResNet50 shows in a quarter of an hour on 2
-cores: 16-bit compute saves activation memory there and no time. The report says
-which and why; ``--model resnet50`` is the reference experiment anywhere.
-"""
+"""Which model ``jaxamp compare`` runs by default on this machine, and why."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Data for the reference experiments: FashionMNIST and IMDB through tensorflow-datasets.
-
-The real loading code goes through ``tfds.data_source`` over array_record files,
-which needs no TensorFlow. One workaround, in the open: tfds encodes image
-features with ``tf.image.encode_png``, so preparing FashionMNIST from its raw
-files needs TensorFlow; ``fashion_mnist_builder`` subclasses the real
-builder to encode the same images with Pillow instead, and everything after
-that (splits, array_record files, ``tfds.data_source``) is tfds' own.
-
-Without network access, ``load_dataset`` falls back to real data shipped
-inside a package: scikit-learn's handwritten digits for images and sentences of
-the Python reference manual (``pydoc_data``, part of the standard library) for
-text, and names the fallback in the report.
-"""
+"""Data for the reference experiments: FashionMNIST and IMDB through tensorflow-datasets, with
+offline fallbacks that ship inside installed packages."""
 
 from __future__ import annotations
 

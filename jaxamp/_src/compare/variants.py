@@ -1,28 +1,5 @@
-"""The precision recipes jaxamp compares, named the same everywhere.
-
-=========  =========  ====================  ======================  ============
-name       params     compute               matmul precision        loss scaling
-=========  =========  ====================  ======================  ============
-``fp32``   float32    float32               ``highest`` (true FP32)  none
-``tf32``   float32    float32               ``default`` (TF32 on     none
-                                            Ampere+, FP32 on CPU)
-``bf16``   float32    bfloat16, f32 accum.  default                 none
-``fp16``   float32    float16, f32 accum.   default                 dynamic
-=========  =========  ====================  ======================  ============
-
-And the optimizer-state recipes of ``jaxamp.optim.OPTIMIZER_RECIPES`` with
-bfloat16 params and compute (no loss scaling; non-finite steps still skipped),
-each named as the recipe is:
-
-=======================  ================================================  ==============
-name                     how updates reach the bfloat16 params             bytes / param
-=======================  ================================================  ==============
-``bf16_float32_master``  float32 master, float32 Adam moments              2 + 4 + 8
-``bf16_kahan``           bfloat16 Kahan compensation, float32 moments      2 + 2 + 8
-``bf16_stochastic``      stochastic rounding, bfloat16 moments, no master  2 + 0 + 4
-``bf16_naive``           rounded to nearest, float32 moments, no master    2 + 0 + 8
-=======================  ================================================  ==============
-"""
+"""The precision recipes ``jaxamp compare`` runs (``fp32``, ``tf32``, ``bf16``, ``fp16`` and the
+optimizer-state recipes), named the same everywhere."""
 
 from __future__ import annotations
 

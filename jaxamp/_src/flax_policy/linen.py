@@ -358,8 +358,8 @@ def apply_policy(
     fields) runs with ``dtype=compute_dtype`` and creates its params in
     ``param_dtype``; matmuls and convolutions run under jaxamp's 16-bit matmul rule
     (16-bit operands, float32 accumulation, forward and backward, float32 weight
-    gradients; see ``jaxamp/_src/ops/matmul.py``), attention's softmax and normalisation
-    statistics are computed in float32, ``batch_stats`` stay float32.
+    gradients; see the 16-bit matmul rule guide, guides/matmul-rule.md), attention's softmax
+    and normalisation statistics are computed in float32, ``batch_stats`` stay float32.
 
     ``apply`` then evaluates the model with the rule table of ``jaxamp.autocast``:
     wherever the model calls them itself,

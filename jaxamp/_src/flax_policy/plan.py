@@ -1,25 +1,4 @@
-"""The rules that turn a policy into settings of Flax layers, shared by Linen and NNX.
-
-A Flax layer already speaks the policy's language: ``dtype`` is its compute
-dtype, ``param_dtype`` the dtype its parameters are created in, ``precision``
-the precision of its matmuls. Applying a policy to an unmodified model means
-setting those attributes on every layer, plus three things Flax's defaults do
-not give:
-
-* matmul and convolution layers get the 16-bit matmul rule
-  (``jaxamp._src.ops.matmul``) as their ``dot_general``, ``einsum_op`` or
-  ``conv_general_dilated``, and a ``promote_dtype`` that leaves the float32
-  kernel to the rule, which casts it to 16 bits on both passes and gives it a
-  float32 gradient straight from the weight-gradient GEMM;
-* attention layers that use Flax's default ``attention_fn`` get
-  ``jaxamp.dot_product_attention`` (16-bit matmuls, float32 softmax);
-* embedding lookups gather in the parameter dtype and cast the gathered rows,
-  so the gradient is scatter-added into the table in float32.
-
-Normalisation layers compute their statistics in at least float32 whatever
-their ``dtype`` (Flax promotes to float32), so setting their ``dtype`` only
-makes them emit compute-dtype activations.
-"""
+"""The rules that turn a policy into settings of Flax layers, shared by Linen and NNX."""
 
 from __future__ import annotations
 
@@ -132,7 +111,8 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
     if isinstance(module, EMBED_LAYERS):
         if method_name == "attend":  # a matmul against the table, with no hook
             matmul = DotGeneral(policy.compute_dtype) if sixteen_bit else None
-        else:  # gather in the table's dtype, then cast the rows (see the module docstring)
+        else:  # gather in the table's dtype, then cast the rows: the table's gradient is
+            # scatter-added in float32, not in 16 bits
             attrs.pop("dtype", None)
             cast_output_to = policy.compute_dtype
     elif isinstance(module, nn.Einsum) and sixteen_bit and method_name == "__call__":

@@ -1,23 +1,5 @@
-"""Evaluating a loss and its gradient one primitive at a time, on concrete values.
-
-The numerics tools (``jaxamp.find_nonfinite``, ``jaxamp.range_report``,
-``jaxamp.numerics_diff``) trace ``jax.value_and_grad(fun)`` once, exactly as
-the training step would (``tracing.py``), then evaluate the program's equations
-one by one, handing each primitive's inputs and outputs to a visitor with where
-it runs: forward or backward, the layer (from the name stack that Flax Linen,
-``jax.named_scope`` and, through ``tracing.layer_scopes``, NNX leave), the
-primitive, and the source line. Calls, ``checkpoint`` and custom derivatives are
-entered; ``cond`` takes the branch the values select; ``scan`` and
-``while`` loops run iteration by iteration, so a fault is found in the
-iteration that makes it. A ``shard_map`` is entered too: its body is evaluated on
-every shard at once, each value there being the shards' values stacked along one
-leading axis per manual mesh axis, and each primitive run per shard under a
-``shard_map`` of its own on the same mesh (so that ``psum``, ``all_gather`` and the
-other collectives see every shard). A ``Tagger`` can follow values through the
-program (``find_nonfinite`` follows where each inf and NaN comes from).
-
-This is a debugging path: nothing here runs in a training step.
-"""
+"""Evaluating a loss and its gradient one primitive at a time, on concrete values, for the
+numerics tools (a debugging path: nothing here runs in a training step)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Which equations of ``jax.value_and_grad``'s program are the forward pass.
-
-The forward sweep of a gradient computes the loss and, beside it, the derivatives
-the backward pass will use (``0.5 / sqrt(x)`` for ``sqrt``, a LayerNorm's
-``rsqrt`` derivative); only the first are the forward pass. An equation is
-forward when the function's value depends on it: inside calls, ``checkpoint``,
-custom derivatives, ``cond`` branches and ``shard_map`` bodies that is decided output
-by output, and inside a ``scan`` iteration by iteration (a carry needed by the next
-iteration is needed), so that a scanned layer's derivatives count as backward there
-too.
-"""
+"""Which equations of ``jax.value_and_grad``'s program are the forward pass: those the
+function's value depends on, not the derivatives the forward sweep computes for the
+backward pass."""
 
 from __future__ import annotations
 

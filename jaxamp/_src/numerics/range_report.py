@@ -1,10 +1,4 @@
-"""``range_report``: per layer, how large and how small the values of a step are.
-
-Run it on one calibration batch before committing to float16: it says which
-layers' activations or gradients leave float16's range, what fraction would be
-subnormal or flush to zero there, and whether float16 with loss scaling is safe
-for this model (at which loss scale) or bfloat16 is needed.
-"""
+"""``range_report``: per layer, how large and how small the values of a step are."""
 
 from __future__ import annotations
 

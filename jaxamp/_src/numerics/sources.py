@@ -1,11 +1,4 @@
-"""Where an equation's code is: the ``file:line (function)`` the numerics tools report.
-
-JAX records the Python traceback of each equation. A ``custom_vjp``'s backward rule
-is the exception: JAX traces it while transposing, under the traceback of the
-forward call, so the equations of the rule point at the caller. Those equations
-are recognised (``custom_vjp.__call__`` is on their traceback with no code of the
-rule inside it) and named after the rule instead, which the forward program holds
-(the ``bwd`` of its ``custom_vjp_call``)."""
+"""Where an equation's code is: the ``file:line (function)`` the numerics tools report."""
 
 from __future__ import annotations
 
@@ -118,6 +111,9 @@ def _vjp_call_index(frames: list[tuple[Any, int]]) -> int | None:
     return None
 
 
+# JAX traces a ``custom_vjp``'s backward rule while transposing, under the traceback of the
+# forward call, so the rule's equations would point at the caller; they are named after the
+# rule instead, which the forward program holds (the ``bwd`` of its ``custom_vjp_call``).
 def _bwd_call_site(traceback: Any) -> Any:
     """The ``custom_vjp`` call site of an equation of its backward rule: one traced
     under the call's traceback, with no code of the rule inside ``custom_vjp.__call__``

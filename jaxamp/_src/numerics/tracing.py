@@ -1,12 +1,4 @@
-"""Tracing a loss and its gradient the way a training step does, for the numerics tools.
-
-``jax.value_and_grad(fun)`` is traced once with ``jax.make_jaxpr``: the model's
-policy, ``jaxamp.autocast`` and any ``jit`` inside act while it is traced, so the
-program is the step's. NNX modules among the arguments are split into their
-``nnx.Param`` state (differentiated) and the rest (traced, not differentiated),
-and their submodules get name scopes, so that the layer names NNX does not leave
-are there as Linen's are.
-"""
+"""Tracing a loss and its gradient the way a training step does, for the numerics tools."""
 
 from __future__ import annotations
 

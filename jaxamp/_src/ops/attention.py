@@ -1,13 +1,4 @@
-"""Dot-product attention with 16-bit matmuls and a float32 softmax.
-
-Flax's own attention functions either compute the softmax in the compute dtype
-(``linen.dot_product_attention`` by default), or compute it in float32 and then
-multiply the float32 weights with 16-bit values, which promotes the second
-matmul to float32 (``force_fp32_for_softmax=True``); ``nnx``'s fused path asks
-for float32 logits with ``preferred_element_type``, which makes the backward
-matmuls float32. This function keeps both matmuls on compute-dtype operands and
-does the numerically sensitive part (bias, masking, softmax) in float32.
-"""
+"""Dot-product attention with 16-bit matmuls and a float32 softmax."""
 
 from __future__ import annotations
 

@@ -1,40 +1,4 @@
-"""The forms a 16-bit GEMM takes on each backend, how one is chosen, and how to override it.
-
-Every form multiplies the same values: operands rounded to the compute dtype,
-products summed in float32. They differ in what the compiler is given:
-
-============  ==============================================  ===============================
-form          the GEMM in the program                         chosen for
-============  ==============================================  ===============================
-``native``    16-bit operands in the layouts XLA picks,        GPUs (cuBLAS/cuDNN 16-bit GEMMs
-              ``preferred_element_type=float32``               with float32 accumulation), TPUs
-``canonical`` 16-bit operands laid out ``[batch, free,         bfloat16 on CPUs (XLA:CPU hands
-              contracting]`` (transposes materialised),        these to YNNPACK's bf16 kernels)
-              ``preferred_element_type=float32``
-``upcast``    the 16-bit values converted to float32,         float16 on CPUs (XLA:CPU has no
-              a float32 GEMM                                  float16 GEMM kernel)
-============  ==============================================  ===============================
-
-Products of two bfloat16 or two float16 values are exact in float32, so the
-``upcast`` form computes what the others compute, with float32 arithmetic.
-
-Why XLA:CPU needs the ``canonical`` layout for bfloat16: its runtime has no
-kernel for a ``bf16 x bf16 -> f32`` dot of its own. YNNPACK takes such dots in
-the canonical layout (with kernels for AVX2+FMA3, AVX-512, AVX512-BF16 and
-AMX-BF16), and XLA converts other layouts to float32 first, except where one of
-its later passes folds a transpose into a dot that YNNPACK had taken: that dot
-then fails at run time with ``UNIMPLEMENTED: Unsupported element type for
-DotThunk::Execute: BF16 x BF16 = F32`` (the gradient of an attention ``einsum``
-is one). The canonical layout hides every transpose behind an optimisation
-barrier, so no dot can be rewritten after YNNPACK has taken it; it runs on CPUs
-with bf16 units and on CPUs without them alike. The ``native`` form is not
-safe on XLA:CPU for that reason.
-
-The form is chosen when a function is traced. ``use_matmul_form`` (a
-context manager) or the environment variable ``JAXAMP_MATMUL_FORM`` overrides
-the choice for everything traced while it is set; a function ``jax.jit`` has
-already traced keeps the form it was traced with.
-"""
+"""The forms a 16-bit GEMM takes on each backend, how one is chosen, and how to override it."""
 
 from __future__ import annotations
 

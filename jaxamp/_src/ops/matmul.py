@@ -1,36 +1,5 @@
-"""The 16-bit matmul rule: one definition of the forward and both backward GEMMs.
-
-Every matmul jaxamp runs in a 16-bit compute dtype goes through
-``amp_dot_general`` (convolutions through ``amp_conv_general_dilated``):
-``apply_policy`` installs it as the ``dot_general`` of Flax's layers, the
-attention matmuls use it, and ``autocast`` rewrites ``dot_general`` to it. Its
-three GEMMs have one shape:
-
-* forward: ``y = dot(lhs16, rhs16)`` with float32 products and sums, cast to the
-  compute dtype (activations stay 16-bit);
-* backward, activations: ``dx = dot(g16, rhs16)``, the same way, cast to the
-  dtype ``lhs`` came in (the compute dtype for activations);
-* backward, weights: ``dw = dot(lhs16, g16)``, cast to the dtype ``rhs`` came
-  in: a float32 weight gets a float32 gradient straight from its GEMM, never
-  rounded to 16 bits on the way.
-
-The float32-to-16-bit cast of a weight happens inside the rule, on both passes,
-so the backward pass saves the float32 weight it already holds and no 16-bit
-copy. Letting ``jax.grad`` transpose a ``preferred_element_type=float32`` dot
-instead gives float32 x 16-bit dots in the backward pass (the cotangent is
-float32), which no backend runs as a 16-bit GEMM.
-
-The rule is a JAX primitive (``amp_dot_general``, ``amp_conv_general_dilated``)
-with the rules JAX's own ``dot_general`` has: it is bilinear, so its JVP is the
-rule applied to the tangents and its transposes are the backward GEMMs above,
-again under the rule. ``jax.grad``, ``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``,
-``jax.vmap``, ``jax.checkpoint``, ``shard_map`` and explicitly sharded types
-all apply, to any order. Inside, each GEMM takes the form
-``jaxamp.ops.matmul_form`` chooses for the backend (``jaxamp/_src/ops/forms.py``).
-Tools that look for ``lax.dot_general_p`` in a jaxpr (JAX's ``dots_saveable``
-checkpoint policy, for one) do not see these primitives; jaxamp's own residual
-modes (``jaxamp.checkpoint_residuals``) do.
-"""
+"""The 16-bit matmul rule: one definition of the forward and both backward GEMMs, as JAX
+primitives (``amp_dot_general``, ``amp_conv_general_dilated``)."""
 
 from __future__ import annotations
 

@@ -1,58 +1,5 @@
-"""What the backward pass saves: 16-bit activations, not float32 temporaries.
-
-Under a mixed policy the matmuls and convolutions produce 16-bit activations,
-but the numerically sensitive work between them runs in float32: a
-normalisation layer upcasts its input to compute statistics and normalise, a
-softmax upcasts its logits. Left alone, JAX's autodiff saves those float32
-intermediates for the backward pass, which is why a Flax ResNet50 with
-bfloat16 layers saves 0.93x the activation bytes of the float32 model where
-PyTorch AMP saves about half.
-
-``checkpoint_residuals`` wraps a function in ``jax.checkpoint`` with a
-policy that decides, per primitive, which values may be saved:
-
-* ``"compute_dtype"``: outputs in a 16-bit (or integer or boolean) dtype, and
-  outputs of matmuls, convolutions and reductions (statistics are small), are
-  saved. Float32 elementwise intermediates, the 16-bit copies of the function's
-  float32 inputs (its weights) and broadcasts are recomputed in the backward pass
-  from the values they came from. Gradients are those of the same computation:
-  recomputing repeats the forward arithmetic, and on most models they equal
-  ``"all"``'s bit for bit. Not on every one: XLA may keep a 16-bit intermediate at
-  float32 precision inside a fusion (its default ``--xla_allow_excess_precision``),
-  and the saved and the recomputed program fuse differently, so they can round
-  differently (about 1% relative in each gradient of a small bf16 BERT on XLA:CPU;
-  with ``XLA_FLAGS=--xla_allow_excess_precision=false`` they agree bit for bit).
-* ``"dots"``: only matmul, convolution and reduction outputs are saved;
-  everything elementwise (normalisation, activation functions, residual adds)
-  is recomputed. Least memory, most recomputation.
-* ``"all"``: no checkpoint, JAX's default.
-
-``activation_bytes`` measures the result from the jaxpr, on any backend.
-
-What a mixed-bfloat16 model saves with ``"compute_dtype"``:
-
-* matmuls and convolutions: their bfloat16 inputs; not the bfloat16 copy of a
-  float32 weight (the backward pass casts the weight again);
-* BatchNorm, LayerNorm, GroupNorm, RMSNorm: the bfloat16 input and the float32
-  statistics (per channel or per token); the float32 normalised values are
-  recomputed from them;
-* attention softmax: the bfloat16 logits and the float32 row maximum and sum;
-  the float32 exponentials are recomputed;
-* ReLU and dropout: boolean masks; other activation functions applied to 16-bit
-  values (GELU): their 16-bit intermediates;
-* the 16-bit cast of a float32 activation that a matmul reads (a GELU computed in
-  float32, for one): that cast, not the float32 work before it. Recomputed, that
-  work would run inside the transposing copy that lays the activation out for the
-  weight-gradient GEMM, where XLA:CPU computes it element by element in the
-  transposed order: on BERT 4x768 the four recomputed GELUs took 55-110 ms each
-  against 4 ms in the forward pass, a third of the bf16 step. A cast of one of the
-  function's inputs is told apart by its shape (a float32 input of the same shape);
-  an activation shaped like a weight is recomputed, as before.
-
-Measured on ResNet50 (28x28x1, batch 64) and BERT-base (batch 8, length 128):
-0.29x and 0.34x the activation bytes of float32, against 0.51x and 0.77x for
-PyTorch AMP on the same architectures (``benchmarks/activation_memory.py``).
-"""
+"""What the backward pass saves: 16-bit activations, not float32 temporaries
+(``checkpoint_residuals``), and how many bytes that is (``activation_bytes``)."""
 
 from __future__ import annotations
 
@@ -140,6 +87,10 @@ def save_compute_dtype(
     if prim.name in _NEVER_SAVED:
         return False
     if _is_downcast(prim, avals, params):
+        # A 16-bit cast of a float32 activation a matmul reads (a GELU computed in float32)
+        # is saved: recomputed, the float32 work before it would run inside the transposing
+        # copy that lays the activation out for the weight-gradient GEMM, which XLA:CPU
+        # computes element by element in the transposed order, far slower than the forward.
         return input_shapes is not None and tuple(avals[0].shape) not in input_shapes
     return not _output_is_wide_float(prim, avals, params)
 
@@ -190,7 +141,8 @@ def checkpoint_residuals(fun: Callable[..., Any], residuals: str = "compute_dtyp
 
     Args:
       fun: the function to wrap (for example a model's ``apply``).
-      residuals: ``"compute_dtype"``, ``"dots"`` or ``"all"`` (see module docs).
+      residuals: ``"compute_dtype"``, ``"dots"`` or ``"all"`` (see the Activation memory
+        guide, guides/activation-memory.md).
 
     Returns:
       The wrapped function (``fun`` itself for ``"all"``).

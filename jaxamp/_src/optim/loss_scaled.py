@@ -1,27 +1,4 @@
-"""``loss_scaled``: loss scaling as an optax transformation, with on-device skips.
-
-The wrapper sits outermost around the user's optimizer. Each ``update``:
-
-1. unscales the (scaled) gradients in float32 (complex ones in their complex
-   dtype), before anything else sees them, so an inner ``clip_by_global_norm``
-   clips true gradients;
-2. checks that every unscaled gradient element is finite, from reductions of
-   each gradient as it is (its max, min and sum; see ``_unscaled_finite``), so
-   no array of a gradient's size is written for it; under ``jit`` with sharded
-   arrays this reduction is global (XLA inserts the all-reduce); inside
-   ``shard_map``/``pmap`` name the mapped axis with ``axis_name``;
-3. returns the inner update when finite, or zero updates and the inner state
-   exactly as it was when not, decided on device (see ``skip_with``);
-4. moves the loss scale, counts skipped steps and records the scale history.
-
-When the params it is given are 16-bit, it keeps a float32 master copy in its
-state and returns updates that make ``optax.apply_updates`` land exactly on the
-master rounded to the params' dtype. A param changed outside ``update`` (weight
-clipping, a projection, surgery on a layer) no longer equals its rounded master;
-``update`` then takes the param's value into the master before stepping, so the
-change is kept rather than undone (one comparison per element, fused into the
-update).
-"""
+"""``loss_scaled``: loss scaling as an optax transformation, with on-device skips."""
 
 from __future__ import annotations
 
@@ -244,8 +221,8 @@ def loss_scaled(
         ``"kahan"`` a 16-bit compensation buffer that carries each step's rounding
         error into the next; ``"stochastic"`` no master, the params rounded
         stochastically (unbiased); ``"none"`` no master, rounded to nearest (the
-        naive baseline, which stalls on updates below half a 16-bit ulp). See
-        ``jaxamp/_src/optim/master_weights.py`` for the bytes each keeps.
+        naive baseline, which stalls on updates below half a 16-bit ulp). See the
+        Optimizer state guide (guides/optimizer-state.md) for the bytes each keeps.
       seed: the seed of the stochastic rounding noise (``master_weights="stochastic"``).
       record_nonfinite: keep, in the state, which gradient leaves were non-finite at
         the last skipped step (one boolean per leaf, from the finiteness check's own

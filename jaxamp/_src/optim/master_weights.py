@@ -1,36 +1,4 @@
-"""How ``loss_scaled`` applies an update to 16-bit params: the four master-weight recipes.
-
-=============  =====================================  ==========================  ==========
-recipe         state kept for 16-bit params            the new param                bytes (1)
-=============  =====================================  ==========================  ==========
-``float32``    a float32 master copy                   master + u, rounded          2 + 4
-``kahan``      a 16-bit compensation buffer            p + (u + c), rounded; c      2 + 2
-               (what earlier roundings lost)           takes what this one lost
-``stochastic`` a PRNG key                              p + u, stochastically        2
-                                                       rounded (unbiased)
-``none``       nothing                                 p + u, rounded to nearest    2
-=============  =====================================  ==========================  ==========
-
-(1) per parameter, params and master only; the optimizer's moments come on top
-(8 bytes for Adam's two float32 moments, 4 for bfloat16 ones through
-``jaxamp.with_state_dtype``).
-
-``none`` is the naive baseline: an update smaller than half a unit in the last
-place of a 16-bit weight is lost every step, so the weight stalls. The other
-three follow the float32 sum: exactly (``float32``), to within the rounding of
-the compensation (``kahan``), or in expectation (``stochastic``).
-
-Float32 params (and any other floating or complex leaf that is not 16-bit) take
-the inner update as it is, in every recipe, so ``optax.apply_updates`` gives them
-what plain optax gives; the master and the compensation hold a float32 scalar placeholder in
-their place, never the param itself (a state that shared a buffer with the
-params could not be donated with them).
-
-A param changed outside ``update`` (clipping, pruning, surgery) keeps its new
-value: the float32 master takes it (see ``adopt_changes``), and a Kahan
-compensation that no longer fits the param is dropped (see
-``valid_compensation``).
-"""
+"""How ``loss_scaled`` applies an update to 16-bit params: the four master-weight recipes."""
 
 from __future__ import annotations
 
@@ -59,6 +27,8 @@ def validate_master_weights(master_weights: str) -> str:
     return master_weights
 
 
+# A float32 scalar, never the param itself: a state that shared a buffer with the params
+# could not be donated with them.
 def _placeholder() -> jax.Array:
     """The master's or the compensation's leaf for a param that is not 16-bit."""
     return jnp.zeros([], jnp.float32)

@@ -1,13 +1,4 @@
-"""Rounding float32 values to a narrower float: to nearest, or stochastically.
-
-Stochastic rounding sends ``x`` to one of the two representable neighbours
-that bracket it, the upper one with probability ``(x - lo) / (hi - lo)``, so
-that its expected value is ``x`` exactly. An update smaller than half a unit
-in the last place moves a 16-bit weight on average by the right amount,
-where rounding to nearest leaves it where it was (the "stall" of pure 16-bit
-training). The noise is a pure function of the key, so a run that restores a
-checkpointed key draws the same roundings again.
-"""
+"""Rounding float32 values to a narrower float: to nearest, or stochastically."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""Loss-scale configurations: how the scale starts and how it moves after each step.
-
-A configuration is a frozen dataclass (static: safe to close over or to pass as
-a ``jit`` static argument); everything that changes lives in
-``LossScaleState``, whose fields are all arrays. These objects are the
-rule; ``jaxamp.loss_scaled`` applies it inside an optax transformation.
-
-Unlike ``jmp.DynamicLossScale``, no configuration value is a pytree leaf that a
-flatten/unflatten round trip could drop (jmp 0.0.4 loses ``min_loss_scale``
-that way), and nothing here breaks under ``jax.jit(...).lower()``.
-"""
+"""Loss-scale configurations: how the scale starts and how it moves after each step."""
 
 from __future__ import annotations
 

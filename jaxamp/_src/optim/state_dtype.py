@@ -1,39 +1,4 @@
-"""``with_state_dtype``: any optax transformation with its state stored in 16 bits.
-
-optax's ``scale_by_adam`` has ``mu_dtype`` but no ``nu_dtype``; other
-transformations have neither. This wrapper stores the per-parameter statistics
-of any inner state in the dtypes asked for (one dtype, or one per state field
-such as ``{"mu": jnp.bfloat16, "nu": jnp.float32}``) and computes each update in
-float32: it casts the stored 16-bit leaves up, runs the inner update, and casts the
-new statistics down to their storage dtypes, to nearest or stochastically
-(unbiased, see ``jaxamp._src.optim.rounding``), and every other floating leaf back to
-the dtype it was stored in, to nearest. No leaf changes dtype across ``update``.
-
-A per-parameter statistic is a floating leaf that sits in a subtree of the state
-with the params' tree structure, or with that of a subtree of the params that is
-not a single array, at the position of a param of the same shape: Adam's ``mu``
-and ``nu``, momentum's ``trace``, the fast optimizer's
-moments under ``optax.lookahead``. A leaf that ``init`` computes from the params'
-values is a copy of the params, never a statistic, whatever its shape: SAM's
-``cache``, Prodigy's ``params0``, schedule-free's ``z`` (``params_copies`` reads
-this from the jaxpr of ``init``; statistics start from the params' shapes alone).
-``optax.MaskedNode`` stands in for a masked
-param on either side (``optax.masked`` around the wrapper puts it in the state,
-``optax.masked`` or ``optax.multi_transform`` inside which the wrapper sits puts
-it in the params it sees). A state with no such leaf may be a flattened one
-(``optax.flatten``): then its 1-D floating leaves whose size is the params' total
-size (or a subtree's) are the statistics.
-
-Hyperparameters and the like are never cast, whatever their shapes (with a
-single scalar param every scalar has the param's shape):
-``optax.inject_hyperparams``' ``hyperparams`` (``b2 = 0.999`` is 1.0 in
-bfloat16), schedule-free's ``b1``, ``weight_sum`` and ``max_lr``,
-``reduce_on_plateau``'s state and the line searches' step sizes and values
-(``_NEVER_CAST``). Nor are step counts and factored statistics whose shapes are
-not the params' (Adafactor's ``v_row``/``v_col``): every leaf that is not a
-statistic keeps the dtype ``inner`` gives it. ``init`` warns when it finds no
-statistic at all in a state with floating leaves.
-"""
+"""``with_state_dtype``: any optax transformation with its state stored in 16 bits."""
 
 from __future__ import annotations
 

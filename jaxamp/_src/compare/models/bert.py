@@ -1,10 +1,4 @@
-"""A BERT-style encoder classifier in Flax Linen (BERT-base by default).
-
-Same architecture as Hugging Face's ``BertForSequenceClassification``: token,
-position and segment embeddings, post-LayerNorm encoder layers with exact GELU,
-a tanh pooler on the first token and a linear classifier. Randomly initialised:
-no weights are downloaded. Plain Flax with no precision settings of its own.
-"""
+"""A BERT-style encoder classifier in Flax Linen (BERT-base by default)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""A GPT-2 decoder-only language model in Flax Linen (GPT-2 small by default).
-
-Same architecture as Hugging Face's ``GPT2LMHeadModel``: token and learned
-position embeddings, pre-LayerNorm decoder blocks (causal self-attention, then
-a GELU MLP four times as wide, each added back to the residual stream), a final
-LayerNorm and a language-model head tied to the token embedding. Randomly
-initialised: no weights are downloaded. Plain Flax with no precision settings
-of its own; attention is ``nn.MultiHeadDotProductAttention``, so a policy's
-attention handling applies to it.
-"""
+"""A GPT-2 decoder-only language model in Flax Linen (GPT-2 small by default)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""ResNet in Flax Linen, layer for layer the torchvision ResNet (v1.5).
-
-Plain Flax code with no precision settings of its own: the models jaxamp's
-experiments put under a policy are the models users write. The stem is
-torchvision's (7x7 convolution with stride 2, then 3x3 max-pooling), for any
-number of input channels, so the same network takes 224x224x3 ImageNet images
-and 28x28x1 FashionMNIST images, as in the reference experiment.
-"""
+"""ResNet in Flax Linen, layer for layer the torchvision ResNet (v1.5)."""
 
 from __future__ import annotations
 
