@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests.train_steps import loss_scaled_step
 
 LR = 0.05
 STEPS = 6
@@ -90,14 +91,7 @@ def _amp(wrapper, dtype, master_weights, state_dtype):
     tx = jaxamp.loss_scaled(inner, jaxamp.DynamicLossScale(2.0**10), master_weights=master_weights)
     params = jax.tree.map(lambda p: p.astype(dtype), PARAMS)
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, poison):
-        grads = jax.grad(lambda p: jaxamp.scale_loss(_loss(p), state))(params)
-        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
-        updates, new_state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), new_state
-
+    step = loss_scaled_step(tx, _loss)
     for i in range(STEPS):
         before = params, state
         params, state = step(params, state, jnp.asarray(i == POISONED))

@@ -32,6 +32,7 @@ import jaxamp
 from examples import distributed_train
 from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.state_dtype import StateDtypeState
+from tests.train_steps import apply_step
 
 RECIPES = list(jaxamp.optim.OPTIMIZER_RECIPES)
 # The fields of LossScaledState that a skipped step must leave exactly as they were
@@ -289,11 +290,7 @@ def _fsdp_run(name, gradients, *, sharded, seed=0):
         shardings = distributed_train.fsdp_shardings(params, mesh)
         gradients = [jax.device_put(g, shardings) for g in gradients]
 
-    @jax.jit
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = apply_step(tx)
     for grads in gradients:
         params, state = step(params, state, grads)
     return params, state

@@ -9,6 +9,7 @@ from flax import nnx
 
 import jaxamp
 from jaxamp import DynamicLossScale
+from tests.train_steps import loss_scaled_step
 
 PARAMS = {"w": jnp.array([1.0, 2.0])}
 
@@ -22,14 +23,7 @@ def _train_through_an_overflow(tx, steps=6, k=2):
     micro-batch overflows. Returns the params and the loss scale after ``steps``."""
     params = {"w": jnp.array([1.0, 2.0])}
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, poison):
-        grads = jax.grad(lambda p: jaxamp.scale_loss(loss_fn(p), state))(params)
-        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = loss_scaled_step(tx, loss_fn)
     for i in range(steps):
         params, state = step(params, state, jnp.asarray(i == 1))
     return params, jaxamp.optim.get_loss_scale(state)

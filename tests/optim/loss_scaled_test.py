@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxamp
 from jaxamp._src.optim import loss_scaled as loss_scaled_module
 from jaxamp.optim import DynamicLossScale, LossScaledState, NoOpLossScale, StaticLossScale
+from tests.train_steps import loss_scaled_step
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -262,13 +263,7 @@ def test_training_resumed_from_a_flattened_state_is_bit_identical(dtype):
     tx = jaxamp.loss_scaled(
         optax.adam(1e-3), DynamicLossScale(min_scale=2.0**14, hysteresis=2, growth_interval=2)
     )
-
-    @jax.jit
-    def step(params, state, poison):
-        grads = scaled_grads(params, state)
-        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step = loss_scaled_step(tx, quadratic)
 
     def run(params, state, poisons, rebuild):
         for poison in poisons:
@@ -296,15 +291,7 @@ def test_state_dtypes_and_structure_stable_and_one_compile(dtype, skip_with):
     )
     state = tx.init(params)
     traces = []
-
-    @jax.jit
-    def step(params, state, poison):
-        traces.append(1)
-        grads = jax.grad(lambda p: jaxamp.scale_loss(quadratic(p), state))(params)
-        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = loss_scaled_step(tx, quadratic, count_traces=traces)
     structure = jax.tree.structure(state)
     dtypes = [x.dtype for x in jax.tree.leaves(state)]
     for poison in [False, True, False, False, True]:
@@ -423,13 +410,7 @@ def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
     params = params_of(jnp.bfloat16)
     tx = jaxamp.loss_scaled(optax.adam(1e-2), DynamicLossScale(init_scale=256.0, growth_interval=2))
     poisons = [False, True, False, False, False, True, False]
-
-    @jax.jit
-    def step(params, state, poison):
-        grads = jax.grad(lambda p: jaxamp.scale_loss(quadratic(p), state))(params)
-        grads = jax.tree.map(lambda g: jnp.where(poison, jnp.inf, g), grads)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    step = loss_scaled_step(tx, quadratic)
 
     def run(params, state, poisons):
         for poison in poisons:

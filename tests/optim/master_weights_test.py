@@ -10,6 +10,7 @@ import pytest
 
 import jaxamp
 from jaxamp import StaticLossScale
+from tests.train_steps import apply_step
 
 RECIPES = ["float32", "kahan", "stochastic", "none"]
 SIXTEEN = [jnp.bfloat16, jnp.float16]
@@ -157,11 +158,7 @@ def test_mixed_dtype_params_donate_and_float32_leaves_follow_plain_optax(recipe,
         key = jax.random.fold_in(jax.random.key(1), i)
         return {"w": jax.random.normal(key, (n,)), "b": 8 * jax.random.normal(key, (n,))}
 
-    @jax.jit
-    def plain(p, s, g):
-        u, s = inner.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
+    plain = apply_step(inner)
     b, plain_state = {"b": params["b"]}, inner.init({"b": params["b"]})
     expected = []
     for i in range(3):
@@ -230,17 +227,11 @@ def test_state_is_arrays_stable_and_traced_once(recipe):
     state = tx.init(params)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
     traces = []
-
-    @jax.jit
-    def step(params, state):
-        traces.append(1)
-        grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = apply_step(tx, count_traces=traces)
+    grads = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
     for _ in range(3):
-        params, state = step(params, state)
+        params, state = step(params, state, grads)
     assert len(traces) == 1
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == shapes
     assert params["w"].dtype == jnp.bfloat16 and params["b"].dtype == jnp.float32

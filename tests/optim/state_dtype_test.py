@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxamp
-from tests.optim.steps import dtypes_of, sample_params, traced_steps
+from tests.train_steps import apply_step, dtypes_of, sample_params, traced_steps
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -38,13 +38,7 @@ def test_adam_moments_in_dtype_counts_untouched_and_stable(dtype, rounding):
     assert {x.dtype for x in jax.tree.leaves((adam.mu, adam.nu))} == {np.dtype(dtype)}
     assert adam.count.dtype == jnp.int32
     traces = []
-
-    @jax.jit
-    def step(params, state, grads):
-        traces.append(1)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    step = apply_step(tx, count_traces=traces)
     first = dtypes_of(state)
     for i in range(4):
         params, state = step(params, state, _grads(i))
@@ -246,14 +240,9 @@ def test_around_loss_scaled_is_refused_at_init_and_inside_it_keeps_the_master(dt
         jaxamp.NoOpLossScale(),
     )
     state = tx.init(params)
-
-    @jax.jit
-    def step(params, state):
-        updates, state = tx.update(jnp.ones(4, jnp.bfloat16), state, params)
-        return optax.apply_updates(params, updates), state
-
+    step, grads = apply_step(tx), jnp.ones(4, jnp.bfloat16)
     for _ in range(400):
-        params, state = step(params, state)
+        params, state = step(params, state, grads)
     assert float(state.master_params[0]) == 1.0 - 400 * 2.0**-13  # 0.951171875, exact
     assert params.dtype == jnp.bfloat16
     assert float(params[0]) == float(jnp.bfloat16(1.0 - 400 * 2.0**-13))
