@@ -105,3 +105,23 @@ def test_autocast_depends_on_jax_alone():
     for path in root.glob("*.py"):
         for name in _imported_modules(path):
             assert not name.startswith(("flax", "jaxamp._src.flax_policy")), (path.name, name)
+
+
+_LAYERS = ("errors", "dtypes", "jaxprs", "policy", "backend", "ops", "autocast")
+_LAYERS += ("flax_policy", "optim", "audit", "numerics", "compare")
+
+
+def test_the_layers_import_downward():
+    """jaxamp/_src's concepts import only those before them (CONTRIBUTING's order): no
+    cycle, and autocast below the Flax policies."""
+    from pathlib import Path
+
+    root = Path(jaxamp.__file__).parent / "_src"
+    for path in root.rglob("*.py"):
+        me = path.relative_to(root).parts[0].removesuffix(".py")
+        for name in _imported_modules(path):
+            parts = name.split(".")
+            if parts[:2] != ["jaxamp", "_src"] or len(parts) < 3 or me not in _LAYERS:
+                continue
+            if parts[2] in _LAYERS:
+                assert _LAYERS.index(parts[2]) <= _LAYERS.index(me), (str(path), name)
