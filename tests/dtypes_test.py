@@ -16,7 +16,7 @@ def test_predicates_of_the_floating_dtypes(dtype):
     assert dtypes.is_floating(dtype) and dtypes.is_inexact(dtype)
     assert dtypes.is_16bit(dtype) == sixteen
     x = jnp.ones(3, dtype)
-    assert dtypes.is_floating_array(x) and dtypes.is_16bit_array(x) == sixteen
+    assert dtypes.is_floating_array(x) and dtypes.is_narrow_array(x) == sixteen
     assert jax.jit(dtypes.upcast)(x).dtype == jnp.float32
 
 
@@ -25,7 +25,7 @@ def test_float8_is_narrow_but_not_16_bit(dtype):
     """``is_16bit`` means 16 bits; ``is_narrow`` is any float narrower than float32 (what
     master weights and ``upcast`` act on)."""
     x = jnp.ones(3, dtype)
-    assert not dtypes.is_16bit(dtype) and not dtypes.is_16bit_array(x)
+    assert not dtypes.is_16bit(dtype) and not dtypes.is_16bit(x.dtype)
     assert dtypes.is_narrow(dtype) and dtypes.is_narrow_array(x)
     assert dtypes.is_narrower(dtype, jnp.bfloat16) and not dtypes.is_narrower(jnp.float32, dtype)
     assert jax.jit(dtypes.upcast)(x).dtype == jnp.float32
@@ -43,7 +43,7 @@ def test_predicates_refuse_what_is_not_a_real_16_bit_float(value):
 
 def test_upcast_leaves_float64_ints_and_python_numbers_alone():
     tree = {"h": jnp.ones(2, jnp.float16), "i": jnp.arange(2), "n": 3.0}
-    out = dtypes.upcast_tree(tree)
+    out = jax.tree.map(dtypes.upcast, tree)
     assert out["h"].dtype == jnp.float32 and out["i"].dtype == tree["i"].dtype
     assert out["n"] == 3.0
     x64 = np.ones(2, np.float64)

@@ -123,11 +123,6 @@ def is_inexact_array(x: Any) -> bool:
     return is_array(x) and is_inexact(x.dtype)
 
 
-def is_16bit_array(x: Any) -> bool:
-    """Whether ``x`` is an array (or tracer) of a 16-bit floating dtype."""
-    return is_array(x) and is_16bit(x.dtype)
-
-
 def is_narrow_array(x: Any) -> bool:
     """Whether ``x`` is an array (or tracer) of a floating dtype narrower than float32."""
     return is_array(x) and is_narrow(x.dtype)
@@ -158,11 +153,6 @@ def float32_tree(tree: T) -> T:
       (dtype('float32'), False)
     """
     return jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, tree)
-
-
-def upcast_tree(tree: T) -> T:
-    """Every floating leaf of ``tree`` narrower than float32, in float32."""
-    return jax.tree.map(upcast, tree)
 
 
 def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:

@@ -119,7 +119,7 @@ class Policy:
         if self.reduce_dtype is not None:
             return self.reduce_dtype
         if is_narrow(self.compute_dtype):
-            return max(FLOAT32, self.param_dtype, key=lambda d: d.itemsize)
+            return self.param_dtype if is_narrower(FLOAT32, self.param_dtype) else FLOAT32
         return self.param_dtype
 
     def cast_to_param(self, tree: T) -> T:
@@ -187,10 +187,8 @@ def _parse_grammar(spec: str) -> Policy:
         if not sep or not key or not value or "=" in value:
             raise _unknown(spec, part, f"part {part.strip()!r} is not of the form key=dtype")
         if key not in _GRAMMAR_KEYS:
-            raise ValueError(
-                f"Invalid policy {spec!r}: unknown key {key!r}. Valid keys: "
-                f"{', '.join(_GRAMMAR_KEYS)}."
-            )
+            why = f"Invalid policy {spec!r}: unknown key {key!r}."
+            raise invalid_choice("policy key", key, _GRAMMAR_KEYS, why=why)
         name = _GRAMMAR_KEYS[key]
         if name in values:
             raise ValueError(f"Invalid policy {spec!r}: {name!r} is given twice.")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
-
-import jax.numpy as jnp
 
 from jaxamp._src.audit.checks import SensitiveOp, combined_primitive, direction, is_cumulative
 from jaxamp._src.dtypes import FLOAT_NAMES, hlo_dtype_name, is_narrower
@@ -138,7 +137,9 @@ def _hlo_matmul(match: re.Match, operands: list, result: str) -> dict[str, Any] 
 def _narrowest(dtypes: list[str]) -> str | None:
     """The narrowest floating dtype of ``dtypes`` (``None`` when there is none)."""
     floats = [d for d in dtypes if d in FLOAT_NAMES]
-    return min(floats, key=lambda d: jnp.dtype(d).itemsize) if floats else None
+    if not floats:
+        return None
+    return functools.reduce(lambda a, b: b if is_narrower(b, a) else a, floats)
 
 
 def _hlo_combiner(computation: list[re.Match], types: dict) -> tuple[str | None, str | None]:

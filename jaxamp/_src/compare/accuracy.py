@@ -155,7 +155,7 @@ def paired_difference(
 
     Returns:
       The ``PairedDifference``: with one seed, from McNemar's exact test; with
-      several, from the t-test described in this module's docstring.
+      several, from the seeds' t-test (the jaxamp compare guide, "Accuracy verdicts").
 
     Examples:
       >>> fp32 = [[True] * 60 + [False] * 40]

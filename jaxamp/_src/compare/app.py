@@ -43,7 +43,7 @@ class CompareConfig:
     Attributes:
       model: ``"resnet50"`` (FashionMNIST, 28x28x1), ``"resnet18"``, ``"bert"`` (IMDB),
         or ``"auto"``: the model that shows AMP on this machine (see
-        ``jaxamp._src.compare.stats.choose_model``), in its shape for this machine
+        the jaxamp compare guide, guides/compare.md), in its shape for this machine
         except for the shape fields below that differ from their defaults.
       variants: variant names, each once, ``"fp32"`` (the baseline) among them, or
         ``None`` for ``jaxamp.default_variants``.

@@ -111,9 +111,9 @@ def get_variant(name: str) -> Variant:
 
 
 def default_variants(device=None) -> list[str]:
-    """``fp32`` against the variant ``jaxamp.auto_policy`` picks.
+    """``fp32`` against the mixed precision this device would train in.
 
-    On a CPU, where ``auto_policy`` picks float32, ``bf16`` is compared with
+    On a CPU, where ``auto_policy`` keeps float32 as the default, ``bf16`` is compared with
     ``fp32``; ``fp16`` is not (``FP16_ON_CPU`` says why; ``--variants
     fp32,bf16,fp16`` adds it). Elsewhere, where ``auto_policy`` picks float32 (a GPU
     without tensor cores), ``bf16`` and ``fp16`` (with dynamic loss scaling) are.

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src.dtypes import SIXTEEN_BIT_NAMES
+from jaxamp._src.errors import invalid_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,5 +294,5 @@ def _names(rows: Sequence[LayerRange]) -> str:
 def _dtype(dtype: Any) -> Any:
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in SIXTEEN_BIT_NAMES:
-        raise ValueError(f"dtype must be one of float16, bfloat16, got {dtype!r}.")
+        raise invalid_choice("dtype", dtype, ("float16", "bfloat16"))
     return jnp.dtype(name)

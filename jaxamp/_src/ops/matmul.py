@@ -302,7 +302,7 @@ def amp_dot_general(
     form: str | MatmulForm | None = None,
     out_sharding: Any = None,
 ) -> jax.Array:
-    """``lax.dot_general`` under the 16-bit matmul rule (see this module's docstring).
+    """``lax.dot_general`` under the 16-bit matmul rule (guides/matmul-rule.md).
 
     Floating operands are cast to ``compute_dtype`` inside the rule and
     multiplied with float32 products and sums; the result comes back in
