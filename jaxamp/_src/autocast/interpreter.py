@@ -263,9 +263,12 @@ def _float32(eqn: Any, env: _Env) -> list[Any]:
     values = [_wide(env, a, v, name) for a, v in zip(eqn.invars, planned, strict=True)]
     if eqn.primitive is lax.scatter_add_p:  # its combiner is typed: build it again
         p = eqn.params
+        operand, indices, updates = values
         return [
             lax.scatter_add(
-                *values,
+                operand,
+                indices,
+                updates,
                 p["dimension_numbers"],
                 indices_are_sorted=p["indices_are_sorted"],
                 unique_indices=p["unique_indices"],

@@ -90,6 +90,7 @@ class _Measure:
 
     def op(self, site: evaluator.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
         bad = [not evaluator.finite(o) for o in outputs]
+        out_tags: list[Any]
         if constant(tags, inputs, bad):
             out_tags = [CONSTANT] * len(outputs)
         elif not any(bad):

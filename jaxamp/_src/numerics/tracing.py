@@ -147,7 +147,7 @@ def trace(
     pieces, rests = list(args), list[Any]()
     for i, a in enumerate(args):
         if _nnx_module(a):
-            graphdef, params, rest = nnx.split(a, nnx.Param, ...)
+            graphdef, params, rest = nnx.split(a, nnx.Param, ...)  # type: ignore[misc]
             split[i] = (graphdef, len(rests))
             pieces[i] = params
             rests.append(rest)  # traced too (not differentiated): BatchNorm updates its stats

@@ -140,6 +140,8 @@ def dot_product_attention(
             shape = (1,) * (key.ndim - 2) + weights.shape[-2:]
         else:
             shape = weights.shape
+        if dropout_rng is None:
+            raise ValueError("attention dropout (deterministic=False) needs a dropout_rng.")
         keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
         weights = lax.select(
             jnp.broadcast_to(keep, weights.shape),

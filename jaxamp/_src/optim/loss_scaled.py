@@ -86,7 +86,7 @@ def _record_nonfinite(checks: Any, finite: jax.Array, record: Any) -> Any:
     """The new record: on a skipped step, which gradient leaves were not finite; on a
     finite one, the record as it was. ``checks`` holds the per-leaf results, shaped
     like the gradients; the record was shaped at ``init``, from the params."""
-    if jax.tree.structure(checks) != jax.tree.structure(record):
+    if jax.tree.structure(checks) != jax.tree.structure(record):  # type: ignore[operator]
         raise ValueError(
             "loss_scaled(record_nonfinite=True) keeps one flag per gradient leaf, in a tree "
             "shaped like the gradients, which init took from the params (optax.LookaheadParams "
@@ -416,8 +416,8 @@ def _check_finite(
     if not config.record_nonfinite:
         return every_device(_unscaled_finite(updates, inv_scale)), state.nonfinite_grads
     # the per-leaf checks are the check: computed once, kept and combined
-    checks, treedef = jax.tree.flatten(_finite_leaves(updates, inv_scale))
-    checks = every_device(jnp.stack(checks)) if checks else jnp.ones([0], jnp.bool_)
+    per_leaf, treedef = jax.tree.flatten(_finite_leaves(updates, inv_scale))
+    checks = every_device(jnp.stack(per_leaf)) if per_leaf else jnp.ones([0], jnp.bool_)
     finite = checks.all()  # global, as the record is: the same on every device
     leaves_ok = jax.tree.unflatten(treedef, list(checks))
     return finite, _record_nonfinite(leaves_ok, finite, state.nonfinite_grads)

@@ -41,7 +41,7 @@ class StateDtypeState(NamedTuple):
 
     inner_state: Any
     rounding_key: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field, as optax states name it
 
 
 def _field_names(path: tuple[Any, ...]) -> list[str]:
@@ -172,7 +172,7 @@ def follows_params(init: Any, params: Any) -> list[bool] | None:
         state = jax.eval_shape(init, params)
     except Exception:  # an init that needs its own shapes: no information
         return None
-    if jax.tree.structure(longer) != jax.tree.structure(state):
+    if jax.tree.structure(longer) != jax.tree.structure(state):  # type: ignore[operator]
         return None
     return [
         np.shape(a) != np.shape(b)
