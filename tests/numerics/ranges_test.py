@@ -46,7 +46,9 @@ def test_report_overflows_still_lists_a_float16_overflow():
 
 def test_range_report_dtype_errors():
     report = jaxamp.range_report(lambda w: jnp.sum(w))(jnp.ones(2))
-    with pytest.raises(ValueError, match=r"Unknown dtype .int8.\. Valid choices: float16, bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"Unknown dtype .int8.\. Valid choices: float16, bfloat16"
+    ):
         report.overflows("int8")
 
 
