@@ -59,6 +59,13 @@ def rounded_to_inf(jaxpr: Any) -> bool:
     )
 
 
+def _written_for(written: np.ndarray, traced: np.ndarray) -> bool:
+    """Whether the finite float32 ``written`` is what the 16-bit trace rounded to ``traced``."""
+    with np.errstate(over="ignore"):
+        rounds_to_traced = np.array_equal(written.astype(traced.dtype), traced)
+    return bool(np.all(np.isfinite(written))) and rounds_to_traced
+
+
 def written_values(jaxpr: Any, wide_jaxpr: Any) -> dict[int, Any]:
     """The float32 values of ``jaxpr``'s non-finite 16-bit constants, read off
     ``wide_jaxpr`` (the same function traced in float32).
@@ -89,9 +96,7 @@ def written_values(jaxpr: Any, wide_jaxpr: Any) -> dict[int, Any]:
             if value.size != traced.size:
                 continue
             written = np.asarray(value, FLOAT32).reshape(traced.shape)
-            with np.errstate(over="ignore"):
-                rounds_to_traced = np.array_equal(written.astype(traced.dtype), traced)
-            if np.all(np.isfinite(written)) and rounds_to_traced:
+            if _written_for(written, traced):
                 found[id(atom)] = written
     return found
 
@@ -136,9 +141,7 @@ def written_consts(closed: Any, wide: Any) -> dict[int, Any]:
         if written.shape != traced.shape or not is_floating(written.dtype):
             continue
         written = written.astype(FLOAT32)
-        with np.errstate(over="ignore"):
-            rounds_to_traced = np.array_equal(written.astype(traced.dtype), traced)
-        if np.all(np.isfinite(written)) and rounds_to_traced:
+        if _written_for(written, traced):
             found[i] = written
     return found
 
