@@ -33,7 +33,59 @@ _GRAMMAR_KEYS = {
     "output": "output",
     "r": "reduce",
     "reduce": "reduce",
+    "fp8": "fp8",
 }
+
+FP8_SCALINGS = ("current", "delayed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How a policy's matmuls run in float8 (guides/fp8.md).
+
+    Operands are cast to ``float8_e4m3fn`` and output gradients to ``float8_e5m2``,
+    each divided by a per-tensor scale; products are summed in float32.
+
+    Attributes:
+      scaling: ``"current"`` scales each tensor by its own amax, with no state;
+        ``"delayed"`` by the largest amax of the last ``amax_history_length`` steps,
+        kept as state beside the layer (as Flax's ``fp8_ops`` does).
+      amax_history_length: steps of history delayed scaling keeps.
+      margin: powers of two of headroom below the float8 maximum.
+
+    Examples:
+      >>> Fp8Recipe("delayed", amax_history_length=16).scaling
+      'delayed'
+    """
+
+    scaling: str = "current"
+    amax_history_length: int = 1024
+    margin: int = 0
+
+    def __post_init__(self):
+        if self.scaling not in FP8_SCALINGS:
+            raise invalid_choice("fp8 scaling", self.scaling, FP8_SCALINGS)
+        for name in ("amax_history_length", "margin"):
+            value = getattr(self, name)
+            least = 1 if name == "amax_history_length" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"Fp8Recipe.{name} must be an integer >= {least}, got {value!r}.")
+
+    def __str__(self) -> str:
+        default = Fp8Recipe(self.scaling)
+        if self == default:
+            return self.scaling
+        return f"{self.scaling}(history={self.amax_history_length},margin={self.margin})"
+
+
+def _as_recipe(value: Any) -> Fp8Recipe | None:
+    if value is None or isinstance(value, Fp8Recipe):
+        return value
+    if isinstance(value, str):
+        return Fp8Recipe(value.strip().lower())
+    raise TypeError(
+        f"Policy.fp8 must be None, 'current', 'delayed' or an Fp8Recipe, got {value!r}."
+    )
 
 
 def cast_floating(tree: T, dtype: Any) -> T:
@@ -85,6 +137,9 @@ class Policy:
       reduce_dtype: dtype gradients are all-reduced in across devices. ``None``
         (the default) means float32 when ``compute_dtype`` is a 16-bit type and
         ``param_dtype`` otherwise; read it through ``grad_reduce_dtype``.
+      fp8: ``None``, or an ``Fp8Recipe`` (or its scaling, ``"current"`` or
+        ``"delayed"``): matmuls then take float8 operands and return
+        ``compute_dtype``, which everything else runs in.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -99,8 +154,10 @@ class Policy:
     compute_dtype: Any = jnp.float32
     output_dtype: Any = jnp.float32
     reduce_dtype: Any = None
+    fp8: Any = None
 
     def __post_init__(self):
+        object.__setattr__(self, "fp8", _as_recipe(self.fp8))
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, canonical_dtype(getattr(self, field), field))
         if self.reduce_dtype is not None:
@@ -110,15 +167,16 @@ class Policy:
 
     @property
     def is_mixed(self) -> bool:
-        """True when compute runs in a narrower floating type than params are stored in."""
-        return is_narrower(self.compute_dtype, self.param_dtype)
+        """True when compute runs in a narrower floating type than params are stored in, or
+        matmuls run in float8."""
+        return self.fp8 is not None or is_narrower(self.compute_dtype, self.param_dtype)
 
     @property
     def grad_reduce_dtype(self) -> np.dtype:
         """The dtype gradients are reduced in across devices (see ``reduce_dtype``)."""
         if self.reduce_dtype is not None:
             return self.reduce_dtype
-        if is_narrow(self.compute_dtype):
+        if is_narrow(self.compute_dtype) or self.fp8 is not None:
             return self.param_dtype if is_narrower(FLOAT32, self.param_dtype) else FLOAT32
         return self.param_dtype
 
@@ -149,6 +207,8 @@ class Policy:
         )
         if self.reduce_dtype is not None:
             spec += f",reduce={self.reduce_dtype.name}"
+        if self.fp8 is not None:
+            spec += f",fp8={self.fp8}"
         return spec
 
 
@@ -158,6 +218,8 @@ PRESETS: dict[str, Policy] = {
     "mixed_float16": Policy("float32", "float16", "float32"),
     "bfloat16": Policy("bfloat16", "bfloat16", "bfloat16"),
     "float16": Policy("float16", "float16", "float16"),
+    "mixed_float8": Policy("float32", "bfloat16", "float32", fp8="current"),
+    "mixed_float8_delayed": Policy("float32", "bfloat16", "float32", fp8="delayed"),
 }
 """The named policies ``get_policy`` accepts (with the ``p=,c=,o=`` grammar and jmp's)."""
 
@@ -166,7 +228,7 @@ def _valid_choices() -> tuple[str, ...]:
     return (
         f"presets {', '.join(PRESETS)}; dtype names {', '.join(list(JMP_DTYPE_NAMES))}; "
         "or 'params=<dtype>,compute=<dtype>,output=<dtype>' (short keys p, c, o; "
-        "optional reduce=<dtype> or r=<dtype>)",
+        "optional reduce=<dtype> or r=<dtype>, fp8=current or fp8=delayed)",
     )
 
 
@@ -192,13 +254,19 @@ def _parse_grammar(spec: str) -> Policy:
         name = _GRAMMAR_KEYS[key]
         if name in values:
             raise ValueError(f"Invalid policy {spec!r}: {name!r} is given twice.")
-        canonical_dtype(value, f"dtype for {name!r} in policy {spec!r}:")
+        if name == "fp8":
+            if value not in FP8_SCALINGS:
+                why = f"Invalid policy {spec!r}: unknown fp8 scaling {value!r}."
+                raise invalid_choice("fp8 scaling", value, FP8_SCALINGS, why=why)
+        else:
+            canonical_dtype(value, f"dtype for {name!r} in policy {spec!r}:")
         values[name] = value
     reduce = values.pop("reduce", None)
+    fp8 = values.pop("fp8", None)
     values = values or {"params": "float32"}  # "r=bf16" alone: jmp's default params
     # jmp owns the grammar's defaults: compute follows params, output follows compute.
     parsed = jmp.get_policy(",".join(f"{k}={v}" for k, v in values.items()))
-    return Policy(parsed.param_dtype, parsed.compute_dtype, parsed.output_dtype, reduce)
+    return Policy(parsed.param_dtype, parsed.compute_dtype, parsed.output_dtype, reduce, fp8)
 
 
 def is_policy_spec(value: Any) -> bool:
@@ -223,7 +291,9 @@ def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
         ``"full"``, ``"half"``), or jmp's grammar such as
         ``"params=float32,compute=bfloat16,output=float32"`` or ``"p=f32,c=bf16"``
         (compute defaults to params, output to compute). An extra key
-        ``reduce``/``r`` sets ``Policy.reduce_dtype``.
+        ``reduce``/``r`` sets ``Policy.reduce_dtype``, and ``fp8=current`` or
+        ``fp8=delayed`` runs matmuls in float8 (``"mixed_float8"`` is
+        ``"p=f32,c=bf16,o=f32,fp8=current"``).
 
     Returns:
       The policy.

@@ -1,0 +1,380 @@
+"""The matmul rule in float8: e4m3 operands, e5m2 gradients, float32 accumulation, with current
+or delayed per-tensor scaling (guides/fp8.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# An extended dtype whose cotangents combine by max (the scaling state under fan-in), as
+# Flax's fp8_ops defines one: JAX's registry of extended dtypes lives in jax._src.
+from jax._src import dtypes as _jax_dtypes
+
+from jaxamp._src.dtypes import FLOAT32, is_floating
+from jaxamp._src.ops.forms import free_dims
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+
+STATE_COLLECTION = "_overwrite_with_gradient"
+"""Where the delayed-scaling state lives: Flax's ``fp8_ops.OVERWRITE_WITH_GRADIENT``, whose
+gradient is the state's next value."""
+
+
+# ----------------------------------------------------------------- max-combined values
+
+
+class _MaxRules:
+    """Rules of the ``fp8_max32`` dtype: float32 values whose cotangents add by ``max``."""
+
+    @staticmethod
+    def physical_element_aval(dtype):
+        return jax.core.ShapedArray((), dtype.float_dtype)
+
+    @staticmethod
+    def convert_from(dtype, other):
+        return dtype.float_dtype == other
+
+    @staticmethod
+    def convert_to(other, dtype):
+        return dtype.float_dtype == other
+
+    @staticmethod
+    def add(dtype, x, y):
+        x, y = (lax.convert_element_type(v, dtype.float_dtype) for v in (x, y))
+        return lax.convert_element_type(lax.max(x, y), dtype)
+
+    @staticmethod
+    def zero(dtype):
+        return lax.convert_element_type(np.array(-np.inf, dtype.float_dtype), dtype)
+
+    @staticmethod
+    def tangent_dtype(dtype):
+        return dtype
+
+    @staticmethod
+    def full(shape, fill_value, dtype):
+        fill = lax.convert_element_type(fill_value, dtype.float_dtype)
+        return lax.convert_element_type(lax.full(shape, fill, dtype.float_dtype), dtype)
+
+
+class _max_combined(_jax_dtypes.extended):  # a dtype kind, named as JAX's are
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _MaxCombinedDType(_jax_dtypes.ExtendedDType):
+    float_dtype: Any
+    _rules: type = _MaxRules
+    type: type = _max_combined
+
+    @property
+    def name(self) -> str:
+        return "fp8_max32"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+MAX32 = _MaxCombinedDType(FLOAT32)
+
+
+def max_combined(tree: Any) -> Any:
+    """The float32 leaves of ``tree`` as values whose gradients, where a value is used more
+    than once (a layer called twice, a loop body), combine by ``max`` instead of sum."""
+    return jax.tree.map(lambda x: lax.convert_element_type(jnp.asarray(x, FLOAT32), MAX32), tree)
+
+
+def _as_float32(x: Any) -> Any:
+    return lax.convert_element_type(x, FLOAT32) if x.dtype == MAX32 else x
+
+
+def _like(value: Any, like: Any) -> Any:
+    return lax.convert_element_type(value, MAX32) if like.dtype == MAX32 else value
+
+
+# ------------------------------------------------------------------------ quantization
+
+
+def fp8_max(dtype: Any) -> float:
+    """The largest finite value of a float8 dtype (448 for e4m3, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+    """``x / scale``, clipped to the float8 dtype's range and rounded to it (in float32).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> quantize(jnp.array([1.0, 1000.0]), jnp.float8_e4m3fn, jnp.float32(2.0))
+      Array([0.5, 448], dtype=float8_e4m3fn)
+    """
+    big = jnp.float32(fp8_max(dtype))
+    scale = jnp.reshape(scale, ()).astype(FLOAT32)
+    return jnp.clip(x.astype(FLOAT32) / scale, -big, big).astype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = FLOAT32) -> jax.Array:
+    """``q * scale`` in ``dtype``."""
+    return q.astype(dtype) * jnp.reshape(scale, ()).astype(dtype)
+
+
+def scale_from_amax(amax: jax.Array, dtype: Any, margin: int = 0, previous: Any = 1.0) -> jax.Array:
+    """The scale that maps ``amax`` to the dtype's largest value, as Flax's ``fp8_ops`` and
+    TransformerEngine compute it (``1 / ((max / amax) / 2**margin)``).
+
+    An ``amax`` of zero, one that is not finite, or one so small that the scale would not be
+    a normal float32 keeps ``previous``.
+    """
+    amax, previous = amax.astype(FLOAT32), jnp.asarray(previous, FLOAT32)
+    factor = (jnp.float32(fp8_max(dtype)) / amax) / jnp.float32(2.0**margin)
+    # The reciprocal after the select, in Flax's order: XLA folds 1 / (max / amax) otherwise,
+    # and the scale comes out one ulp away from Flax's.
+    usable = (amax > 0) & jnp.isfinite(amax)
+    scale = 1.0 / jnp.where(usable, factor, 1.0 / previous)
+    return jnp.where(usable & (scale >= jnp.finfo(FLOAT32).tiny), scale, previous)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x.astype(FLOAT32))) if x.size else jnp.float32(0)
+
+
+def _poison(*amaxes: jax.Array) -> jax.Array:
+    """1, or NaN where an operand holds inf or NaN: float8 has no infinity, and clipping an
+    overflow to 448 would hide it from loss scaling's check of the gradients."""
+    finite = functools.reduce(jnp.logical_and, [jnp.isfinite(a) for a in amaxes])
+    return jnp.where(finite, jnp.float32(1), jnp.float32(jnp.nan))
+
+
+# ------------------------------------------------------------------- the float8 GEMMs
+
+
+def _gemm(lhs, rhs, dimension_numbers, precision=None):
+    return lax.dot_general(
+        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=FLOAT32
+    )
+
+
+def _transpose_lhs(g, rhs, lhs_ndim, dimension_numbers):
+    """``d_lhs = dot(g, rhs)`` in float32, in the layout of ``lhs``."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = free_dims(lhs_ndim, x_contract, x_batch)
+    y_kept = free_dims(rhs.ndim, y_contract, y_batch)
+    nb, nx = len(x_batch), len(x_kept)
+    ans_batch = tuple(range(nb))
+    ans_y = tuple(range(nb + nx, nb + nx + len(y_kept)))
+    dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
+    x_contract_by_y = [int(d) for d in np.take(x_contract, np.argsort(y_contract))]
+    order = [*x_batch, *x_kept, *x_contract_by_y]
+    return jnp.transpose(_gemm(g, rhs, dims), np.argsort(order))
+
+
+def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers):
+    """``d_rhs = dot(lhs, g)`` in float32, in the layout of ``rhs``."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = free_dims(lhs.ndim, x_contract, x_batch)
+    y_kept = free_dims(rhs_ndim, y_contract, y_batch)
+    nb = len(x_batch)
+    ans_batch = tuple(range(nb))
+    ans_x = tuple(range(nb, nb + len(x_kept)))
+    dims = ((tuple(x_kept), ans_x), (tuple(x_batch), ans_batch))
+    y_contract_by_x = [int(y_contract[i]) for i in np.argsort(x_contract)]
+    order = [*y_batch, *y_contract_by_x, *y_kept]
+    return jnp.transpose(_gemm(lhs, g, dims), np.argsort(order))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _current(lhs, rhs, dimension_numbers, out_dtype, margin):
+    return _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin)[0]
+
+
+def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin):
+    amax_l, amax_r = _amax(lhs), _amax(rhs)
+    s_l, s_r = (scale_from_amax(a, E4M3, margin) for a in (amax_l, amax_r))
+    q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
+    y = dequantize(_gemm(q_l, q_r, dimension_numbers), s_l * s_r * _poison(amax_l, amax_r))
+    res = (q_l, s_l, q_r, s_r, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return y.astype(out_dtype), res
+
+
+def _current_bwd(dimension_numbers, out_dtype, margin, res, g):
+    q_l, s_l, q_r, s_r, lhs_like, rhs_like = res
+    amax_g = _amax(g)
+    s_g = scale_from_amax(amax_g, E5M2, margin)
+    q_g = quantize(g, E5M2, s_g)
+    s_g = s_g * _poison(amax_g)
+    d_l = dequantize(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r * s_g)
+    d_r = dequantize(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l * s_g)
+    return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype)
+
+
+_current.defvjp(_current_fwd, _current_bwd)
+
+
+class Fp8Meta(NamedTuple):
+    """The delayed-scaling state of one float8 GEMM, named as Flax's ``Fp8DotGeneralBase``
+    names its variables: a scale (``amax / max``) and an amax history per operand."""
+
+    input_amax_history: jax.Array
+    kernel_amax_history: jax.Array
+    output_grad_amax_history: jax.Array
+    input_scale: jax.Array
+    kernel_scale: jax.Array
+    output_grad_scale: jax.Array
+
+
+def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
+    """A fresh state: amax histories of zeros and scales of one, as Flax initialises them.
+
+    Examples:
+      >>> meta = init_meta(4)
+      >>> meta.input_amax_history.shape, meta.input_scale.shape
+      ((4,), (1,))
+    """
+    history = jnp.zeros((amax_history_length,), FLOAT32)
+    scale = jnp.ones((1,), FLOAT32)
+    return Fp8Meta(history, history, history, scale, scale, scale)
+
+
+def _next(x_amax, scale, history, dtype, margin):
+    """The scale this step quantizes with (from the history before it) and the history with
+    this step's amax pushed in front; a non-finite amax leaves both as they were."""
+    scale32, history32 = _as_float32(scale), _as_float32(history)
+    new_scale = scale_from_amax(jnp.max(history32, axis=0), dtype, margin, scale32)
+    pushed = jnp.roll(history32, shift=-1, axis=0).at[0].set(x_amax)
+    new_history = jnp.where(jnp.isfinite(x_amax), pushed, history32)
+    return new_scale, new_history
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin):
+    return _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin)[0]
+
+
+def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin):
+    amax_l, amax_r = _amax(lhs), _amax(rhs)
+    s_l, h_l = _next(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
+    s_r, h_r = _next(amax_r, meta.kernel_scale, meta.kernel_amax_history, E4M3, margin)
+    q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
+    y = dequantize(_gemm(q_l, q_r, dimension_numbers), s_l * s_r * _poison(amax_l, amax_r))
+    like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    return y.astype(out_dtype), (q_l, s_l, h_l, q_r, s_r, h_r, meta, like)
+
+
+def _delayed_bwd(dimension_numbers, out_dtype, margin, res, g):
+    q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like) = res
+    amax_g = _amax(g)
+    s_g, h_g = _next(amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin)
+    q_g = quantize(g, E5M2, s_g)
+    s_g_used = s_g * _poison(amax_g)
+    d_l = dequantize(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r * s_g_used)
+    d_r = dequantize(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l * s_g_used)
+    new = Fp8Meta(h_l, h_r, h_g, s_l, s_r, s_g)
+    new = Fp8Meta(*(_like(v, old) for v, old in zip(new, meta, strict=True)))
+    return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype), new
+
+
+_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def _out_dtype(lhs, rhs, preferred_element_type):
+    if preferred_element_type is not None:
+        return np.dtype(preferred_element_type)
+    return np.dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
+
+
+def fp8_dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    meta: Fp8Meta | None = None,
+    margin: int = 0,
+) -> jax.Array:
+    """``lax.dot_general`` in float8: e4m3 operands, an e5m2 output gradient, float32 sums.
+
+    Without ``meta`` each operand is scaled by its own amax (current scaling); with it, by
+    the amax history in ``meta`` (delayed scaling), and the gradient with respect to
+    ``meta`` is its next value. An operand holding inf or NaN gives a NaN result.
+
+    Args:
+      lhs: left operand (any floating dtype).
+      rhs: right operand.
+      dimension_numbers: as for ``lax.dot_general``.
+      precision: ignored (the GEMM's precision is its float8 operands').
+      preferred_element_type: the result dtype; ``None`` promotes the operands' dtypes.
+      meta: delayed-scaling state (``init_meta``), or ``None`` for current scaling.
+      margin: powers of two of headroom below the float8 maximum.
+
+    Returns:
+      The product, dequantized.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> dn = (((1,), (0,)), ((), ()))
+      >>> fp8_dot_general(jnp.ones((2, 3)), jnp.full((3, 4), 0.5), dn)[0, 0]
+      Array(1.5, dtype=float32)
+    """
+    del precision
+    floating = all(is_floating(x.dtype) for x in (lhs, rhs))
+    if not floating or not (preferred_element_type is None or is_floating(preferred_element_type)):
+        return lax.dot_general(
+            lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type
+        )
+    dims = tuple(tuple(tuple(int(d) for d in ax) for ax in part) for part in dimension_numbers)
+    out = _out_dtype(lhs, rhs, preferred_element_type)
+    if meta is None:
+        return _current(lhs, rhs, dims, out, margin)
+    return _delayed(lhs, rhs, Fp8Meta(*meta), dims, out, margin)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8DotGeneral:
+    """``fp8_dot_general`` with current scaling as a ``dot_general`` for Flax layers.
+
+    Attributes:
+      compute_dtype: the dtype results come back in (the policy's compute dtype).
+      margin: the recipe's powers of two of headroom.
+    """
+
+    compute_dtype: Any
+    margin: int = 0
+
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+        **kwargs,
+    ):
+        if kwargs:
+            raise TypeError(
+                f"jaxamp's float8 matmul got unexpected arguments {sorted(kwargs)}; it takes "
+                "those of lax.dot_general."
+            )
+        del out_sharding
+        return fp8_dot_general(
+            lhs,
+            rhs,
+            dimension_numbers,
+            precision,
+            preferred_element_type or self.compute_dtype,
+            margin=self.margin,
+        )
+
+    def einsum(self, subscripts, *operands, **kwargs):
+        """``jnp.einsum`` whose contractions run in float8."""
+        if kwargs.get("preferred_element_type") is None:
+            kwargs["preferred_element_type"] = self.compute_dtype
+        return jnp.einsum(subscripts, *operands, _dot_general=self, **kwargs)
