@@ -12,6 +12,7 @@ import jax.extend as jex
 
 # The name scope that marks equations to be evaluated exactly as traced.
 FLOAT32_SCOPE = "jaxamp_float32"
+FP8_SCOPE = "jaxamp_fp8"  # a float8 GEMM and its scaling, as traced (and named in the HLO)
 
 # Evaluating one equation the way ``jax.core.eval_jaxpr`` does needs three things JAX keeps
 # private: ``Primitive.get_bind_params`` (turns jaxpr-valued params into what ``bind`` takes;
@@ -74,8 +75,13 @@ def varying_axes(aval: Any) -> frozenset[str] | None:
 
 
 def in_float32_scope(eqn: Any) -> bool:
+    """Whether ``eqn`` was traced in a scope autocast evaluates exactly as traced (code kept
+    in float32, or a float8 GEMM with its scaling)."""
     source_info = getattr(eqn, "source_info", None)
-    return source_info is not None and FLOAT32_SCOPE in str(source_info.name_stack)
+    if source_info is None:
+        return False
+    stack = str(source_info.name_stack)
+    return FLOAT32_SCOPE in stack or FP8_SCOPE in stack
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:

@@ -67,6 +67,14 @@ def autocast(
     if not callable(fun):
         raise TypeError(f"autocast expects a callable, got {type(fun).__name__}: {fun!r}.")
     policy = get_policy(policy)
+    if policy.fp8 is not None and policy.fp8.scaling == "delayed":
+        raise ValueError(
+            f"autocast cannot run policy '{policy}': delayed float8 scaling keeps an amax "
+            "history per GEMM, and a function has no place to keep it. Use fp8=current "
+            "(policy 'mixed_float8'), a Flax policy (jaxamp.linen/nnx.apply_policy keep the "
+            "state beside each layer), or jaxamp.ops.fp8_dot_general(..., meta=state) with "
+            "the state in your hands (guides/fp8.md)."
+        )
     rules = AUTOCAST_RULES if rules is None else rules
     if not isinstance(rules, AutocastRules):
         raise TypeError(

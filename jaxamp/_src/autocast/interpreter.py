@@ -25,6 +25,7 @@ from jaxamp._src.jaxprs import (
     in_float32_scope,
     open_jaxpr,
 )
+from jaxamp._src.ops.fp8 import fp8_dot_general
 from jaxamp._src.ops.matmul import amp_conv_from_params, amp_dot_general
 
 # --- The interpreter --------------------------------------------------------------------------
@@ -320,6 +321,12 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
     if _is_vector_dot(eqn):
         compute = np.dtype(functools.reduce(jnp.promote_types, [env.dtype(a) for a in eqn.invars]))
     params = dict(eqn.params)
+    if (
+        env.policy.fp8 is not None
+        and eqn.primitive is lax.dot_general_p
+        and not _is_vector_dot(eqn)
+    ):
+        return [_fp8_matmul(eqn, env)]
     if is_16bit(compute):
         # An operand the program narrowed just before (a kernel cast to the compute dtype,
         # as Flax's ConvTranspose does) is read as the wider value: the rule casts it
@@ -352,6 +359,21 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
     if is_floating(params.get("preferred_element_type")):
         params["preferred_element_type"] = None
     return bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
+
+
+def _fp8_matmul(eqn: Any, env: _Env) -> Any:
+    """A ``dot_general`` under a float8 policy, scaled by its operands' current amax (a
+    matmul outside a Flax layer has no place for delayed scaling's state). The result is
+    in the compute dtype, or wider where the traced program asked for it."""
+    compute = env.policy.compute_dtype
+    lhs, rhs = (_wide_operand(env, a, compute) for a in eqn.invars)
+    preferred = eqn.params.get("preferred_element_type")
+    out = preferred if is_narrower(compute, preferred) else compute
+    if in_backward_pass(eqn):  # a gradient the function takes itself keeps its traced dtype
+        out = _traced_dtype(eqn.outvars[0])
+    assert env.policy.fp8 is not None
+    dims = eqn.params["dimension_numbers"]
+    return fp8_dot_general(lhs, rhs, dims, None, out, margin=env.policy.fp8.margin)
 
 
 def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:

@@ -14,6 +14,7 @@ from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.dtypes import is_narrower
+from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.flax_policy.graph import is_node as is_graph_node
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
@@ -81,9 +82,14 @@ def _policy_call(self, *args, **kwargs):
     residuals = getattr(self, _RESIDUALS_ATTR)
 
     def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
+        if fp8_state.has_nnx_meta(module):
+            return policy.cast_to_output(
+                fp8_state.nnx_delayed_call(module, base_call, *args, **kwargs)
+            )
         return policy.cast_to_output(base_call(module, *args, **kwargs))
 
-    with layer_plan.explaining_carry_errors(policy):
+    modules = [m for _, m in iter_modules(self)]
+    with layer_plan.explaining_carry_errors(policy), fp8_state.nnx_max_combined(modules):
         return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
 
 
@@ -130,6 +136,11 @@ def _embed_attend(self, *args, **kwargs):
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 
 
+def _fp8_call(self, *args, **kwargs):
+    """``__call__`` of a layer under delayed float8 scaling: its GEMM reads its state."""
+    return fp8_state.nnx_delayed_call(self, type(self).__mro__[1].__call__, *args, **kwargs)
+
+
 def _keeping_carry(call: Any) -> Any:
     """A recurrent cell's ``call`` returning its new carry in the given carry's dtypes
     (see ``layer_plan.carry_as_given``)."""
@@ -148,6 +159,7 @@ def _subclass(cls: type, call_name: str) -> type:
         "policy": {"__call__": _policy_call},
         "embed": {"__call__": _embed_call, "attend": _embed_attend},
         "as_traced": {"__call__": _as_traced_call},
+        "fp8": {"__call__": _fp8_call},
         "cell": {},
     }[call_name]
     if issubclass(cls, nnx.RNNCellBase) and call_name != "policy":
@@ -177,6 +189,14 @@ def _original_class(module: nnx.Module) -> type:
     if cls.__dict__.get(_WRAPPED_ATTR, False):
         return cls.__mro__[1]  # the policy was applied before
     return cls
+
+
+def _runs_delayed(module: nnx.Module, policy: Policy) -> bool:
+    """Whether the layer's matmul hook runs in float8 with delayed scaling."""
+    if policy.fp8 is None or policy.fp8.scaling != "delayed":
+        return False
+    hook = getattr(module, "dot_general", None) or getattr(module, "einsum_op", None)
+    return isinstance(getattr(hook, "__self__", hook), fp8_state.Fp8DotGeneral)
 
 
 def _swap_class(module: nnx.Module, call_name: str | None) -> None:
@@ -268,6 +288,11 @@ def apply_policy(
             wrapper = "as_traced"
         elif isinstance(module, nnx.RNNCellBase):
             wrapper = "cell"
+        if _runs_delayed(module, layer_policy):
+            fp8_state.attach_nnx_meta(module, layer_policy.fp8)
+            wrapper = wrapper or "fp8"
+        else:
+            fp8_state.detach_nnx_meta(module)
         if module is not model:
             _swap_class(module, wrapper)
         for value in vars(module).values():

@@ -22,7 +22,9 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from jaxamp._src.dtypes import is_16bit, is_floating, is_narrower
+from jaxamp._src.flax_policy.fp8 import LinenDelayed
 from jaxamp._src.ops import attention
+from jaxamp._src.ops.fp8 import Fp8DotGeneral
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
 from jaxamp._src.policy import Policy, get_policy
 
@@ -61,7 +63,7 @@ class LayerPlan:
 
     attributes: tuple[tuple[str, Any], ...] = ()
     cast_output_to: Any = None
-    matmul: DotGeneral | None = None
+    matmul: DotGeneral | Fp8DotGeneral | LinenDelayed | None = None
 
     def __bool__(self) -> bool:
         return bool(self.attributes) or self.cast_output_to is not None or self.matmul is not None
@@ -115,8 +117,12 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
             # scatter-added in float32, not in 16 bits
             attrs.pop("dtype", None)
             cast_output_to = policy.compute_dtype
+    elif isinstance(module, nn.Einsum) and policy.fp8 is not None and method_name == "__call__":
+        matmul = _fp8_rule(module, policy)
     elif isinstance(module, nn.Einsum) and sixteen_bit and method_name == "__call__":
         matmul = DotGeneral(policy.compute_dtype)
+    elif policy.fp8 is not None:
+        attrs.update(_matmul_hooks(module, policy.compute_dtype, _fp8_rule(module, policy)))
     elif sixteen_bit:
         attrs.update(_matmul_hooks(module, policy.compute_dtype))
     if sixteen_bit and getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
@@ -133,8 +139,22 @@ _HOOKS = (
 )
 
 
-def _matmul_hooks(module: Any, compute_dtype: Any) -> dict[str, Any]:
-    """The rule in the layer's matmul hook, and a ``promote_dtype`` that leaves it the kernel."""
+def _fp8_rule(module: Any, policy: Policy) -> Fp8DotGeneral | LinenDelayed:
+    """The float8 matmul of ``module``: with the layer's state (delayed scaling) or without."""
+    recipe = policy.fp8
+    assert recipe is not None
+    if recipe.scaling == "delayed" and isinstance(module, nn.Module):
+        return LinenDelayed(module, policy.compute_dtype, recipe)
+    # NNX layers get their state at call time (jaxamp._src.flax_policy.nnx).
+    return Fp8DotGeneral(policy.compute_dtype, recipe.margin)
+
+
+def _matmul_hooks(module: Any, compute_dtype: Any, fp8: Any = None) -> dict[str, Any]:
+    """The rule in the layer's matmul hook, and a ``promote_dtype`` that leaves it the kernel.
+
+    ``fp8`` is the float8 rule for ``dot_general`` and ``einsum_op`` hooks; convolutions
+    keep the 16-bit rule (or none, for a float32 ``compute_dtype``).
+    """
     if (
         getattr(module, "dot_general_cls", None) is not None
         or getattr(module, "conv_general_dilated_cls", None) is not None
@@ -142,7 +162,15 @@ def _matmul_hooks(module: Any, compute_dtype: Any) -> dict[str, Any]:
         return {}  # a user's own matmul class (quantisation, say): leave it alone
     for name, defaults, rule in _HOOKS:
         if hasattr(module, name) and any(getattr(module, name) is d for d in defaults):
-            hooks = {name: rule(compute_dtype)}
+            if fp8 is not None and name == "dot_general":
+                hook = fp8
+            elif fp8 is not None and name == "einsum_op":
+                hook = fp8.einsum
+            elif is_16bit(compute_dtype):
+                hook = rule(compute_dtype)
+            else:
+                return {}
+            hooks = {name: hook}
             promote = getattr(module, "promote_dtype", None)
             if promote is linen_dtypes.promote_dtype:
                 hooks["promote_dtype"] = promote_keeping_kernel
@@ -208,7 +236,7 @@ def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
     return _linen_einsum(module, rule, *args, **kwargs)
 
 
-def _linen_einsum(module: nn.Einsum, rule: DotGeneral, inputs, einsum_str=None):
+def _linen_einsum(module: nn.Einsum, rule: Any, inputs, einsum_str=None):
     """``flax.linen.Einsum.__call__`` with its contraction under the rule."""
     einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
     kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)

@@ -14,9 +14,13 @@ from jax import lax
 
 # An extended dtype whose cotangents combine by max (the scaling state under fan-in), as
 # Flax's fp8_ops defines one: JAX's registry of extended dtypes lives in jax._src.
+from jax._src import core as _jax_core
 from jax._src import dtypes as _jax_dtypes
+from jax._src import earray as _earray
+from jax._src.interpreters import pxla as _pxla
 
 from jaxamp._src.dtypes import FLOAT32, is_floating
+from jaxamp._src.jaxprs import FP8_SCOPE
 from jaxamp._src.ops.forms import free_dims
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -62,6 +66,14 @@ class _MaxRules:
     def full(shape, fill_value, dtype):
         fill = lax.convert_element_type(fill_value, dtype.float_dtype)
         return lax.convert_element_type(lax.full(shape, fill, dtype.float_dtype), dtype)
+
+    @staticmethod
+    def global_sharded_result_handler(aval, out_sharding, committed):
+        # Values made outside jit (an eager jax.grad) are arrays of their float32 values.
+        physical = _pxla.global_result_handlers[_jax_core.ShapedArray](
+            _jax_core.physical_aval(aval), out_sharding, committed
+        )
+        return lambda buffers: _earray.EArray(aval, physical(buffers))
 
 
 class _max_combined(_jax_dtypes.extended):  # a dtype kind, named as JAX's are
@@ -331,22 +343,25 @@ def fp8_dot_general(
         )
     dims = tuple(tuple(tuple(int(d) for d in ax) for ax in part) for part in dimension_numbers)
     out = _out_dtype(lhs, rhs, preferred_element_type)
-    if meta is None:
-        return _current(lhs, rhs, dims, out, margin)
-    return _delayed(lhs, rhs, Fp8Meta(*meta), dims, out, margin)
+    with jax.named_scope(FP8_SCOPE):  # autocast evaluates it as traced
+        if meta is None:
+            return _current(lhs, rhs, dims, out, margin)
+        return _delayed(lhs, rhs, Fp8Meta(*meta), dims, out, margin)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8DotGeneral:
-    """``fp8_dot_general`` with current scaling as a ``dot_general`` for Flax layers.
+    """``fp8_dot_general`` as a ``dot_general`` for Flax layers (and an ``einsum``).
 
     Attributes:
       compute_dtype: the dtype results come back in (the policy's compute dtype).
       margin: the recipe's powers of two of headroom.
+      meta: the layer's delayed-scaling state, or ``None`` for current scaling.
     """
 
     compute_dtype: Any
     margin: int = 0
+    meta: Fp8Meta | None = None
 
     def __call__(
         self,
@@ -370,6 +385,7 @@ class Fp8DotGeneral:
             dimension_numbers,
             precision,
             preferred_element_type or self.compute_dtype,
+            meta=self.meta,
             margin=self.margin,
         )
 

@@ -1,0 +1,138 @@
+"""Delayed float8 scaling state beside Flax layers: a Linen collection and NNX variables."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxamp._src.dtypes import FLOAT32
+from jaxamp._src.ops.fp8 import (
+    MAX32,
+    STATE_COLLECTION,
+    Fp8DotGeneral,
+    Fp8Meta,
+    max_combined,
+)
+from jaxamp._src.policy import Fp8Recipe
+
+
+def _initial(name: str, length: int) -> jax.Array:
+    if name.endswith("_scale"):
+        return jnp.ones((1,), FLOAT32)
+    return jnp.zeros((length,), FLOAT32)
+
+
+def linen_meta(module: Any, recipe: Fp8Recipe) -> Fp8Meta:
+    """The state of a Linen layer's float8 GEMM, in the ``_overwrite_with_gradient``
+    collection of the layer's scope (created by ``init`` as Flax's ``fp8_ops`` creates it)."""
+    length = recipe.amax_history_length
+    values = []
+    for name in Fp8Meta._fields:
+        variable = module.variable(STATE_COLLECTION, name, _initial, name, length)
+        values.append(variable.value)
+    return Fp8Meta(*values)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LinenDelayed:
+    """A Linen layer's ``dot_general`` under delayed scaling: reads the layer's state.
+
+    Attributes:
+      module: the bound layer whose scope holds the state.
+      compute_dtype: the dtype results come back in.
+      recipe: the policy's float8 recipe.
+    """
+
+    module: Any
+    compute_dtype: Any
+    recipe: Fp8Recipe
+
+    def _rule(self) -> Fp8DotGeneral:
+        meta = linen_meta(self.module, self.recipe)
+        return Fp8DotGeneral(self.compute_dtype, self.recipe.margin, meta)
+
+    def __call__(self, *args, **kwargs):
+        return self._rule()(*args, **kwargs)
+
+    def einsum(self, *args, **kwargs):
+        """``jnp.einsum`` in float8 with this layer's state."""
+        return self._rule().einsum(*args, **kwargs)
+
+
+def max_combined_collection(variables: Any) -> Any:
+    """``variables`` with its float8 state as values whose gradients combine by max."""
+    if not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
+        return variables
+    return {**variables, STATE_COLLECTION: max_combined(variables[STATE_COLLECTION])}
+
+
+class OverwriteWithGradient(nnx.Variable):
+    """An NNX layer's delayed float8 scaling state: its gradient is its next value."""
+
+
+def attach_nnx_meta(module: nnx.Module, recipe: Fp8Recipe) -> None:
+    """Gives an NNX layer its float8 state (kept if it has one of the same length)."""
+    length = recipe.amax_history_length
+    for name in Fp8Meta._fields:
+        current = getattr(module, name, None)
+        shape = (1,) if name.endswith("_scale") else (length,)
+        if isinstance(current, OverwriteWithGradient) and current.get_value().shape == shape:
+            continue
+        setattr(module, name, OverwriteWithGradient(_initial(name, length)))
+
+
+def detach_nnx_meta(module: nnx.Module) -> None:
+    """Removes a layer's float8 state (a policy without delayed scaling)."""
+    for name in Fp8Meta._fields:
+        if isinstance(getattr(module, name, None), OverwriteWithGradient):
+            delattr(module, name)
+
+
+def nnx_meta(module: nnx.Module) -> Fp8Meta:
+    """The values of an NNX layer's float8 state."""
+    return Fp8Meta(*(getattr(module, name).get_value() for name in Fp8Meta._fields))
+
+
+def has_nnx_meta(module: Any) -> bool:
+    return isinstance(getattr(module, Fp8Meta._fields[0], None), OverwriteWithGradient)
+
+
+@contextlib.contextmanager
+def nnx_max_combined(modules: Any) -> Iterator[None]:
+    """The float8 state of ``modules`` as max-combined values for the duration of a call."""
+    saved = []
+    for module in modules:
+        if not has_nnx_meta(module):
+            continue
+        for name in Fp8Meta._fields:
+            variable = getattr(module, name)
+            value = variable.get_value()
+            if value.dtype != MAX32:
+                saved.append((variable, value))
+                variable.set_value(max_combined(value))
+    try:
+        yield
+    finally:
+        for variable, value in saved:
+            variable.set_value(value)
+
+
+def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
+    """An NNX layer's call with its matmul hook given the layer's float8 state."""
+    name = "dot_general" if hasattr(self, "dot_general") else "einsum_op"
+    hook = getattr(self, name)
+    rule = hook if isinstance(hook, Fp8DotGeneral) else getattr(hook, "__self__", None)
+    if not isinstance(rule, Fp8DotGeneral):  # running as written: Flax's own hook
+        return base_call(self, *args, **kwargs)
+    rule = dataclasses.replace(rule, meta=nnx_meta(self))
+    setattr(self, name, rule if name == "dot_general" else rule.einsum)
+    try:
+        return base_call(self, *args, **kwargs)
+    finally:
+        setattr(self, name, hook)
