@@ -136,3 +136,32 @@ def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
         return base_call(self, *args, **kwargs)
     finally:
         setattr(self, name, hook)
+
+
+def update_fp8_state(model: nnx.Module, grads: nnx.State) -> nnx.State:
+    """Sets ``model``'s delayed-scaling state to its gradient (its next value) and returns
+    the other gradients, for the optimizer.
+
+    Args:
+      model: an NNX model under a ``fp8=delayed`` policy.
+      grads: gradients taken with respect to ``nnx.Param`` and
+        ``OverwriteWithGradient`` (``nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``).
+
+    Returns:
+      ``grads`` without the state.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxamp
+      >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+      >>> model = jaxamp.nnx.apply_policy(model, "mixed_float8_delayed")
+      >>> wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+      >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).sum(), argnums=wrt)(model)
+      >>> grads = jaxamp.nnx.update_fp8_state(model, grads)
+      >>> float(model.input_amax_history[0])
+      1.0
+    """
+    state, rest = nnx.split_state(grads, OverwriteWithGradient, ...)
+    nnx.update(model, state)
+    return rest

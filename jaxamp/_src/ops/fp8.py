@@ -111,6 +111,24 @@ def _like(value: Any, like: Any) -> Any:
     return lax.convert_element_type(value, MAX32) if like.dtype == MAX32 else value
 
 
+def state_paths(tree: Any) -> list[str]:
+    """Paths of ``tree`` that hold delayed-scaling state: under the ``_overwrite_with_gradient``
+    collection (Linen), or a layer's full set of ``Fp8Meta`` fields (NNX)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    keys = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path) for path, _ in flat]
+    by_parent: dict[tuple[str, ...], set[str]] = {}
+    for key in keys:
+        if key:
+            by_parent.setdefault(key[:-1], set()).add(key[-1])
+    found = []
+    for key in keys:
+        in_collection = STATE_COLLECTION in key
+        in_layer = bool(key) and set(Fp8Meta._fields) <= by_parent.get(key[:-1], set())
+        if in_collection or (in_layer and key[-1] in Fp8Meta._fields):
+            found.append("/".join(key))
+    return found
+
+
 # ------------------------------------------------------------------------ quantization
 
 
@@ -332,8 +350,9 @@ def fp8_dot_general(
     Examples:
       >>> import jax.numpy as jnp
       >>> dn = (((1,), (0,)), ((), ()))
-      >>> fp8_dot_general(jnp.ones((2, 3)), jnp.full((3, 4), 0.5), dn)[0, 0]
-      Array(1.5, dtype=float32)
+      >>> y = fp8_dot_general(jnp.ones((2, 3)), jnp.full((3, 4), 0.5), dn)
+      >>> y.shape, round(float(y[0, 0]), 4)
+      ((2, 4), 1.5)
     """
     del precision
     floating = all(is_floating(x.dtype) for x in (lhs, rhs))

@@ -20,6 +20,7 @@ from jaxamp._src.dtypes import (
     is_narrow_array,
 )
 from jaxamp._src.errors import invalid_choice
+from jaxamp._src.ops.fp8 import state_paths
 from jaxamp._src.optim import master_weights as masters
 from jaxamp._src.optim.scales import DynamicLossScale, LossScale, LossScaleState
 
@@ -335,7 +336,23 @@ def _validated_seed(seed: Any) -> Any:
     return seed
 
 
+def _refuse_fp8_state(tree: Any, what: str) -> None:
+    """Delayed float8 scaling state is replaced by its gradient, never stepped or unscaled."""
+    paths = state_paths(tree)
+    if paths:
+        raise ValueError(
+            f"loss_scaled got float8 scaling state among the {what} ({paths[0]}"
+            f"{f' and {len(paths) - 1} more' if len(paths) > 1 else ''}). Its gradient is "
+            "its next value: unscaling or stepping it would corrupt it. Differentiate params "
+            "and state apart and set the state to its gradient: Linen, "
+            "jax.grad(loss, argnums=(0, 1))(params, variables['_overwrite_with_gradient']); "
+            "NNX, grads = jaxamp.nnx.update_fp8_state(model, grads) before the optimizer "
+            "(guides/fp8.md)."
+        )
+
+
 def _init(config: _Config, params: Any) -> LossScaledState:
+    _refuse_fp8_state(params, "params")
     has_16_bit = any(is_narrow_array(x) for x in jax.tree.leaves(params))
     master, compensation, key = masters.init(params, config.master_weights, config.seed)
     inner_params = float32_tree(params) if has_16_bit else params
@@ -364,6 +381,7 @@ def _update(
     config: _Config, updates: Any, state: LossScaledState, params: Any = None, **extra_args: Any
 ) -> tuple[Any, LossScaledState]:
     """One step: check finiteness, apply the inner update or skip it, the next state."""
+    _refuse_fp8_state(updates, "gradients")
     has_master = state.master_params is not None
     rounds = state.compensation is not None or state.rounding_key is not None
     if (has_master or rounds) and params is None:
