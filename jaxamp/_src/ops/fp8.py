@@ -171,6 +171,16 @@ def scale_from_amax(amax: jax.Array, dtype: Any, margin: int = 0, previous: Any 
     return jnp.where(usable & (scale >= jnp.finfo(FLOAT32).tiny), scale, previous)
 
 
+def _dequantize_product(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``y * (a * b)`` as Flax's ``fp8_ops`` computes it, or ``(y * a) * b`` where the
+    product of the two scales would underflow or overflow float32 (operands near 1e-20 or
+    1e20) although the result does not."""
+    a, b = (jnp.reshape(s, ()).astype(FLOAT32) for s in (a, b))
+    both = a * b
+    normal = jnp.isfinite(both) & (jnp.abs(both) >= jnp.finfo(FLOAT32).tiny)
+    return jnp.where(normal, y * both, (y * a) * b)
+
+
 def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x.astype(FLOAT32))) if x.size else jnp.float32(0)
 
@@ -228,7 +238,8 @@ def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin):
     amax_l, amax_r = _amax(lhs), _amax(rhs)
     s_l, s_r = (scale_from_amax(a, E4M3, margin) for a in (amax_l, amax_r))
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
-    y = dequantize(_gemm(q_l, q_r, dimension_numbers), s_l * s_r * _poison(amax_l, amax_r))
+    y = _dequantize_product(_gemm(q_l, q_r, dimension_numbers), s_l, s_r)
+    y = y * _poison(amax_l, amax_r)
     res = (q_l, s_l, q_r, s_r, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return y.astype(out_dtype), res
 
@@ -239,8 +250,8 @@ def _current_bwd(dimension_numbers, out_dtype, margin, res, g):
     s_g = scale_from_amax(amax_g, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
     s_g = s_g * _poison(amax_g)
-    d_l = dequantize(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r * s_g)
-    d_r = dequantize(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l * s_g)
+    d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r, s_g)
+    d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l, s_g)
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype)
 
 
@@ -292,7 +303,8 @@ def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin):
     s_l, h_l = _next(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
     s_r, h_r = _next(amax_r, meta.kernel_scale, meta.kernel_amax_history, E4M3, margin)
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
-    y = dequantize(_gemm(q_l, q_r, dimension_numbers), s_l * s_r * _poison(amax_l, amax_r))
+    y = _dequantize_product(_gemm(q_l, q_r, dimension_numbers), s_l, s_r)
+    y = y * _poison(amax_l, amax_r)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return y.astype(out_dtype), (q_l, s_l, h_l, q_r, s_r, h_r, meta, like)
 
@@ -303,8 +315,8 @@ def _delayed_bwd(dimension_numbers, out_dtype, margin, res, g):
     s_g, h_g = _next(amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
     s_g_used = s_g * _poison(amax_g)
-    d_l = dequantize(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r * s_g_used)
-    d_r = dequantize(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l * s_g_used)
+    d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r, s_g_used)
+    d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l, s_g_used)
     new = Fp8Meta(h_l, h_r, h_g, s_l, s_r, s_g)
     new = Fp8Meta(*(_like(v, old) for v, old in zip(new, meta, strict=True)))
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype), new
