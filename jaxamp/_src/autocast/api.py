@@ -165,7 +165,9 @@ def interpreted(
     """
     policy = config.policy
     validate_residuals(residuals)
-    if not is_narrow(policy.compute_dtype):
+    if not is_narrow(policy.compute_dtype) or policy.fp8 is not None:
+        # A float8 GEMM keeps its own residuals (its float8 operands and scales); the
+        # compute_dtype mode's recomputation around it gave NaN gradients (tested).
         residuals = "all"
     callee, method = _callee_and_method(fun)
 

@@ -1,0 +1,254 @@
+"""FP8 policies on unmodified Linen and NNX models: Flax's fp8_ops as the reference for delayed
+scaling, the state under reuse, nn.scan, Orbax and the optimizer."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.linen import fp8_ops
+
+import jaxamp
+from jaxamp.ops import FP8_STATE_COLLECTION as STATE
+
+assert STATE == fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+class Mlp(nn.Module):
+    dot_general_cls: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16, dot_general_cls=self.dot_general_cls)(x))
+        return nn.Dense(4, dot_general_cls=self.dot_general_cls)(h)
+
+
+def _flax_meta_as_jaxamp(tree):
+    """Flax keeps a layer's state in a child (Dense_0/Fp8DirectDotGeneralOp_0/...);
+    jaxamp keeps it in the layer's own scope (Dense_0/...)."""
+    return {layer: dict(children["Fp8DirectDotGeneralOp_0"]) for layer, children in tree.items()}
+
+
+def test_linen_delayed_policy_matches_flax_fp8_ops_step_for_step():
+    """An unmodified Mlp under 'p=f32,c=f32,fp8=delayed' against the same Mlp written with
+    Flax's Fp8DirectDotGeneralOp, trained with SGD for steps whose inputs change scale:
+    outputs, gradients, amax histories and scales bit for bit."""
+    x0 = jax.random.normal(jax.random.key(0), (8, 12))
+    ref = Mlp(fp8_ops.Fp8DirectDotGeneralOp)
+    ref_vars = ref.init(jax.random.key(1), x0)
+    model = jaxamp.linen.apply_policy(Mlp(), "p=f32,c=f32,o=f32,fp8=delayed")
+    variables = model.init(jax.random.key(1), x0)
+    np.testing.assert_equal(
+        jax.tree.map(np.asarray, variables["params"]),
+        jax.tree.map(np.asarray, ref_vars["params"]),
+    )
+    params, state = variables["params"], variables[STATE]
+    ref_params, ref_state = ref_vars["params"], ref_vars[STATE]
+
+    def loss(apply, params, state, x):
+        y = apply({"params": params, STATE: state}, x)
+        return jnp.mean((y - 1.0) ** 2), y
+
+    step = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True), static_argnums=0)
+    for i, factor in enumerate([1.0, 4.0, 0.25, 30.0, 1.0, 0.01]):
+        x = x0 * factor
+        (g, new_state), y = step(model.apply, params, state, x)
+        (rg, ref_new), ry = step(ref.apply, ref_params, ref_state, x)
+        np.testing.assert_array_equal(y, ry, err_msg=f"outputs, step {i}")
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(rg), strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"gradients, step {i}")
+        np.testing.assert_equal(
+            jax.tree.map(np.asarray, dict(new_state)),
+            jax.tree.map(np.asarray, _flax_meta_as_jaxamp(ref_new)),
+        )
+        params = jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
+        ref_params = jax.tree.map(lambda p, d: p - 0.1 * d, ref_params, rg)
+        state, ref_state = new_state, ref_new
+    assert float(state["Dense_0"]["input_scale"][0]) != 1.0  # the scales moved
+
+
+def _train_linen(policy, steps=3, reuse=False):
+    class Reused(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            d = nn.Dense(8)
+            return nn.Dense(2)(d(d(x)) if reuse else d(x))
+
+    model = jaxamp.linen.apply_policy(Reused(), policy)
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = model.init(jax.random.key(1), x)
+    return model, x, variables
+
+
+def test_linen_layer_called_twice_records_the_larger_amax():
+    model, x, variables = _train_linen("mixed_float8_delayed", reuse=True)
+    d0 = variables["params"]["Dense_0"]
+
+    def loss(state):
+        return jnp.sum(model.apply({"params": variables["params"], STATE: state}, x))
+
+    new = jax.jit(jax.grad(loss))(variables[STATE])
+    first = jnp.max(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32)))
+    second_in = jnp.asarray(x.astype(jnp.bfloat16)) @ d0["kernel"].astype(jnp.bfloat16)
+    second = jnp.max(jnp.abs((second_in + d0["bias"]).astype(jnp.bfloat16).astype(jnp.float32)))
+    got = float(new["Dense_0"]["input_amax_history"][0])
+    assert got == pytest.approx(max(float(first), float(second)), rel=0.1)
+    assert got < float(first) + float(second) - 0.1  # not the sum
+
+
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed"])
+def test_linen_fp8_trains_close_to_bf16_and_fp32_policy_is_identity(policy):
+    model, x, variables = _train_linen(policy)
+    bf16, _, _ = _train_linen("mixed_bfloat16")
+    y, y16 = model.apply(variables, x), bf16.apply({"params": variables["params"]}, x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(y, y16, atol=0.15, rtol=0.1)
+
+    # Gradients under the default residuals (the compute_dtype mode gave NaN around float8).
+    def grads(m, v):
+        return jax.grad(lambda p: jnp.mean((m.apply({**v, "params": p}, x) - 1.0) ** 2))(
+            v["params"]
+        )
+
+    g, g16 = grads(model, variables), grads(bf16, {"params": variables["params"]})
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g16), strict=True):
+        assert np.isfinite(np.asarray(a)).all()
+        # e5m2 keeps 2 mantissa bits: single entries may be far off, the tensor is not
+        assert np.linalg.norm(a - b) <= 0.2 * np.linalg.norm(b)
+    report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
+    dtypes = {op.lhs_dtype for op in report.ops}
+    assert dtypes == {"float8_e4m3fn"}, report
+
+
+def test_linen_nn_scan_over_layers_keeps_a_state_per_layer():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return nn.relu(nn.Dense(8)(h)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                Block,
+                variable_axes={"params": 0, STATE: 0},
+                split_rngs={"params": True},
+                length=3,
+            )
+            return scan()(x, None)[0]
+
+    model = jaxamp.linen.apply_policy(Stack(), "mixed_float8_delayed")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = model.init(jax.random.key(1), x)
+    history = variables[STATE]["ScanBlock_0"]["Dense_0"]["input_amax_history"]
+    assert history.shape == (3, 1024)
+
+    def loss(state):
+        return jnp.sum(model.apply({"params": variables["params"], STATE: state}, x))
+
+    new = jax.jit(jax.grad(loss))(variables[STATE])
+    amax = new["ScanBlock_0"]["Dense_0"]["input_amax_history"][:, 0]
+    assert float(amax[0]) == pytest.approx(float(jnp.max(jnp.abs(x))), rel=0.01)
+    assert len(set(np.asarray(amax).tolist())) == 3  # each layer its own
+
+
+def test_linen_state_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
+    import orbax.checkpoint as ocp
+
+    model, x, variables = _train_linen("mixed_float8_delayed")
+
+    def loss(state):
+        return jnp.sum(model.apply({"params": variables["params"], STATE: state}, x))
+
+    state = jax.jit(jax.grad(loss))(variables[STATE])
+    saved = {"params": variables["params"], STATE: state}
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", saved)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", saved)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_loss_scaled_refuses_the_state_instead_of_unscaling_it():
+    model, x, variables = _train_linen("mixed_float8_delayed")
+    tx = jaxamp.loss_scaled(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"float8 scaling state.*_overwrite_with_gradient"):
+        tx.init(variables)
+    state = tx.init(variables["params"])
+    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
+    with pytest.raises(ValueError, match="Its gradient is its next value"):
+        tx.update(grads, state, variables["params"])
+
+
+def _nnx_model(policy):
+    model = nnx.Sequential(
+        nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(16, 2, rngs=nnx.Rngs(1))
+    )
+    return jaxamp.nnx.apply_policy(model, policy)
+
+
+def test_nnx_delayed_state_updates_through_update_fp8_state_and_optimizer():
+    model = _nnx_model("mixed_float8_delayed")
+    optimizer = nnx.Optimizer(model, jaxamp.loss_scaled(optax.adam(1e-2)), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        def loss(model):
+            return jnp.mean((model(x) - 1.0) ** 2)
+
+        value, grads = nnx.value_and_grad(loss, argnums=wrt)(model)
+        grads = jaxamp.nnx.update_fp8_state(model, grads)
+        optimizer.update(model, grads)
+        return value
+
+    losses = [float(step(model, optimizer, x)) for _ in range(20)]
+    first = model.layers[0]
+    assert float(first.input_amax_history[0]) == pytest.approx(float(jnp.max(jnp.abs(x))), 0.01)
+    assert int(jnp.sum(first.input_amax_history[...] > 0)) == 20  # one entry per step
+    assert float(first.input_scale[0]) != 1.0
+    assert losses[-1] < losses[0]
+
+
+def test_nnx_matches_linen_under_the_same_policy():
+    """The same two-layer model and parameters under NNX and Linen: the same outputs and
+    the same next state (NNX's paths hold the same six names)."""
+    model = _nnx_model("mixed_float8_delayed")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(16)(x))
+            return nn.Dense(2)(h)
+
+    linen = jaxamp.linen.apply_policy(Two(), "mixed_float8_delayed")
+    variables = linen.init(jax.random.key(1), x)
+    params = {
+        f"Dense_{i}": {
+            "kernel": model.layers[j].kernel[...],
+            "bias": model.layers[j].bias[...],
+        }
+        for i, j in ((0, 0), (1, 2))
+    }
+    np.testing.assert_array_equal(
+        model(x), linen.apply({"params": params, STATE: variables[STATE]}, x)
+    )
+
+
+def test_float8_policy_grammar_and_errors():
+    assert jaxamp.get_policy("mixed_float8") == jaxamp.get_policy("p=f32,c=bf16,o=f32,fp8=current")
+    policy = jaxamp.get_policy("p=f32,c=f32,fp8=delayed")
+    assert policy.fp8 == jaxamp.Fp8Recipe("delayed") and policy.is_mixed
+    assert str(jaxamp.get_policy("mixed_float8_delayed")).endswith(",fp8=delayed")
+    with pytest.raises(ValueError, match=r"fp8 scaling 'late'.*current.*delayed"):
+        jaxamp.get_policy("p=f32,fp8=late")
+    with pytest.raises(ValueError, match="amax_history_length"):
+        jaxamp.Fp8Recipe("delayed", amax_history_length=0)
+    with pytest.raises(ValueError, match="delayed float8 scaling keeps an amax history"):
+        jaxamp.autocast(lambda x: x, "mixed_float8_delayed")
