@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxamp._src.audit.stablehlo import WalkedOp, tensor_type, walk
 from jaxamp._src.dtypes import FLOAT_NAMES, SIXTEEN_BIT_NAMES, canonical_dtype, hlo_dtype_name
-from jaxamp._src.jaxprs import is_backward_name
+from jaxamp._src.jaxprs import FP8_SCOPE, is_backward_name
 from jaxamp._src.policy import get_policy, is_policy_spec
 
 # StableHLO/CHLO operation -> the JAX primitive it lowers.
@@ -373,6 +373,11 @@ def _upcast_operands(operation: Any, lhs: str, rhs: str) -> str | None:
     return next(iter(sources)) if len(sources) == 1 and sources <= SIXTEEN_BIT_NAMES else None
 
 
+def is_float8_gemm(name: str, lhs: str, rhs: str) -> bool:
+    """Whether a GEMM is one of jaxamp's float8 GEMMs (named in its scope) or on float8."""
+    return FP8_SCOPE in name or lhs.startswith("float8") or rhs.startswith("float8")
+
+
 def read_lowered(module: Any) -> tuple[list[dict[str, Any]], list[SensitiveOp], int]:
     """Matmuls (as field dicts for ``MatmulOp``), sensitive operations and the number
     of floating converts of a lowered StableHLO module (``compiler_ir("stablehlo")``)."""
@@ -407,6 +412,7 @@ def read_lowered(module: Any) -> tuple[list[dict[str, Any]], list[SensitiveOp], 
                     name=op.name,
                     direction=direction(op.name),
                     executions=op.executions,
+                    float8=is_float8_gemm(op.name, lhs, rhs),
                     contracts=name != "stablehlo.dot_general"
                     or "contracting_dimensions" in _attribute(operation, "dot_dimension_numbers"),
                 )
@@ -449,6 +455,8 @@ def find_problems(report: Any, compute_dtype: Any = None, ignore: tuple[str, ...
     for op in report.ops:
         if not op.contracts:  # an einsum that only multiplies: nothing to accumulate
             continue
+        if getattr(op, "float8", False) and not op.float8_operands:
+            continue  # a float8 GEMM a CPU computes on float32 copies: by design
         layer = short_name(op.name)
         operands = {op.lhs_dtype, op.rhs_dtype}
         vector_dot = len(op.lhs_shape) == 1 and len(op.rhs_shape) == 1  # float32 by rule

@@ -7,7 +7,13 @@ import math
 import re
 from typing import Any
 
-from jaxamp._src.audit.checks import SensitiveOp, combined_primitive, direction, is_cumulative
+from jaxamp._src.audit.checks import (
+    SensitiveOp,
+    combined_primitive,
+    direction,
+    is_cumulative,
+    is_float8_gemm,
+)
 from jaxamp._src.dtypes import FLOAT_NAMES, hlo_dtype_name, is_narrower
 
 _HLO_INSTR = re.compile(
@@ -131,6 +137,7 @@ def _hlo_matmul(match: re.Match, operands: list, result: str) -> dict[str, Any] 
         rhs_shape=rhs_shape,
         name=name,
         direction=direction(name),
+        float8=is_float8_gemm(name, lhs, rhs),
     )
 
 

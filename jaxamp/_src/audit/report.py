@@ -46,6 +46,9 @@ class MatmulOp:
         float32 GEMM (jaxamp's ``upcast`` matmul form, for backends without 16-bit
         GEMM kernels); ``lhs_dtype`` and ``rhs_dtype`` then name the 16-bit dtype
         the values come in, and ``accumulation_dtype`` is float32.
+      float8: whether it is a float8 GEMM of jaxamp's rule (traced in its
+        ``jaxamp_fp8`` scope, or on float8 operands). A compiled CPU program computes
+        it on float32 copies of the float8 values, and its operands read float32 there.
     """
 
     kind: str
@@ -60,11 +63,17 @@ class MatmulOp:
     executions: int | None = None
     contracts: bool = True
     upcast: bool = False
+    float8: bool = False
 
     @property
     def layer(self) -> str:
         """The layer path, e.g. ``"ResNet/Conv_0"``."""
         return short_name(self.name)
+
+    @property
+    def float8_operands(self) -> bool:
+        """Whether an operand is in a float8 dtype in the program read."""
+        return self.lhs_dtype.startswith("float8") or self.rhs_dtype.startswith("float8")
 
     @property
     def operand_dtype(self) -> str:
@@ -202,10 +211,29 @@ class PrecisionReport:
         """``{operand dtype: number of ops}``."""
         return dict(collections.Counter(op.operand_dtype for op in self.ops))
 
+    @property
+    def reads(self) -> str:
+        """Which program the report read: the lowered one states what the program asks for
+        (a float8 GEMM's float8 operands), the compiled one what the backend runs."""
+        if self.source == "stablehlo":
+            return "lowered StableHLO: the dtypes the program asks for"
+        return "compiled HLO: what this backend runs"
+
+    def float8_gemms(self) -> tuple[int, int]:
+        """``(float8 GEMMs, those on float8 operands in the program read)``: in a compiled
+        CPU program the second is 0 (XLA:CPU converts the operands to float32); in the
+        lowered program, or compiled for a GPU with float8 GEMMs, the two are equal."""
+        ops = [op for op in self.ops if op.float8]
+        return len(ops), sum(op.float8_operands for op in ops)
+
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly summary."""
+        float8, in_float8 = self.float8_gemms()
         return {
             "source": self.source,
+            "reads": self.reads,
+            "float8_gemms": float8,
+            "float8_gemms_on_float8_operands": in_float8,
             "matmuls": len(self.ops),
             "by_operand_dtype": self.by_dtype(),
             "accumulation": dict(
@@ -239,6 +267,12 @@ class PrecisionReport:
             f"{len(self.ops)} matmuls/convolutions by operand dtype {self.by_dtype()}; "
             f"{self.converts} floating converts ({self.source})"
         )
+        float8, in_float8 = self.float8_gemms()
+        if float8:
+            lines.append(
+                f"{float8} float8 GEMMs, {in_float8} of them on float8 operands in this "
+                f"program ({self.reads})"
+            )
         if self.sensitive:
             counts = collections.Counter(f"{op.primitive} {op.dtype}" for op in self.sensitive)
             lines.append(
