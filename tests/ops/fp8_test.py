@@ -138,18 +138,7 @@ def test_state_used_twice_combines_by_max_not_sum():
     np.testing.assert_array_equal(new.input_scale, [1.0])
 
 
-_VMAP_SUMS = pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="vmap over an unbatched max-combined state: JAX sums the batched cotangent with "
-    "jnp.sum, which has no rule for an extended dtype (Flax's fp8 meta dtype fails the same "
-    "way). Refused with JAX's TypeError, not summed silently; documented in guides/fp8.md.",
-)
-
-
-@pytest.mark.parametrize(
-    "transform", ["scan", pytest.param("vmap", marks=_VMAP_SUMS), "remat", "fori"]
-)
+@pytest.mark.parametrize("transform", ["scan", "vmap", "remat", "fori"])
 def test_state_combines_by_max_under_transformations(transform):
     from jaxamp._src.ops.fp8 import max_combined
 
@@ -275,3 +264,18 @@ def test_batched_and_transposed_dimension_numbers():
 def test_integer_operands_are_left_to_lax():
     a = jnp.ones((2, 3), jnp.int32)
     assert fp8_dot_general(a, a.T, DN).dtype == jnp.int32
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_vmap_scales_the_batch_as_one_tensor(delayed):
+    """Under ``vmap`` the amax is the whole batch's, as for the stacked tensor without it,
+    so results match the unbatched call and the state stays unbatched."""
+    meta = init_meta(4) if delayed else None
+    xs = (
+        jax.random.normal(jax.random.key(0), (3, 2, 5))
+        * jnp.array([1.0, 10.0, 100.0])[:, None, None]
+    )
+    w = jax.random.normal(jax.random.key(1), (5, 4))
+    batched = jax.vmap(lambda x: fp8_dot_general(x, w, DN, meta=meta))(xs)
+    stacked = fp8_dot_general(xs.reshape(6, 5), w, DN, meta=meta).reshape(3, 2, 4)
+    np.testing.assert_array_equal(batched, stacked)

@@ -181,8 +181,17 @@ def _dequantize_product(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(normal, y * both, (y * a) * b)
 
 
+@jax.custom_batching.custom_vmap
 def _amax(x: jax.Array) -> jax.Array:
+    """The tensor's largest magnitude; under ``vmap``, of the whole batch (one tensor to
+    scale, as without ``vmap``), so that the scaling state stays unbatched."""
     return jnp.max(jnp.abs(x.astype(FLOAT32))) if x.size else jnp.float32(0)
+
+
+@_amax.def_vmap
+def _amax_vmap(axis_size, in_batched, x):
+    del axis_size, in_batched
+    return _amax(x), False
 
 
 def _poison(*amaxes: jax.Array) -> jax.Array:
