@@ -252,3 +252,51 @@ def test_float8_policy_grammar_and_errors():
         jaxamp.Fp8Recipe("delayed", amax_history_length=0)
     with pytest.raises(ValueError, match="delayed float8 scaling keeps an amax history"):
         jaxamp.autocast(lambda x: x, "mixed_float8_delayed")
+
+
+def test_accumulation_with_multisteps_advances_the_state_every_micro_step():
+    """loss_scaled(MultiSteps(adam)): the optimizer averages gradients over micro-steps;
+    the state never enters it, so each micro-batch's amax is pushed, none averaged."""
+    model, x, variables = _train_linen("mixed_float8_delayed")
+    tx = jaxamp.loss_scaled(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2))
+    params, state = variables["params"], variables[STATE]
+    opt = tx.init(params)
+
+    @jax.jit
+    def micro_step(params, state, opt, x):
+        def loss(params, state):
+            return jnp.mean(model.apply({"params": params, STATE: state}, x) ** 2)
+
+        grads, new_state = jax.grad(loss, argnums=(0, 1))(params, state)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), new_state, opt
+
+    scales = [1.0, 2.0, 4.0, 8.0]
+    for s in scales:
+        params, state, opt = micro_step(params, state, opt, x * s)
+    history = np.asarray(state["Dense_0"]["input_amax_history"])
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16).astype(jnp.float32))))
+    np.testing.assert_allclose(history[[-3, -2, -1, 0]], [amax * s for s in scales], rtol=1e-6)
+
+
+def test_in_step_accumulation_over_a_scan_combines_by_max_with_max_combined():
+    """Micro-batches accumulated in a lax.scan inside one differentiated step: converting
+    the state with jaxamp.ops.max_combined first makes their uses combine by max."""
+    model, x, variables = _train_linen("mixed_float8_delayed")
+    xs = jnp.stack([x, 3 * x, 2 * x])
+
+    def loss(state, combine):
+        if combine:
+            state = jaxamp.ops.max_combined(state)
+
+        def body(total, xb):
+            y = model.apply({"params": variables["params"], STATE: state}, xb)
+            return total + jnp.sum(y), None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    amax = float(jnp.max(jnp.abs((3 * x).astype(jnp.bfloat16).astype(jnp.float32))))
+    new = jax.jit(jax.grad(loss), static_argnums=1)(variables[STATE], True)
+    assert float(new["Dense_0"]["input_amax_history"][0]) == pytest.approx(amax, rel=1e-6)
+    summed = jax.jit(jax.grad(loss), static_argnums=1)(variables[STATE], False)
+    assert float(summed["Dense_0"]["input_amax_history"][0]) > 1.5 * amax  # why it is needed
