@@ -300,3 +300,52 @@ def test_in_step_accumulation_over_a_scan_combines_by_max_with_max_combined():
     assert float(new["Dense_0"]["input_amax_history"][0]) == pytest.approx(amax, rel=1e-6)
     summed = jax.jit(jax.grad(loss), static_argnums=1)(variables[STATE], False)
     assert float(summed["Dense_0"]["input_amax_history"][0]) > 1.5 * amax  # why it is needed
+
+
+_LINEN_LAYERS = {
+    "Dense": lambda: nn.Dense(6),
+    "DenseGeneral": lambda: nn.DenseGeneral((2, 3)),
+    "Einsum": lambda: nn.Einsum((8, 6), "bi,io->bo"),
+    "MultiHeadDotProductAttention": lambda: nn.MultiHeadDotProductAttention(2, qkv_features=8),
+}
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("layer", sorted(_LINEN_LAYERS))
+def test_linen_layers_run_in_float8_close_to_float32(layer, scaling):
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    x = x[:, None, :] * jnp.ones((1, 3, 1)) if layer.startswith("Multi") else x
+    model = jaxamp.linen.apply_policy(_LINEN_LAYERS[layer](), f"p=f32,c=f32,fp8={scaling}")
+    variables = model.init(jax.random.key(1), x)
+    assert (STATE in variables) == (scaling == "delayed")
+    plain = _LINEN_LAYERS[layer]()
+    y, ref = model.apply(variables, x), plain.apply({"params": variables["params"]}, x)
+    assert np.linalg.norm(y - ref) <= 0.1 * np.linalg.norm(ref)
+    report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
+    assert report.count() > 0 and all(op.float8 for op in report.ops if op.contracts), report
+
+
+_NNX_LAYERS = {
+    "Linear": lambda: nnx.Linear(8, 6, rngs=nnx.Rngs(0)),
+    "LinearGeneral": lambda: nnx.LinearGeneral(8, (2, 3), rngs=nnx.Rngs(0)),
+    "Einsum": lambda: nnx.Einsum("bi,io->bo", (8, 6), rngs=nnx.Rngs(0)),
+}
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("layer", sorted(_NNX_LAYERS))
+def test_nnx_layers_run_in_float8_close_to_float32(layer, scaling):
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    ref = _NNX_LAYERS[layer]()(x)
+    model = jaxamp.nnx.apply_policy(_NNX_LAYERS[layer](), f"p=f32,c=f32,fp8={scaling}")
+    assert hasattr(model, "input_scale") == (scaling == "delayed")
+    y = model(x)
+    assert np.linalg.norm(y - ref) <= 0.1 * np.linalg.norm(ref)
+    if scaling == "delayed":
+        wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+        grads = nnx.grad(lambda m: jnp.sum(m(x)), argnums=wrt)(model)
+        jaxamp.nnx.update_fp8_state(model, grads)
+        assert float(model.input_amax_history[0]) == pytest.approx(float(jnp.max(jnp.abs(x))))
+    again = jaxamp.nnx.apply_policy(model, "float32")  # back to Flax's own, state removed
+    assert not hasattr(again, "input_scale")
+    np.testing.assert_array_equal(again(x), ref)

@@ -449,4 +449,11 @@ class Fp8DotGeneral:
         """``jnp.einsum`` whose contractions run in float8."""
         if kwargs.get("preferred_element_type") is None:
             kwargs["preferred_element_type"] = self.compute_dtype
-        return jnp.einsum(subscripts, *operands, _dot_general=self, **kwargs)
+        dot_general: Any = self
+        if self.meta is not None:
+            # jnp.einsum hashes its _dot_general (a static argument): the state's arrays go
+            # in a closure, a new one per call, never reused from jnp.einsum's cache.
+            def dot_general(*args, **kw):
+                return self(*args, **kw)
+
+        return jnp.einsum(subscripts, *operands, _dot_general=dot_general, **kwargs)
