@@ -98,8 +98,9 @@ def test_linen_layer_called_twice_records_the_larger_amax():
     assert got < float(first) + float(second) - 0.1  # not the sum
 
 
+@pytest.mark.filterwarnings("ignore:Delayed float8 scaling")  # a one-step gradient check
 @pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed"])
-def test_linen_fp8_trains_close_to_bf16_and_fp32_policy_is_identity(policy):
+def test_linen_fp8_outputs_and_gradients_close_to_bf16(policy):
     model, x, variables = _train_linen(policy)
     bf16, _, _ = _train_linen("mixed_bfloat16")
     y, y16 = model.apply(variables, x), bf16.apply({"params": variables["params"]}, x)
@@ -349,3 +350,28 @@ def test_nnx_layers_run_in_float8_close_to_float32(layer, scaling):
     again = jaxamp.nnx.apply_policy(model, "float32")  # back to Flax's own, state removed
     assert not hasattr(again, "input_scale")
     np.testing.assert_array_equal(again(x), ref)
+
+
+def test_a_state_left_out_of_the_gradient_is_warned_about():
+    """grad with respect to params alone would leave the state at its first scale of 1
+    forever: warned, for Linen and NNX; the documented steps and plain calls are not."""
+    x = jnp.ones((2, 4))
+    model = jaxamp.linen.apply_policy(nn.Dense(3), "mixed_float8_delayed")
+    v = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match="scaling state is not"):
+        jax.grad(lambda p: jnp.sum(model.apply({**v, "params": p}, x)))(v["params"])
+    nnx_model = jaxamp.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "mixed_float8_delayed")
+    with pytest.warns(UserWarning, match="scaling state is not"):
+        nnx.grad(lambda m: jnp.sum(m(x)))(nnx_model)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        both = jax.grad(
+            lambda p, s: jnp.sum(model.apply({"params": p, STATE: s}, x)), argnums=(0, 1)
+        )
+        both(v["params"], v[STATE])
+        model.apply(v, x)
+        wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+        nnx.grad(lambda m: jnp.sum(m(x)), argnums=wrt)(nnx_model)
+        nnx_model(x)

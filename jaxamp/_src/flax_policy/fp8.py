@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.interpreters import ad  # JVPTracer: is a value being differentiated
 
 from jaxamp._src.dtypes import FLOAT32
 from jaxamp._src.ops.fp8 import (
@@ -65,10 +67,39 @@ class LinenDelayed:
         return self._rule().einsum(*args, **kwargs)
 
 
+_DIFFERENTIATING = tuple(
+    t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t
+)
+
+
+def _differentiated(x: Any) -> bool:
+    return isinstance(x, _DIFFERENTIATING)
+
+
+def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
+    """Warns where params are being differentiated and the delayed-scaling state is not:
+    its next value is its gradient, so it would never move from its first scale of 1
+    (values above 448 clipped, small ones flushed to zero, every step)."""
+    leaves = jax.tree.leaves(state)
+    if not leaves or any(map(_differentiated, leaves)):
+        return
+    if any(map(_differentiated, jax.tree.leaves(params))):
+        warnings.warn(
+            "Delayed float8 scaling: the params are being differentiated but the scaling "
+            "state is not, so it will never update (its gradient is its next value). "
+            "Differentiate it too and keep its gradient: Linen, jax.grad(loss, argnums=(0, 1))"
+            "(params, variables['_overwrite_with_gradient']); NNX, nnx.grad(loss, argnums="
+            "nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))) and "
+            "jaxamp.nnx.update_fp8_state (guides/fp8.md).",
+            stacklevel=4,
+        )
+
+
 def max_combined_collection(variables: Any) -> Any:
     """``variables`` with its float8 state as values whose gradients combine by max."""
     if not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
         return variables
+    warn_if_state_is_not_differentiated(variables.get("params"), variables[STATE_COLLECTION])
     return {**variables, STATE_COLLECTION: max_combined(variables[STATE_COLLECTION])}
 
 
@@ -107,6 +138,10 @@ def has_nnx_meta(module: Any) -> bool:
 def nnx_max_combined(modules: Any) -> Iterator[None]:
     """The float8 state of ``modules`` as max-combined values for the duration of a call."""
     saved = []
+    modules = list(modules)
+    params = [v.get_value() for m in modules for v in vars(m).values() if isinstance(v, nnx.Param)]
+    state = [nnx_meta(m) for m in modules if has_nnx_meta(m)]
+    warn_if_state_is_not_differentiated(params, state)
     for module in modules:
         if not has_nnx_meta(module):
             continue
@@ -140,27 +175,28 @@ def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> nnx.State:
     """Sets ``model``'s delayed-scaling state to its gradient (its next value) and returns
-    the other gradients, for the optimizer.
+        the other gradients, for the optimizer.
 
-    Args:
-      model: an NNX model under a ``fp8=delayed`` policy.
-      grads: gradients taken with respect to ``nnx.Param`` and
-        ``OverwriteWithGradient`` (``nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``).
+        Args:
+          model: an NNX model under a ``fp8=delayed`` policy.
+          grads: gradients taken with respect to ``nnx.Param`` and
+            ``OverwriteWithGradient`` (``nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``).
 
-    Returns:
-      ``grads`` without the state.
+        Returns:
+          ``grads`` without the state.
 
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> import jaxamp
-      >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-      >>> model = jaxamp.nnx.apply_policy(model, "mixed_float8_delayed")
-      >>> wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
-      >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).sum(), argnums=wrt)(model)
-      >>> grads = jaxamp.nnx.update_fp8_state(model, grads)
-      >>> float(model.input_amax_history[0])
-      1.0
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+    from jax._src.interpreters import ad  # JVPTracer: is a value being differentiated
+          >>> import jaxamp
+          >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+          >>> model = jaxamp.nnx.apply_policy(model, "mixed_float8_delayed")
+          >>> wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+          >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).sum(), argnums=wrt)(model)
+          >>> grads = jaxamp.nnx.update_fp8_state(model, grads)
+          >>> float(model.input_amax_history[0])
+          1.0
     """
     state, rest = nnx.split_state(grads, OverwriteWithGradient, ...)
     nnx.update(model, state)
