@@ -32,6 +32,7 @@ SENSITIVE = (
     "tests/transformations_test.py",
     "tests/flax_policy/nnx_test.py",
     "tests/flax_policy/zoo_test.py",
+    "tests/flax_policy/fp8_test.py",
 )
 
 
