@@ -75,7 +75,7 @@ class Fp8Recipe:
         default = Fp8Recipe(self.scaling)
         if self == default:
             return self.scaling
-        return f"{self.scaling}(history={self.amax_history_length},margin={self.margin})"
+        return f"{self.scaling}(history={self.amax_history_length};margin={self.margin})"
 
 
 def _as_recipe(value: Any) -> Fp8Recipe | None:
