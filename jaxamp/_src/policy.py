@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 from typing import Any, TypeVar
 
 import jax
@@ -34,6 +35,8 @@ _GRAMMAR_KEYS = {
     "r": "reduce",
     "reduce": "reduce",
     "fp8": "fp8",
+    "fp8_history": "fp8_history",
+    "fp8_margin": "fp8_margin",
 }
 
 FP8_SCALINGS = ("current", "delayed")
@@ -68,14 +71,18 @@ class Fp8Recipe:
         for name in ("amax_history_length", "margin"):
             value = getattr(self, name)
             least = 1 if name == "amax_history_length" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 raise ValueError(f"Fp8Recipe.{name} must be an integer >= {least}, got {value!r}.")
+            object.__setattr__(self, name, int(value))
 
-    def __str__(self) -> str:
-        default = Fp8Recipe(self.scaling)
-        if self == default:
-            return self.scaling
-        return f"{self.scaling}(history={self.amax_history_length};margin={self.margin})"
+    def spec(self) -> str:
+        """The recipe in the policy grammar (``fp8=delayed,fp8_history=16``)."""
+        spec = f"fp8={self.scaling}"
+        if self.amax_history_length != Fp8Recipe.amax_history_length:
+            spec += f",fp8_history={self.amax_history_length}"
+        if self.margin != Fp8Recipe.margin:
+            spec += f",fp8_margin={self.margin}"
+        return spec
 
 
 def _as_recipe(value: Any) -> Fp8Recipe | None:
@@ -208,7 +215,7 @@ class Policy:
         if self.reduce_dtype is not None:
             spec += f",reduce={self.reduce_dtype.name}"
         if self.fp8 is not None:
-            spec += f",fp8={self.fp8}"
+            spec += f",{self.fp8.spec()}"
         return spec
 
 
@@ -228,7 +235,8 @@ def _valid_choices() -> tuple[str, ...]:
     return (
         f"presets {', '.join(PRESETS)}; dtype names {', '.join(list(JMP_DTYPE_NAMES))}; "
         "or 'params=<dtype>,compute=<dtype>,output=<dtype>' (short keys p, c, o; "
-        "optional reduce=<dtype> or r=<dtype>, fp8=current or fp8=delayed)",
+        "optional reduce=<dtype> or r=<dtype>, fp8=current or fp8=delayed with "
+        "fp8_history=<steps> and fp8_margin=<powers of two>)",
     )
 
 
@@ -258,11 +266,23 @@ def _parse_grammar(spec: str) -> Policy:
             if value not in FP8_SCALINGS:
                 why = f"Invalid policy {spec!r}: unknown fp8 scaling {value!r}."
                 raise invalid_choice("fp8 scaling", value, FP8_SCALINGS, why=why)
+        elif name in ("fp8_history", "fp8_margin"):
+            if not value.isdigit():
+                raise ValueError(f"Invalid policy {spec!r}: {name}={value!r} is not an integer.")
         else:
             canonical_dtype(value, f"dtype for {name!r} in policy {spec!r}:")
         values[name] = value
     reduce = values.pop("reduce", None)
-    fp8 = values.pop("fp8", None)
+    fp8: Fp8Recipe | str | None = values.pop("fp8", None)
+    history, margin = values.pop("fp8_history", None), values.pop("fp8_margin", None)
+    if (history is not None or margin is not None) and fp8 is None:
+        raise ValueError(f"Invalid policy {spec!r}: fp8_history and fp8_margin need fp8=.")
+    if fp8 is not None:
+        fp8 = Fp8Recipe(
+            str(fp8),
+            int(history) if history is not None else Fp8Recipe.amax_history_length,
+            int(margin) if margin is not None else Fp8Recipe.margin,
+        )
     values = values or {"params": "float32"}  # "r=bf16" alone: jmp's default params
     # jmp owns the grammar's defaults: compute follows params, output follows compute.
     parsed = jmp.get_policy(",".join(f"{k}={v}" for k, v in values.items()))

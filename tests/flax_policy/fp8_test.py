@@ -375,3 +375,139 @@ def test_a_state_left_out_of_the_gradient_is_warned_about():
         wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
         nnx.grad(lambda m: jnp.sum(m(x)), argnums=wrt)(nnx_model)
         nnx_model(x)
+
+
+# --- from the FP8 review: each a defect seen failing before its fix ----------------------
+
+
+class _WithAux(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        body = nn.Dense(8, name="body")(x)
+        aux = nn.Dense(8, name="aux")(x)
+        frozen = nn.Dense(8, name="frozen")(jax.lax.stop_gradient(x))
+        return body, aux, jax.lax.stop_gradient(frozen)
+
+
+def test_a_layer_left_out_of_the_loss_keeps_its_state_linen():
+    """An auxiliary output or a stop_gradient branch gets a zero gradient; taken as the next
+    state, its scale of 0 zeroed the layer's outputs for good."""
+    model = jaxamp.linen.apply_policy(_WithAux(), "mixed_float8_delayed")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = model.init(jax.random.key(1), x)
+
+    def loss(params, state):
+        body, aux, _ = model.apply({"params": params, STATE: state}, x)
+        return jnp.mean(body**2), jnp.mean(aux)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    state = variables[STATE]
+    for _ in range(2):
+        (_, state), _ = step(variables["params"], state)
+    for name in ("aux", "frozen"):
+        np.testing.assert_equal(
+            jax.tree.map(np.asarray, dict(state[name])),
+            jax.tree.map(np.asarray, dict(variables[STATE][name])),
+        )
+    assert float(state["body"]["input_scale"][0]) != 1.0
+    _, aux, frozen = model.apply({"params": variables["params"], STATE: state}, x)
+    assert float(jnp.abs(frozen).max()) > 0.1 and float(jnp.abs(aux).max()) > 0.1
+
+
+def test_a_layer_left_out_of_the_loss_keeps_its_state_nnx():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.body = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+            self.aux = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.body(x), self.aux(x)
+
+    model = jaxamp.nnx.apply_policy(Model(), "mixed_float8_delayed")
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    for _ in range(2):
+        grads = nnx.grad(lambda m: jnp.mean(m(x)[0] ** 2), argnums=wrt)(model)
+        jaxamp.nnx.update_fp8_state(model, grads)
+    assert float(model.aux.input_scale[0]) == 1.0
+    assert float(model.body.input_scale[0]) != 1.0
+    assert float(jnp.abs(model(x)[1]).max()) > 0.1
+
+
+def test_a_zeroed_state_starts_over_instead_of_zeroing_the_layer():
+    """A state zeroed elsewhere (Flax's own step on an unused layer) recovers: a scale that
+    is not positive counts as the initial 1."""
+    from jaxamp.ops import fp8_dot_general, init_meta
+
+    meta = init_meta(4)._replace(input_scale=jnp.zeros((1,)), kernel_scale=jnp.zeros((1,)))
+    y = fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())), meta=meta)
+    np.testing.assert_allclose(y, 3.0)
+
+
+def test_mutable_apply_still_combines_the_state_by_max():
+    model, x, variables = _train_linen("mixed_float8_delayed", reuse=True)
+
+    def loss(state, mutable):
+        out = model.apply({"params": variables["params"], STATE: state}, x, mutable=mutable)
+        return jnp.sum(out[0])
+
+    expected = jax.grad(loss)(variables[STATE], False)
+    got = jax.grad(loss)(variables[STATE], True)
+    np.testing.assert_equal(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, expected))
+    _, updated = model.apply(variables, x, mutable=True)
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(updated[STATE]))
+
+
+def test_a_reused_layer_differentiates_without_jit():
+    """Eager gradients add the max-combined cotangents outside jit (a KeyError before)."""
+    model, x, variables = _train_linen("mixed_float8_delayed", reuse=True)
+
+    def loss(state):
+        return jnp.sum(model.apply({"params": variables["params"], STATE: state}, x))
+
+    eager, jitted = jax.grad(loss)(variables[STATE]), jax.jit(jax.grad(loss))(variables[STATE])
+    np.testing.assert_equal(jax.tree.map(np.asarray, eager), jax.tree.map(np.asarray, jitted))
+
+
+def test_stacked_nnx_layers_run_by_nnx_scan_get_a_state_per_layer():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.relu(self.lin(x))
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, block):
+                return block(x)
+
+            return body(x, self.blocks)
+
+    model = jaxamp.nnx.apply_policy(Stack(nnx.Rngs(0)), "mixed_float8_delayed")
+    assert model.blocks.lin.input_amax_history.shape == (3, 1024)
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    grads = nnx.grad(lambda m: jnp.sum(m(x)), argnums=wrt)(model)
+    jaxamp.nnx.update_fp8_state(model, grads)
+    first = model.blocks.lin.input_amax_history[:, 0]
+    assert float(first[0]) == pytest.approx(float(jnp.max(jnp.abs(x))), rel=0.01)
+    assert len(set(np.asarray(first).tolist())) == 3
+
+
+def test_a_recipe_policy_string_parses_back():
+    recipe = jaxamp.Fp8Recipe("delayed", amax_history_length=np.int64(16), margin=1)
+    policy = jaxamp.Policy("float32", "bfloat16", "float32", fp8=recipe)
+    assert str(policy).endswith("fp8=delayed,fp8_history=16,fp8_margin=1")
+    assert jaxamp.get_policy(str(policy)) == policy
+    with pytest.raises(ValueError, match="need fp8="):
+        jaxamp.get_policy("p=f32,fp8_history=16")

@@ -195,7 +195,7 @@ def test_a_non_finite_operand_or_gradient_is_not_hidden_by_clipping(bad, delayed
 
 def test_a_non_finite_amax_is_kept_out_of_the_history():
     """An overflow step (skipped by loss scaling) must not freeze the scale for the length
-    of the history, as an inf in it would."""
+    of the history, as an inf in it would: it is pushed as 0 (no information)."""
     meta = init_meta(4)._replace(input_amax_history=jnp.array([2.0, 0, 0, 0]))
     x = jnp.ones((2, 3)).at[0, 0].set(jnp.inf)
 
@@ -203,8 +203,35 @@ def test_a_non_finite_amax_is_kept_out_of_the_history():
         return jnp.sum(fp8_dot_general(x, jnp.ones((3, 2)), DN, meta=meta))
 
     new = jax.grad(loss)(meta)
-    np.testing.assert_array_equal(new.input_amax_history, [2.0, 0, 0, 0])
+    np.testing.assert_array_equal(new.input_amax_history, [0.0, 0, 0, 2.0])
     assert np.isfinite(np.asarray(new.input_scale)).all()
+
+
+def test_two_uses_one_overflowing_push_the_finite_amax():
+    """Max-combined uses whose second overflows: the history is the finite use's push,
+    not a mix of the pushed and the unpushed one."""
+    from jaxamp._src.ops.fp8 import max_combined
+
+    meta = init_meta(4)._replace(output_grad_amax_history=jnp.array([4.0, 3.0, 2.0, 1.0]))
+    w = jnp.ones((3, 2))
+
+    def loss(meta, bad):
+        meta = max_combined(meta)
+        a = fp8_dot_general(jnp.ones((2, 3)), w, DN, meta=meta)
+        b = fp8_dot_general(jnp.ones((2, 3)), w, DN, meta=meta)
+        return jnp.sum(a) + jnp.sum(b) * bad
+
+    new = jax.grad(loss)(meta, jnp.float32(jnp.inf))
+    np.testing.assert_array_equal(new.output_grad_amax_history, [1.0, 2.0, 1.0, 4.0])
+
+
+def test_an_inf_operand_reaches_the_other_operands_gradient():
+    """The weight's gradient of a layer whose input holds inf is not finite (the saved
+    input, clipped to 448, must not make it look finite)."""
+    x = jnp.array([[jnp.inf, 0.5]])
+    for meta in (None, init_meta(4)):
+        dw = jax.grad(lambda w, m=meta: jnp.sum(fp8_dot_general(x, w, DN, meta=m)))(jnp.eye(2))
+        assert not np.isfinite(np.asarray(dw)).all(), meta is None
 
 
 @pytest.mark.parametrize("value", [0.0, 1e-40, 1e-30, 3e37])

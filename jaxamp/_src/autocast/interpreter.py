@@ -373,7 +373,15 @@ def _fp8_matmul(eqn: Any, env: _Env) -> Any:
         out = _traced_dtype(eqn.outvars[0])
     assert env.policy.fp8 is not None
     dims = eqn.params["dimension_numbers"]
-    return fp8_dot_general(lhs, rhs, dims, None, out, margin=env.policy.fp8.margin)
+    return fp8_dot_general(
+        lhs,
+        rhs,
+        dims,
+        None,
+        out,
+        margin=env.policy.fp8.margin,
+        out_sharding=eqn.params.get("out_sharding"),
+    )
 
 
 def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:

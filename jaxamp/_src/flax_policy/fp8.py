@@ -19,6 +19,7 @@ from jaxamp._src.ops.fp8 import (
     STATE_COLLECTION,
     Fp8DotGeneral,
     Fp8Meta,
+    as_float32,
     max_combined,
 )
 from jaxamp._src.policy import Fp8Recipe
@@ -103,19 +104,44 @@ def max_combined_collection(variables: Any) -> Any:
     return {**variables, STATE_COLLECTION: max_combined(variables[STATE_COLLECTION])}
 
 
+def as_float32_collection(variables: Any) -> Any:
+    """``variables`` with a max-combined float8 state back in float32 (a mutable apply)."""
+    if not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
+        return variables
+    state = jax.tree.map(as_float32, variables[STATE_COLLECTION])
+    return type(variables)({**variables, STATE_COLLECTION: state})
+
+
 class OverwriteWithGradient(nnx.Variable):
     """An NNX layer's delayed float8 scaling state: its gradient is its next value."""
 
 
+def _stacked(module: nnx.Module) -> tuple[int, ...]:
+    """The leading axes of a layer made by ``nnx.vmap`` (a stack of layers that ``nnx.scan``
+    runs one by one): the kernel's axes beyond those the layer declares."""
+    kernel = getattr(module, "kernel", None)
+    if not isinstance(kernel, nnx.Variable):
+        return ()
+    shape = kernel.get_value().shape
+    if isinstance(module, nnx.Einsum):
+        declared = len(module.kernel_shape)
+    elif isinstance(module, nnx.LinearGeneral):
+        declared = len(module.in_features) + len(module.out_features)
+    else:  # nnx.Linear: (in, out)
+        declared = 2
+    return tuple(shape[: max(len(shape) - declared, 0)])
+
+
 def attach_nnx_meta(module: nnx.Module, recipe: Fp8Recipe) -> None:
-    """Gives an NNX layer its float8 state (kept if it has one of the same length)."""
-    length = recipe.amax_history_length
+    """Gives an NNX layer its float8 state (kept if it has one of the same shape): one per
+    layer of a stack made by ``nnx.vmap``."""
+    length, stack = recipe.amax_history_length, _stacked(module)
     for name in Fp8Meta._fields:
         current = getattr(module, name, None)
-        shape = (1,) if name.endswith("_scale") else (length,)
-        if isinstance(current, OverwriteWithGradient) and current.get_value().shape == shape:
+        value = jnp.broadcast_to(_initial(name, length), stack + _initial(name, length).shape)
+        if isinstance(current, OverwriteWithGradient) and current.get_value().shape == value.shape:
             continue
-        setattr(module, name, OverwriteWithGradient(_initial(name, length)))
+        setattr(module, name, OverwriteWithGradient(jnp.array(value)))
 
 
 def detach_nnx_meta(module: nnx.Module) -> None:
@@ -142,15 +168,15 @@ def nnx_max_combined(modules: Any) -> Iterator[None]:
     params = [v.get_value() for m in modules for v in vars(m).values() if isinstance(v, nnx.Param)]
     state = [nnx_meta(m) for m in modules if has_nnx_meta(m)]
     warn_if_state_is_not_differentiated(params, state)
-    for module in modules:
-        if not has_nnx_meta(module):
-            continue
-        for name in Fp8Meta._fields:
-            variable = getattr(module, name)
-            value = variable.get_value()
-            if value.dtype != MAX32:
-                saved.append((variable, value))
-                variable.set_value(max_combined(value))
+    holders = [m for m in modules if has_nnx_meta(m)]
+    variables = [[getattr(m, name) for name in Fp8Meta._fields] for m in holders]
+    values = [Fp8Meta(*(v.get_value() for v in layer)) for layer in variables]
+    if values and all(v.dtype != MAX32 for meta in values for v in meta):
+        combined = max_combined(values)  # one conversion: a layer no GEMM used keeps its state
+        for layer, old, new in zip(variables, values, combined, strict=True):
+            for variable, before, after in zip(layer, old, new, strict=True):
+                saved.append((variable, before))
+                variable.set_value(after)
     try:
         yield
     finally:
@@ -175,28 +201,27 @@ def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> nnx.State:
     """Sets ``model``'s delayed-scaling state to its gradient (its next value) and returns
-        the other gradients, for the optimizer.
+    the other gradients, for the optimizer.
 
-        Args:
-          model: an NNX model under a ``fp8=delayed`` policy.
-          grads: gradients taken with respect to ``nnx.Param`` and
-            ``OverwriteWithGradient`` (``nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``).
+    Args:
+      model: an NNX model under a ``fp8=delayed`` policy.
+      grads: gradients taken with respect to ``nnx.Param`` and
+        ``OverwriteWithGradient`` (``nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``).
 
-        Returns:
-          ``grads`` without the state.
+    Returns:
+      ``grads`` without the state.
 
-        Examples:
-          >>> import jax.numpy as jnp
-          >>> from flax import nnx
-    from jax._src.interpreters import ad  # JVPTracer: is a value being differentiated
-          >>> import jaxamp
-          >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-          >>> model = jaxamp.nnx.apply_policy(model, "mixed_float8_delayed")
-          >>> wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
-          >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).sum(), argnums=wrt)(model)
-          >>> grads = jaxamp.nnx.update_fp8_state(model, grads)
-          >>> float(model.input_amax_history[0])
-          1.0
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxamp
+      >>> model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+      >>> model = jaxamp.nnx.apply_policy(model, "mixed_float8_delayed")
+      >>> wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+      >>> grads = nnx.grad(lambda m: m(jnp.ones((1, 4))).sum(), argnums=wrt)(model)
+      >>> grads = jaxamp.nnx.update_fp8_state(model, grads)
+      >>> float(model.input_amax_history[0])
+      1.0
     """
     state, rest = nnx.split_state(grads, OverwriteWithGradient, ...)
     nnx.update(model, state)

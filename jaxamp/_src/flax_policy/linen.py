@@ -18,7 +18,6 @@ from jaxamp._src.backend import auto_policy
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
-from jaxamp._src.ops.fp8 import STATE_COLLECTION
 from jaxamp._src.ops.residuals import validate_residuals
 from jaxamp._src.policy import Policy, cast_floating, get_policy
 
@@ -334,16 +333,17 @@ class PolicyModule(nn.Module):
         each layer casts them to its compute dtype, so a float32 layer under a
         16-bit root computes with its float32 weights.
         """
-        mutable = kwargs.get("mutable", False)
-        if mutable is False or (
-            not isinstance(mutable, bool) and STATE_COLLECTION not in tuple(mutable)
-        ):  # the float8 state's gradients combine by max where a layer runs more than once
-            variables = fp8_state.max_combined_collection(variables)
+        # The float8 state's gradients combine by max where a layer runs more than once.
+        variables = fp8_state.max_combined_collection(variables)
         if "capture_intermediates" in kwargs:
             kwargs["capture_intermediates"] = _without_policy_modules(
                 kwargs["capture_intermediates"]
             )
-        return super().apply(variables, *args, method=self._method(method), **kwargs)
+        out = super().apply(variables, *args, method=self._method(method), **kwargs)
+        if kwargs.get("mutable", False) is not False:  # the state returned as it came in
+            out, updated = out
+            out = (out, fp8_state.as_float32_collection(updated))
+        return out
 
     def __repr__(self) -> str:
         return f"PolicyModule({type(self.module).__name__}, policy='{self.policy}')"

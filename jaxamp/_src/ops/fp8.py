@@ -14,14 +14,17 @@ from jax import lax
 
 # An extended dtype whose cotangents combine by max (the scaling state under fan-in), as
 # Flax's fp8_ops defines one: JAX's registry of extended dtypes lives in jax._src.
+from jax._src import ad_util as _ad_util
 from jax._src import core as _jax_core
 from jax._src import dtypes as _jax_dtypes
 from jax._src import earray as _earray
 from jax._src.interpreters import pxla as _pxla
+from jax._src.sharding_impls import canonicalize_sharding
 
 from jaxamp._src.dtypes import FLOAT32, is_floating
-from jaxamp._src.jaxprs import FP8_SCOPE
+from jaxamp._src.jaxprs import FP8_SCOPE, varying_axes
 from jaxamp._src.ops.forms import free_dims
+from jaxamp._src.ops.matmul import same_varying_axes, sharding_of_result
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -96,6 +99,35 @@ class _MaxCombinedDType(_jax_dtypes.ExtendedDType):
 
 MAX32 = _MaxCombinedDType(FLOAT32)
 
+# Outside jit, JAX adds two cotangents through a table keyed by the array's type, which
+# has no entry for an extended dtype's arrays (EArray): add them under jit, by the rules.
+_ad_util.raw_jaxval_adders.setdefault(
+    _earray.EArray, lambda x, y: jax.jit(_MaxRules.add, static_argnums=0)(x.dtype, x, y)
+)
+
+
+def _unused_kept(old: list[jax.Array], new: list[jax.Array], paths: list[tuple]) -> list:
+    """The next state, with the old values kept where no float8 GEMM's backward pass wrote
+    one: a layer left out of the loss (an auxiliary output, ``stop_gradient``) gets a zero
+    or ``-inf`` gradient, and a scale of 0 would zero the layer's outputs from then on.
+    A used operand's next scale is always positive; its history goes with it."""
+    new = [jnp.where(n == -jnp.inf, o, n) for o, n in zip(old, new, strict=True)]
+    index = {path: i for i, path in enumerate(paths)}
+    for path, i in index.items():
+        name = path[-1] if path else ""
+        if not name.endswith("_scale"):
+            continue
+        unused = jnp.all(new[i] <= 0)
+        history = index.get((*path[:-1], name[: -len("scale")] + "amax_history"))
+        for j in (i, history):
+            if j is not None:
+                new[j] = jnp.where(unused, old[j], new[j])
+    return new
+
+
+def _path_names(path: tuple) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
 
 def max_combined(tree: Any) -> Any:
     """Delayed-scaling state as values whose gradients combine by ``max`` instead of sum
@@ -103,23 +135,40 @@ def max_combined(tree: Any) -> Any:
 
     The policies convert the state they are given; convert it yourself before a loop
     that calls the model several times in one differentiated step (micro-batches
-    accumulated in a ``lax.scan``), so that the loop's uses combine by max too.
+    accumulated in a ``lax.scan``), so that the loop's uses combine by max too. The
+    gradient of a state no float8 GEMM used is the state itself.
 
     Examples:
       >>> meta = max_combined(init_meta(4))
       >>> meta.input_scale.dtype
       fp8_max32
     """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    paths = [_path_names(p) for p, _ in flat]
+    done = [getattr(x, "dtype", None) == MAX32 for _, x in flat]
+    values = [x if d else jnp.asarray(x, FLOAT32) for (_, x), d in zip(flat, done, strict=True)]
+    todo = [v for v, d in zip(values, done, strict=True) if not d]
+    todo_paths = [p for p, d in zip(paths, done, strict=True) if not d]
 
-    def convert(x):
-        if getattr(x, "dtype", None) == MAX32:
-            return x
-        return lax.convert_element_type(jnp.asarray(x, FLOAT32), MAX32)
+    @jax.custom_vjp
+    def convert(xs):
+        return [lax.convert_element_type(x, MAX32) for x in xs]
 
-    return jax.tree.map(convert, tree)
+    def fwd(xs):
+        return convert(xs), xs
+
+    def bwd(xs, cts):
+        cts = [lax.convert_element_type(c, FLOAT32) for c in cts]
+        return (_unused_kept(list(xs), cts, todo_paths),)
+
+    convert.defvjp(fwd, bwd)
+    converted = iter(convert(todo) if todo else [])
+    out = [v if d else next(converted) for v, d in zip(values, done, strict=True)]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _as_float32(x: Any) -> Any:
+def as_float32(x: Any) -> Any:
+    """A max-combined value back in float32 (other values as they are)."""
     return lax.convert_element_type(x, FLOAT32) if x.dtype == MAX32 else x
 
 
@@ -200,8 +249,11 @@ def _dequantize_product(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
 @jax.custom_batching.custom_vmap
 def _amax(x: jax.Array) -> jax.Array:
     """The tensor's largest magnitude; under ``vmap``, of the whole batch (one tensor to
-    scale, as without ``vmap``), so that the scaling state stays unbatched."""
-    return jnp.max(jnp.abs(x.astype(FLOAT32))) if x.size else jnp.float32(0)
+    scale, as without ``vmap``), so that the scaling state stays unbatched; inside
+    ``shard_map``, of every device's shard (the whole tensor, as under ``jit``)."""
+    amax = jnp.max(jnp.abs(x.astype(FLOAT32))) if x.size else jnp.float32(0)
+    axes = varying_axes(jax.typeof(x))
+    return lax.pmax(amax, tuple(sorted(axes))) if axes else amax
 
 
 @_amax.def_vmap
@@ -220,15 +272,16 @@ def _poison(*amaxes: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------- the float8 GEMMs
 
 
-def _gemm(lhs, rhs, dimension_numbers, precision=None):
+def _gemm(lhs, rhs, dimension_numbers, out_sharding=None):
     return lax.dot_general(
-        lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=FLOAT32
+        lhs, rhs, dimension_numbers, preferred_element_type=FLOAT32, out_sharding=out_sharding
     )
 
 
-def _transpose_lhs(g, rhs, lhs_ndim, dimension_numbers):
-    """``d_lhs = dot(g, rhs)`` in float32, in the layout of ``lhs``."""
+def _transpose_lhs(g, rhs, lhs, dimension_numbers):
+    """``d_lhs = dot(g, rhs)`` in float32, in the layout (and sharding) of ``lhs``."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    lhs_ndim = lhs.ndim
     x_kept = free_dims(lhs_ndim, x_contract, x_batch)
     y_kept = free_dims(rhs.ndim, y_contract, y_batch)
     nb, nx = len(x_batch), len(x_kept)
@@ -237,12 +290,14 @@ def _transpose_lhs(g, rhs, lhs_ndim, dimension_numbers):
     dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_by_y = [int(d) for d in np.take(x_contract, np.argsort(y_contract))]
     order = [*x_batch, *x_kept, *x_contract_by_y]
-    return jnp.transpose(_gemm(g, rhs, dims), np.argsort(order))
+    out = _gemm(g, rhs, dims, sharding_of_result(jax.typeof(lhs), order))
+    return jnp.transpose(out, np.argsort(order))
 
 
-def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers):
-    """``d_rhs = dot(lhs, g)`` in float32, in the layout of ``rhs``."""
+def _transpose_rhs(g, lhs, rhs, dimension_numbers):
+    """``d_rhs = dot(lhs, g)`` in float32, in the layout (and sharding) of ``rhs``."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    rhs_ndim = rhs.ndim
     x_kept = free_dims(lhs.ndim, x_contract, x_batch)
     y_kept = free_dims(rhs_ndim, y_contract, y_batch)
     nb = len(x_batch)
@@ -251,32 +306,35 @@ def _transpose_rhs(g, lhs, rhs_ndim, dimension_numbers):
     dims = ((tuple(x_kept), ans_x), (tuple(x_batch), ans_batch))
     y_contract_by_x = [int(y_contract[i]) for i in np.argsort(x_contract)]
     order = [*y_batch, *y_contract_by_x, *y_kept]
-    return jnp.transpose(_gemm(lhs, g, dims), np.argsort(order))
+    out = _gemm(lhs, g, dims, sharding_of_result(jax.typeof(rhs), order))
+    return jnp.transpose(out, np.argsort(order))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _current(lhs, rhs, dimension_numbers, out_dtype, margin):
-    return _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _current(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
+    return _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding)[0]
 
 
-def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin):
+def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
     amax_l, amax_r = _amax(lhs), _amax(rhs)
     s_l, s_r = (scale_from_amax(a, E4M3, margin) for a in (amax_l, amax_r))
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
-    y = _dequantize_product(_gemm(q_l, q_r, dimension_numbers), s_l, s_r)
+    y = _dequantize_product(_gemm(q_l, q_r, dimension_numbers, sharding), s_l, s_r)
     y = y * _poison(amax_l, amax_r)
+    # An operand's inf or NaN reaches the other operand's gradient through its saved scale.
+    s_l, s_r = s_l * _poison(amax_l), s_r * _poison(amax_r)
     res = (q_l, s_l, q_r, s_r, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     return y.astype(out_dtype), res
 
 
-def _current_bwd(dimension_numbers, out_dtype, margin, res, g):
+def _current_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     q_l, s_l, q_r, s_r, lhs_like, rhs_like = res
     amax_g = _amax(g)
     s_g = scale_from_amax(amax_g, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
     s_g = s_g * _poison(amax_g)
-    d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r, s_g)
-    d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l, s_g)
+    d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l, dimension_numbers), s_r, s_g)
+    d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r, dimension_numbers), s_l, s_g)
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype)
 
 
@@ -310,38 +368,42 @@ def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
 
 def _next(x_amax, scale, history, dtype, margin):
     """The scale this step quantizes with (from the history before it) and the history with
-    this step's amax pushed in front; a non-finite amax leaves both as they were."""
-    scale32, history32 = _as_float32(scale), _as_float32(history)
+    this step's amax pushed in front; a non-finite amax is pushed as 0 (no information: an
+    inf would freeze the scale for the length of the history), so that the histories of
+    two uses of one state stay aligned for their max."""
+    scale32, history32 = as_float32(scale), as_float32(history)
+    # A scale that is not positive (a state zeroed by a gradient no GEMM wrote) starts over.
+    scale32 = jnp.where((scale32 > 0) & jnp.isfinite(scale32), scale32, jnp.float32(1))
     new_scale = scale_from_amax(jnp.max(history32, axis=0), dtype, margin, scale32)
-    pushed = jnp.roll(history32, shift=-1, axis=0).at[0].set(x_amax)
-    new_history = jnp.where(jnp.isfinite(x_amax), pushed, history32)
-    return new_scale, new_history
+    amax = jnp.where(jnp.isfinite(x_amax), x_amax, jnp.float32(0))
+    return new_scale, jnp.roll(history32, shift=-1, axis=0).at[0].set(amax)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin):
-    return _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
+    return _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding)[0]
 
 
-def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin):
+def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
     amax_l, amax_r = _amax(lhs), _amax(rhs)
     s_l, h_l = _next(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
     s_r, h_r = _next(amax_r, meta.kernel_scale, meta.kernel_amax_history, E4M3, margin)
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
-    y = _dequantize_product(_gemm(q_l, q_r, dimension_numbers), s_l, s_r)
+    y = _dequantize_product(_gemm(q_l, q_r, dimension_numbers, sharding), s_l, s_r)
     y = y * _poison(amax_l, amax_r)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
-    return y.astype(out_dtype), (q_l, s_l, h_l, q_r, s_r, h_r, meta, like)
+    used = (s_l * _poison(amax_l), s_r * _poison(amax_r))  # as in _current_fwd
+    return y.astype(out_dtype), (q_l, s_l, h_l, q_r, s_r, h_r, meta, like, used)
 
 
-def _delayed_bwd(dimension_numbers, out_dtype, margin, res, g):
-    q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like) = res
+def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
+    q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
     amax_g = _amax(g)
     s_g, h_g = _next(amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
     s_g_used = s_g * _poison(amax_g)
-    d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l.ndim, dimension_numbers), s_r, s_g_used)
-    d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r.ndim, dimension_numbers), s_l, s_g_used)
+    d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l, dimension_numbers), s_r_used, s_g_used)
+    d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r, dimension_numbers), s_l_used, s_g_used)
     new = Fp8Meta(h_l, h_r, h_g, s_l, s_r, s_g)
     new = Fp8Meta(*(_like(v, old) for v, old in zip(new, meta, strict=True)))
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype), new
@@ -365,6 +427,7 @@ def fp8_dot_general(
     *,
     meta: Fp8Meta | None = None,
     margin: int = 0,
+    out_sharding: Any = None,
 ) -> jax.Array:
     """``lax.dot_general`` in float8: e4m3 operands, an e5m2 output gradient, float32 sums.
 
@@ -380,6 +443,7 @@ def fp8_dot_general(
       preferred_element_type: the result dtype; ``None`` promotes the operands' dtypes.
       meta: delayed-scaling state (``init_meta``), or ``None`` for current scaling.
       margin: powers of two of headroom below the float8 maximum.
+      out_sharding: the result's sharding, as for ``lax.dot_general``.
 
     Returns:
       The product, dequantized.
@@ -395,14 +459,20 @@ def fp8_dot_general(
     floating = all(is_floating(x.dtype) for x in (lhs, rhs))
     if not floating or not (preferred_element_type is None or is_floating(preferred_element_type)):
         return lax.dot_general(
-            lhs, rhs, dimension_numbers, preferred_element_type=preferred_element_type
+            lhs,
+            rhs,
+            dimension_numbers,
+            preferred_element_type=preferred_element_type,
+            out_sharding=out_sharding,
         )
     dims = tuple(tuple(tuple(int(d) for d in ax) for ax in part) for part in dimension_numbers)
     out = _out_dtype(lhs, rhs, preferred_element_type)
+    sharding = canonicalize_sharding(out_sharding, "fp8_dot_general")
+    lhs, rhs = same_varying_axes(lhs, rhs)  # inside shard_map: a weight's gradient summed
     with jax.named_scope(FP8_SCOPE):  # autocast evaluates it as traced
         if meta is None:
-            return _current(lhs, rhs, dims, out, margin)
-        return _delayed(lhs, rhs, Fp8Meta(*meta), dims, out, margin)
+            return _current(lhs, rhs, dims, out, margin, sharding)
+        return _delayed(lhs, rhs, Fp8Meta(*meta), dims, out, margin, sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +504,6 @@ class Fp8DotGeneral:
                 f"jaxamp's float8 matmul got unexpected arguments {sorted(kwargs)}; it takes "
                 "those of lax.dot_general."
             )
-        del out_sharding
         return fp8_dot_general(
             lhs,
             rhs,
@@ -443,6 +512,7 @@ class Fp8DotGeneral:
             preferred_element_type or self.compute_dtype,
             meta=self.meta,
             margin=self.margin,
+            out_sharding=out_sharding,
         )
 
     def einsum(self, subscripts, *operands, **kwargs):

@@ -125,7 +125,7 @@ def _ranges_like(*xs):
         start += len(x)
 
 
-def _sharding_of_result(aval: Any, order) -> Any:
+def sharding_of_result(aval: Any, order) -> Any:
     """The sharding a transposed GEMM's result takes: its operand's, in the result's order.
 
     ``None`` unless the operand's type lives on a mesh with ``Explicit`` axes: a
@@ -167,7 +167,7 @@ def _dot_transpose_lhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation
         ct,
         rhs,
         dimension_numbers=dims,
-        sharding=_sharding_of_result(x_aval, order),
+        sharding=sharding_of_result(x_aval, order),
         permutation=_permutation(order),
         **{**params, "out_dtype": np.dtype(x_aval.dtype)},
     )
@@ -191,7 +191,7 @@ def _dot_transpose_rhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation
         lhs,
         ct,
         dimension_numbers=dims,
-        sharding=_sharding_of_result(y_aval, order),
+        sharding=sharding_of_result(y_aval, order),
         permutation=_permutation(order),
         **{**params, "out_dtype": np.dtype(y_aval.dtype)},
     )
@@ -274,7 +274,7 @@ def _normalize_dimension_numbers(dimension_numbers):
     )
 
 
-def _same_varying_axes(*operands):
+def same_varying_axes(*operands):
     """Inside ``shard_map``, marks each operand varying over the axes any of them varies over.
 
     A replicated weight times a sharded batch has a sharded cotangent. Marked
@@ -358,7 +358,7 @@ def amp_dot_general(
     out = compute if preferred_element_type is None else np.dtype(preferred_element_type)
     chosen = override() if form is None else get_form(form)
     sharding = canonicalize_sharding(out_sharding, "amp_dot_general")
-    lhs, rhs = _same_varying_axes(lhs, rhs)
+    lhs, rhs = same_varying_axes(lhs, rhs)
     return amp_dot_general_p.bind(
         lhs,
         rhs,
@@ -467,7 +467,7 @@ def _bind_conv(lhs, rhs, conv_params, compute: np.dtype, out: np.dtype) -> jax.A
         for k, v in conv_params
         if k != "preferred_element_type"
     )
-    lhs, rhs = _same_varying_axes(lhs, rhs)
+    lhs, rhs = same_varying_axes(lhs, rhs)
     return amp_conv_general_dilated_p.bind(
         lhs, rhs, conv_params=conv_params, compute_dtype=compute, out_dtype=out
     )
