@@ -3,13 +3,16 @@
 # ResNet50 224x224 batch 256, BERT-base length 128 batch 64, GPT-2 small length 1024
 # batch 8; fp32/tf32/bf16/fp16 for jaxamp and PyTorch eager, hand-written Flax bf16,
 # torch.compile bf16; utilisation against a measured bf16 matmul rate; largest-batch
-# estimates for fp32 and bf16. Writes benchmarks.json/.md/.png into OUT_DIR.
+# estimates for fp32 and bf16. Writes benchmarks.json/.md/.png into OUT_DIR. Before it:
+# the 16-bit matmul forms, rounding on the device, and FP8 (fp8_gemm.json/.md, fp8_hlo/):
+# float8 current and delayed scaling against bf16 on 4096^3 and 8192^3 GEMMs and a Dense
+# stack's training step, and whether the compiled programs run float8 GEMMs (cuBLASLt f8).
 #
 #   benchmarks/gpu_suite.sh OUT_DIR [extra flags for benchmarks.run]
 #
 # Needs jax[cuda12|cuda13], flax, optax, jmp and torch. Packages missing on the machine
 # may be given as wheels in .whl/ (installed with --no-index). At tiny sizes on a CPU:
-#   MATMUL_SIZE=64 DENSE_BATCH=64 DENSE_FEATURES=32 \
+#   MATMUL_SIZE=64 DENSE_BATCH=64 DENSE_FEATURES=32 FP8_SIZES=64 \
 #   benchmarks/gpu_suite.sh /tmp/gpu-test --models resnet-tiny:4 --frameworks jaxamp \
 #       --warmup 1 --repeats 2 --memory-limit-gb 1
 set -euo pipefail
@@ -35,6 +38,12 @@ if [ "$limit" != "0.0" ]; then extra=(--memory-limit-gb "$limit"); fi
 python3 -m benchmarks.matmul_forms --size "${MATMUL_SIZE:-8192}" --batch "${DENSE_BATCH:-16384}" \
   --features "${DENSE_FEATURES:-4096}" --warmup 5 --repeats 20 --out "$out" \
   --hlo-out "$out/matmul_hlo" 2>&1 | tee "$out/matmul_forms.log"
+# FP8 (about a minute): does XLA run float8 GEMMs here (the compiled HLO of each program,
+# grepped for f8e4m3fn GEMMs and __cublas$lt$matmul$f8 calls), and how much faster than bf16
+# are they, alone and in a training step; a failure is reported, not fatal.
+python3 -m benchmarks.fp8_gemm --sizes "${FP8_SIZES:-4096,8192}" \
+  --dense-batch "${DENSE_BATCH:-16384}" --dense-features "${DENSE_FEATURES:-4096}" \
+  --warmup 5 --repeats 20 --out "$out" --hlo-out "$out/fp8_hlo" 2>&1 | tee "$out/fp8_gemm.log" || true
 # Kahan's compensation and stochastic rounding's bias under the GPU compiler, which may
 # fold a convert pair (xla_allow_excess_precision): seconds; a failure is reported, not fatal.
 python3 -m benchmarks.rounding_on_device --out "$out" 2>&1 | tee "$out/rounding_on_device.log" || true

@@ -308,3 +308,102 @@ ENTRY %main (a: bf16[4,4], b: bf16[4,4]) -> f32[4,4] {
     assert profile.torch_category("aten::_to_copy") == "convert"
     assert profile.torch_category("aten::_foreach_addcdiv_") == "optimizer"
     assert profile.torch_category("aten::add_") == "other"
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert"])  # one model each: two short tests
+def test_fp8_training_benchmark_at_tiny_size(tmp_path, model):
+    from benchmarks import fp8_training
+
+    argv = ["--steps", "3", "--hidden", "16", "--layers", "1", "--heads", "2", "--seq-len", "8"]
+    argv += ["--vocab", "32", "--batch", "4", "--eval-examples", "8", "--tag", "t"]
+    argv += ["--variants", "bf16,fp8-delayed", "--models", model]
+    result = fp8_training.main([*argv, "--out", str(tmp_path)])
+    assert [m["model"] for m in result["models"]] == [model]
+    saved = json.loads((tmp_path / "fp8_training_t.json").read_text())
+    assert saved["tolerance"] == fp8_training.TOLERANCE == 0.05
+    assert set(saved["environment"]["cpu_flags"]) >= {"avx2", "avx512_bf16", "amx_bf16"}
+    assert saved["environment"]["jax"] and saved["environment"]["flax"]
+    for model in saved["models"]:
+        bf16, delayed = model["runs"]
+        assert len(delayed["losses"]) == 3 and all(map(math.isfinite, delayed["losses"]))
+        assert delayed["nonfinite_steps"] == 0 and delayed["follows_bf16"] is True
+        assert (
+            math.isfinite(delayed["held_out_loss"]) and "held_out_relative_gap_to_bf16" in delayed
+        )
+        assert delayed["final_loss"] == pytest.approx(sum(delayed["losses"]) / 3)
+        assert delayed["gap_to_bf16"] == delayed["final_loss"] - bf16["final_loss"]
+        # the first step quantizes with scales of 1 and no history: nothing clips
+        assert set(delayed["saturations"]) == {"input", "kernel", "output_grad"}
+        assert 0 <= delayed["saturated_steps"] <= 2 and bf16["saturated_steps"] is None
+        assert all(s != 1.0 for s in delayed["final_scales"].values())  # the scales moved
+    assert "fp8-delayed" in (tmp_path / "fp8_training_t.md").read_text()
+    assert (tmp_path / "fp8_training_t.png").stat().st_size > 0
+
+
+def test_fp8_training_saturation_is_amax_over_the_scale_used():
+    import jax.numpy as jnp
+
+    from benchmarks.fp8_training import saturated
+
+    layer = {
+        "input_amax_history": jnp.array([900.0, 0.0]),  # 900 > 448 x 1: clipped
+        "input_scale": jnp.array([1.0]),
+        "kernel_amax_history": jnp.array([0.5, 0.0]),
+        "kernel_scale": jnp.array([0.5 / 448]),  # exactly at the maximum: not clipped
+        "output_grad_amax_history": jnp.array([1.0, 0.0]),
+        "output_grad_scale": jnp.array([0.5 / 57344]),  # twice the e5m2 maximum
+    }
+    counts = {k: (int(n), float(r)) for k, (n, r) in saturated({"a": {"b": layer}}).items()}
+    assert counts["input"] == (1, pytest.approx(900 / 448))
+    assert counts["kernel"][0] == 0 and counts["kernel"][1] == pytest.approx(1.0)
+    assert counts["output_grad"] == (1, pytest.approx(2.0))
+
+
+def test_fp8_gemm_benchmark_at_tiny_size(tmp_path):
+    from benchmarks import fp8_gemm
+
+    argv = ["--sizes", "64", "--dense-batch", "32", "--dense-features", "32"]
+    argv += ["--dense-layers", "2", "--warmup", "1", "--repeats", "2"]
+    rows = fp8_gemm.main([*argv, "--out", str(tmp_path)])
+    assert {(r["kind"].split()[0], r["variant"]) for r in rows} >= {
+        ("GEMM", "bf16"),
+        ("GEMM", "fp8"),
+        ("GEMM", "fp8-delayed"),
+        ("Dense", "bf16"),
+        ("Dense", "fp8"),
+        ("Dense", "fp8-delayed"),
+    }
+    for r in rows:
+        assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["gemms"] > 0, r
+        assert r["speedup_vs_bf16"] > 0 and r["tflops"] > 0
+        assert (r["f8_instructions"] > 0) == r["variant"].startswith(("fp8", "float8")), r
+    saved = json.loads((tmp_path / "fp8_gemm.json").read_text())
+    assert saved["environment"]["verdict"] and "cpu_flags" in saved["environment"]
+    assert any(p.name.endswith(".hlo.txt") for p in (tmp_path / "fp8_hlo").iterdir())
+    assert "Float8 against bfloat16" in (tmp_path / "fp8_gemm.md").read_text()
+
+
+def test_fp8_gemm_reads_float8_gemms_from_hlo_text():
+    from benchmarks.fp8_gemm import hlo_facts
+
+    hlo = """
+  %p0 = f8e4m3fn[64,64]{1,0} parameter(0)
+  %c = f32[64,64]{1,0} convert(f8e4m3fn[64,64]{1,0} %p0)
+  %d = f32[64,64]{1,0} dot(f32[64,64]{1,0} %c, f32[64,64]{1,0} %c), lhs_contracting_dims={1}
+  %g = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %p0, f8e4m3fn[64,64]{1,0} %p0, f32[] %s, f32[] %s), custom_call_target="__cublas$lt$matmul$f8"
+"""
+    facts = hlo_facts(hlo)
+    assert facts == {"f8_gemms": 1, "cublaslt_f8": 1, "gemms": 2, "f8_instructions": 3}
+    # compiled HLO names its operands without their types: looked up in the computation
+    named = """%fused (param_0: f8e4m3fn[8,8], param_1: f8e5m2[8,8]) -> f32[8,8] {
+  %param_0 = f8e4m3fn[8,8]{1,0} parameter(0)
+  %param_1 = f8e5m2[8,8]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+
+%other (param_0: f32[8,8]) -> f32[8,8] {
+  %param_0 = f32[8,8]{1,0} parameter(0)
+  ROOT %dot.2 = f32[8,8]{1,0} dot(%param_0, %param_0), lhs_contracting_dims={1}
+}
+"""
+    assert hlo_facts(named) == {"f8_gemms": 1, "cublaslt_f8": 0, "gemms": 2, "f8_instructions": 3}

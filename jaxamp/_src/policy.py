@@ -307,8 +307,9 @@ def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
     Args:
       spec: a ``Policy`` (returned as is), a ``jmp.Policy``, a preset name
         (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"bfloat16"``,
-        ``"float16"``, ``"mixed_float8"``, ``"mixed_float8_delayed"``), a dtype name for all three dtypes (``"f32"``, ``"bf16"``,
-        ``"full"``, ``"half"``), or jmp's grammar such as
+        ``"float16"``, ``"mixed_float8"``, ``"mixed_float8_delayed"``), a dtype
+        name for all three dtypes (``"f32"``, ``"bf16"``, ``"full"``, ``"half"``), or
+        jmp's grammar such as
         ``"params=float32,compute=bfloat16,output=float32"`` or ``"p=f32,c=bf16"``
         (compute defaults to params, output to compute). An extra key
         ``reduce``/``r`` sets ``Policy.reduce_dtype``, and ``fp8=current`` or

@@ -28,14 +28,20 @@ def test_flags():
     )
     assert args.model == "bert" and args.variants == ("fp32", "bf16")
     assert args.train_examples is None and args.epochs == 3 and args.layers == 2
+    assert parse("--variants", "fp32,bf16,fp8,FP8-delayed").variants == (
+        "fp32",
+        "bf16",
+        "fp8",
+        "fp8-delayed",
+    )
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (
-            ["--variants", "fp32,fp8"],
-            "unknown variant(s) fp8. Valid choices: fp32, tf32, bf16, fp16,",
+            ["--variants", "fp32,fp4"],
+            "unknown variant(s) fp4. Valid choices: fp32, tf32, bf16, fp16,",
         ),
         (["--epochs", "0"], "must be a positive integer, got 0"),
         (["--model", "vgg"], "invalid choice: 'vgg'"),

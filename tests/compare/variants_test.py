@@ -1,4 +1,5 @@
-"""Tests for jaxamp/_src/compare/variants.py: the four recipes."""
+"""Tests for jaxamp/_src/compare/variants.py: the four recipes, the optimizer-state and the
+float8 ones."""
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,17 @@ def test_the_optimizer_state_recipes_are_variants_too():
         assert (state.rounding_key is not None) == (name == "bf16_stochastic")
 
 
+def test_the_float8_recipes_are_variants_outside_the_benchmark_suites_defaults():
+    fp8, delayed = get_variant("fp8"), get_variant("FP8-delayed")
+    assert fp8.policy == jaxamp.get_policy("mixed_float8") and fp8.policy.fp8.scaling == "current"
+    assert delayed.policy == jaxamp.get_policy("mixed_float8_delayed")
+    assert delayed.policy.fp8.scaling == "delayed"
+    for variant in (fp8, delayed):  # float8's own scales; no loss scaling, plain Adam
+        assert not variant.dynamic_loss_scaling and variant.optimizer_recipe is None
+        assert variant.matmul_precision is None
+    assert "fp8" not in PRECISION_VARIANTS and "fp8" not in default_variants()
+
+
 def test_optimizer_wraps_only_fp16():
     params = {"w": jnp.ones(2)}
     assert get_variant("bf16").optimizer(optax.sgd(0.1)).init(params) == optax.sgd(0.1).init(params)
@@ -52,8 +64,8 @@ def test_fp32_traces_with_highest_precision():
 
 
 def test_unknown_variant():
-    with pytest.raises(ValueError, match=r"Unknown variant 'fp8'\. Valid choices: fp32, tf32"):
-        get_variant("fp8")
+    with pytest.raises(ValueError, match=r"Unknown variant 'fp4'\. Valid choices: fp32, tf32"):
+        get_variant("fp4")
 
 
 def test_default_variants_on_this_machine():

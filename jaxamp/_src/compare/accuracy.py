@@ -286,6 +286,7 @@ def merge_seeds(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
         run["test_accuracy_seeds"] = [r["test_accuracy"] for r in runs]
         run["test_correct_seeds"] = [r["test_correct"] for r in runs]
         run["final_loss_seeds"] = [r["final_loss"] for r in runs]
+        run["nonfinite_steps"] = sum(r.get("nonfinite_steps", 0) for r in runs)
         run["step_time_median_s"] = statistics.median(r["step_time_median_s"] for r in runs)
         run["examples_per_s"] = report["config"]["batch_size"] / run["step_time_median_s"]
         del run["test_correct"]

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from jaxamp._src.compare.variants import FP16_ON_CPU, Variant, default_variants,
 from jaxamp._src.dtypes import is_16bit
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.flax_policy.linen import apply_policy
+from jaxamp._src.ops.fp8 import STATE_COLLECTION as FP8_STATE
 from jaxamp._src.ops.residuals import activation_bytes
 from jaxamp._src.optim.diagnostics import underflow_fraction
 from jaxamp._src.optim.gradients import value_and_grad
@@ -230,15 +232,19 @@ class _Task:
     has_batch_stats: bool
     learning_rate: float
 
-    def apply(self, model, params, state, x, train: bool, rng):
+    def apply(self, model, params, state, x, train: bool, rng, fp8=None):
+        """The logits and the updated ``state`` (BatchNorm statistics); ``fp8``, a delayed
+        float8 policy's scaling state (the ``_overwrite_with_gradient`` collection), is
+        read, never updated: its next value is its gradient."""
+        extra = {FP8_STATE: fp8} if fp8 else {}
         if self.has_batch_stats:
-            variables = {"params": params, "batch_stats": state}
+            variables = {"params": params, "batch_stats": state, **extra}
             if not train:
                 return model.apply(variables, x, train=False), state
             logits, updates = model.apply(variables, x, train=True, mutable=["batch_stats"])
             return logits, updates["batch_stats"]
         logits = model.apply(
-            {"params": params},
+            {"params": params, **extra},
             x,
             attention_mask=(x > 0).astype(jnp.int32),
             train=train,
@@ -273,6 +279,10 @@ class _Run:
     The compiled programs take the seed's key as an argument, so one ``_Run`` serves
     every seed of a comparison: ``reset`` starts it again from a seed's initial
     variables without compiling anything.
+
+    A delayed float8 variant keeps its scaling state in ``fp8_state`` (``{}`` for every
+    other variant): each step differentiates it beside the params and replaces it with
+    its gradient, its next value; the optimizer never sees it.
     """
 
     def __init__(
@@ -286,32 +296,47 @@ class _Run:
         self.variant, self.task = variant, task
         self.model = apply_policy(task.module, variant.policy)
         self.tx = variant.optimizer(optax.adam(task.learning_rate))
+        self.initial_fp8_state = self._initial_fp8_state(sample[0][:1])
         self.reset(variables, config)
         with variant.tracing():
             start = time.perf_counter()
             self.step = (
                 jax.jit(self._step)
-                .lower(self.params, self.state, self.opt_state, *sample, 0, self.key)
+                .lower(
+                    self.params, self.state, self.fp8_state, self.opt_state, *sample, 0, self.key
+                )
                 .compile()
             )
             self.compile_s = time.perf_counter() - start
             eval_x = jnp.repeat(sample[0][:1], _eval_batch(config.batch_size), axis=0)
             self.predict = (
-                jax.jit(lambda p, s, x: self.task.apply(self.model, p, s, x, False, None)[0])
-                .lower(self.params, self.state, eval_x)
+                jax.jit(lambda p, s, f, x: self.task.apply(self.model, p, s, x, False, None, f)[0])
+                .lower(self.params, self.state, self.fp8_state, eval_x)
                 .compile()
             )
             self.update_statistics = jax.jit(
-                lambda p, s, x, key: self.task.apply(self.model, p, s, x, True, key)[1]
+                lambda p, s, f, x, key: self.task.apply(self.model, p, s, x, True, key, f)[1]
             )
+            # the float8 state differentiated beside the params, as the step does
             self.activation_bytes = activation_bytes(
-                lambda p: self._loss(p, self.state, *sample, self.key)[0], self.params
+                lambda pf: self._loss(pf[0], self.state, *sample, self.key, pf[1])[0],
+                (self.params, self.fp8_state),
             )
+
+    def _initial_fp8_state(self, x) -> Any:
+        """A delayed float8 policy's fresh scaling state (histories of zeros, scales of one)
+        for this model, or ``{}``; the same for every seed."""
+        fp8 = self.variant.policy.fp8
+        if fp8 is None or fp8.scaling != "delayed":
+            return {}
+        init = lambda key, x: self.model.init(key, x).get(FP8_STATE, {})
+        return jax.jit(init)(jax.random.key(0), x)  # what init makes of the params is dropped
 
     def reset(self, variables: dict, config: CompareConfig) -> None:
         """Starts this variant again from ``variables`` with ``config.seed``'s key."""
         self.params = self.variant.policy.cast_to_param(variables["params"])
         self.state = variables.get("batch_stats", {})
+        self.fp8_state = self.initial_fp8_state
         self.opt_state = self.tx.init(self.params)
         self.bytes_per_param = _bytes_per_param(self.params, self.opt_state)
         self.key = jax.random.key(config.seed + 1)
@@ -320,26 +345,33 @@ class _Run:
         self.step_times: list[float] = []
         self.epoch_times: list[float] = []
         self.underflow: list[dict[str, float]] = []
+        self.nonfinite: list[Any] = []
         self.diagnose = config.numerics
         self.first_nonfinite: dict[str, Any] | None = None
         self.divergence: list[dict[str, Any]] | None = None
         self.divergence_loss_scale: dict[str, Any] | None = None
         self.recalibration_change: float | None = None
 
-    def _loss(self, params, state, x, y, rng):
-        logits, new_state = self.task.apply(self.model, params, state, x, True, rng)
+    def _loss(self, params, state, x, y, rng, fp8=None):
+        logits, new_state = self.task.apply(self.model, params, state, x, True, rng, fp8)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), new_state
 
-    def _grads(self, params, state, opt_state, x, y, step, key):
+    def _grads(self, params, state, fp8, opt_state, x, y, step, key):
+        """``((loss, state), grads, fp8)``: the float8 state, differentiated apart from the
+        params, comes back as its gradient, its next value."""
         rng = jax.random.fold_in(key, step)
-        loss = lambda p: self._loss(p, state, x, y, rng)
         if self.variant.dynamic_loss_scaling:
-            return value_and_grad(loss, has_aux=True)(params, opt_state=opt_state)
-        return jax.value_and_grad(loss, has_aux=True)(params)
+            if fp8:  # loss_scaled refuses the state among its gradients
+                raise ValueError("a loss-scaled variant cannot carry delayed float8 state")
+            loss = lambda p: self._loss(p, state, x, y, rng)
+            return (*value_and_grad(loss, has_aux=True)(params, opt_state=opt_state), fp8)
+        loss_of = lambda p, f: self._loss(p, state, x, y, rng, f)
+        out, (grads, fp8) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(params, fp8)
+        return out, grads, fp8
 
-    def _step(self, params, state, opt_state, x, y, step, key):
-        (loss, state), grads = self._grads(params, state, opt_state, x, y, step, key)
+    def _step(self, params, state, fp8, opt_state, x, y, step, key):
+        (loss, state), grads, fp8 = self._grads(params, state, fp8, opt_state, x, y, step, key)
         # What float16 would flush to zero, without and with this step's loss scale: two
         # reductions over the gradients, well under 1% of a ResNet50 step.
         scale = self.scale_of(opt_state)
@@ -348,46 +380,59 @@ class _Run:
             underflow_fraction(true_grads),
             underflow_fraction(jax.tree.map(lambda g: g * scale, true_grads)),
         )
+        # A step whose loss or applied gradients are not finite (one loss scaling skips
+        # is counted by the optimizer instead, as skipped).
+        finite = jnp.isfinite(loss)
+        if not self.variant.dynamic_loss_scaling:
+            finite &= jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), state, opt_state, loss, underflow
+        params = optax.apply_updates(params, updates)
+        return params, state, fp8, opt_state, loss, underflow, finite
 
     def scale_of(self, opt_state):
         if self.variant.dynamic_loss_scaling:
             return find_loss_scaled_state(opt_state).loss_scale.scale
         return jnp.float32(1.0)
 
-    def loss_fn(self, rng) -> Callable[..., Any]:
+    def loss_fn(self, rng, fp8: Any = None) -> Callable[..., Any]:
         """The training loss of float32 ``params`` (cast to the policy's param dtype),
-        traced as this variant's step traces it: for the numerics tools."""
+        traced as this variant's step traces it: for the numerics tools. A delayed float8
+        variant reads ``fp8`` (default: its current state) as a constant."""
+        fp8 = self.fp8_state if fp8 is None else fp8
 
         def loss(params, state, x, y):
-            with self.variant.tracing():
-                return self._loss(self.variant.policy.cast_to_param(params), state, x, y, rng)[0]
+            with self.variant.tracing(), warnings.catch_warnings():
+                # one step's values, not training: the state need not be differentiated
+                warnings.filterwarnings("ignore", "Delayed float8 scaling", UserWarning)
+                params = self.variant.policy.cast_to_param(params)
+                return self._loss(params, state, x, y, rng, fp8)[0]
 
         return loss
 
     def train_step(self, x, y, step: int) -> None:
-        before = (self.params, self.state, self.opt_state)
+        before = (self.params, self.state, self.fp8_state, self.opt_state)
         start = time.perf_counter()
         out = jax.block_until_ready(
-            self.step(self.params, self.state, self.opt_state, x, y, step, self.key)
+            self.step(self.params, self.state, self.fp8_state, self.opt_state, x, y, step, self.key)
         )
         self.step_times.append(time.perf_counter() - start)
-        self.params, self.state, self.opt_state, loss, (unscaled, scaled) = out
+        self.params, self.state, self.fp8_state, self.opt_state, loss, underflow, finite = out
+        unscaled, scaled = underflow
         if self.diagnose and self.first_nonfinite is None and not np.isfinite(float(loss)):
             self._diagnose(before, x, y, step)
         self.losses.append(loss)
+        self.nonfinite.append(~finite)
         self.scales.append(self.scale_of(self.opt_state))
         self.underflow.append({"step": step, "unscaled": unscaled, "scaled": scaled})
 
     def _diagnose(self, before, x, y, step: int) -> None:
         """Finds where the step that made a non-finite loss first went non-finite."""
-        params, state, opt_state = before
+        params, state, fp8, opt_state = before
         rng = jax.random.fold_in(self.key, step)
         scale = float(self.scale_of(opt_state)) if self.variant.dynamic_loss_scaling else None
         params = cast_floating(params, jnp.float32)
         fault = numerics_checks.first_nonfinite(
-            self.loss_fn(rng), params, state, x, y, loss_scale=scale
+            self.loss_fn(rng, fp8), params, state, x, y, loss_scale=scale
         )
         self.first_nonfinite = {"step": step, **(fault or _NOT_REPRODUCED)}
 
@@ -397,7 +442,9 @@ class _Run:
         before = self.state
         with self.variant.tracing():
             for x, _ in batches:
-                self.state = self.update_statistics(self.params, self.state, x, self.key)
+                self.state = self.update_statistics(
+                    self.params, self.state, self.fp8_state, x, self.key
+                )
         changes = [
             float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
             for a, b in zip(jax.tree.leaves(self.state), jax.tree.leaves(before), strict=True)
@@ -410,7 +457,7 @@ class _Run:
         for start in range(0, len(x), batch_size):
             chunk = x[start : start + batch_size]
             padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk), 0)])
-            logits = self.predict(self.params, self.state, padded)
+            logits = self.predict(self.params, self.state, self.fp8_state, padded)
             predictions.append(np.asarray(jnp.argmax(logits, -1))[: len(chunk)])
         predictions = np.concatenate(predictions)
         metrics = classification_metrics(dataset.test_y, predictions, dataset.num_classes)
@@ -446,6 +493,7 @@ class _Run:
             "recall": metrics["recall"],
             "f1": metrics["f1"],
             "skipped_steps": skipped,
+            "nonfinite_steps": int(sum(bool(v) for v in self.nonfinite)),
             "final_loss_scale": final_scale,
             "bn_recalibration_change": self.recalibration_change,
             "bytes_per_param": self.bytes_per_param,

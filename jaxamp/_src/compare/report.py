@@ -34,6 +34,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("recall", "recall", "{:.4f}"),
     ("f1", "F1", "{:.4f}"),
     ("skipped_steps", "skipped", "{}"),
+    ("nonfinite_steps", "non-finite", "{}"),
     ("final_loss_scale", "loss scale", "{:g}"),
 )
 _SCALED = {"step_time_median_s": 1e3, "temp_bytes": 1e-6, "activation_bytes": 1e-6}
@@ -105,8 +106,12 @@ def format_markdown(report: dict[str, Any]) -> str:
         "for the backward pass, read from the jaxpr (see `jaxamp.ops.activation_bytes`); "
         "bytes/param "
         "counts the params and the optimizer state (master, compensation, moments) per "
-        "parameter, read from the arrays.",
+        "parameter, read from the arrays. Skipped counts the steps loss scaling skipped; "
+        "non-finite, the steps (over all seeds) whose loss or applied gradients were not "
+        "finite.",
     ]
+    if any("fp8=" in r.get("policy", "") for r in report["runs"]):
+        lines += ["", FP8_NOTE]
     lines += numerics_checks.markdown(report)
     if env["backend"] == "cpu" and env.get("cpu_bf16_units"):
         lines.append(
@@ -121,6 +126,17 @@ def format_markdown(report: dict[str, Any]) -> str:
             "a GPU."
         )
     return "\n".join(lines) + "\n"
+
+
+FP8_NOTE = (
+    "The float8 variants quantize each matmul's operands to float8_e4m3fn (output gradients "
+    "to float8_e5m2) with per-tensor scales, current (from the tensor itself) or delayed (from "
+    "an amax history carried beside the params and overwritten with its gradient each step, "
+    "never through the optimizer); a delayed variant's per-layer divergence before training is "
+    "its first step's, at the initial scales of one. Where the device has no float8 GEMMs (a "
+    "CPU, GPUs before Hopper and Ada) XLA converts the float8 operands back and multiplies "
+    "them in a wider type: the numerics are float8's, the time is not what float8 buys."
+)
 
 
 def accuracy_lines(report: dict[str, Any]) -> list[str]:

@@ -1,5 +1,5 @@
-"""The precision recipes ``jaxamp compare`` runs (``fp32``, ``tf32``, ``bf16``, ``fp16`` and the
-optimizer-state recipes), named the same everywhere."""
+"""The precision recipes ``jaxamp compare`` runs (``fp32``, ``tf32``, ``bf16``, ``fp16``, the
+optimizer-state recipes and the float8 ones), named the same everywhere."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ class Variant:
     """A precision recipe: policy, matmul precision for float32 inputs, loss scaling.
 
     Attributes:
-      name: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
+      name: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp8-delayed"`` or
+        an optimizer-state recipe's name.
       policy: the ``jaxamp.Policy`` applied to the model.
       matmul_precision: ``jax.default_matmul_precision`` while tracing (affects
         float32 matmuls only), or ``None`` for JAX's default.
@@ -96,6 +97,24 @@ for _name, _description in _RECIPE_DESCRIPTIONS.items():
     VARIANTS[_name] = Variant(
         _name, get_policy(OPTIMIZER_RECIPES[_name][0]), None, False, _description, _name
     )
+# Matmuls in float8 (guides/fp8.md). Delayed scaling keeps state beside the params (the
+# "_overwrite_with_gradient" collection): the training step differentiates it apart and
+# overwrites it with its gradient, its next value; the optimizer never sees it.
+VARIANTS["fp8"] = Variant(
+    "fp8",
+    PRESETS["mixed_float8"],
+    None,
+    False,
+    "mixed_float8: float32 params, bfloat16 compute, float8 matmuls, current scaling",
+)
+VARIANTS["fp8-delayed"] = Variant(
+    "fp8-delayed",
+    PRESETS["mixed_float8_delayed"],
+    None,
+    False,
+    "mixed_float8_delayed: float32 params, bfloat16 compute, float8 matmuls, delayed "
+    "scaling (amax history)",
+)
 
 
 def get_variant(name: str) -> Variant:
