@@ -5,6 +5,7 @@ Flax policies, op-level autocast, loss scaling as an optax transformation, preci
 from jaxamp import debug, linen, nnx, ops, optim
 from jaxamp._src.audit.report import precision_report
 from jaxamp._src.autocast.api import autocast, autocast_float32
+from jaxamp._src.autocast.fp8_state import init_fp8_state
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastRules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
@@ -39,6 +40,7 @@ __all__ = (
     "dot_product_attention",
     "find_nonfinite",
     "get_policy",
+    "init_fp8_state",
     "linen",
     "loss_scaled",
     "nnx",

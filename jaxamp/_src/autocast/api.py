@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from jaxamp._src.autocast import constants
+from jaxamp._src.autocast import constants, fp8_state
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
@@ -46,7 +46,9 @@ def autocast(
         See ``jaxamp.checkpoint_residuals``.
 
     Returns:
-      A function with ``fun``'s signature.
+      A function with ``fun``'s signature; under delayed float8 scaling it also takes
+      ``fp8_state=``, the state ``jaxamp.init_fp8_state`` makes, whose gradient is its
+      next value (guides/fp8.md).
 
     Raises:
       TypeError: if ``fun`` is not callable or ``rules`` is not an ``AutocastRules``.
@@ -67,21 +69,16 @@ def autocast(
     if not callable(fun):
         raise TypeError(f"autocast expects a callable, got {type(fun).__name__}: {fun!r}.")
     policy = get_policy(policy)
-    if policy.fp8 is not None and policy.fp8.scaling == "delayed":
-        raise ValueError(
-            f"autocast cannot run policy '{policy}': delayed float8 scaling keeps an amax "
-            "history per GEMM, and a function has no place to keep it. Use fp8=current "
-            "(policy 'mixed_float8'), a Flax policy (jaxamp.linen/nnx.apply_policy keep the "
-            "state beside each layer), or jaxamp.ops.fp8_dot_general(..., meta=state) with "
-            "the state in your hands (guides/fp8.md)."
-        )
     rules = AUTOCAST_RULES if rules is None else rules
     if not isinstance(rules, AutocastRules):
         raise TypeError(
             f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
             "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
-    return interpreted(fun, AutocastConfig(policy, rules), residuals)
+    run = interpreted(fun, AutocastConfig(policy, rules), residuals)
+    if policy.fp8 is not None and policy.fp8.scaling == "delayed":
+        return fp8_state.with_state(run, policy.fp8.amax_history_length)
+    return run
 
 
 class _NoGraph:

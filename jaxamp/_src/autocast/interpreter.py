@@ -4,6 +4,7 @@ rule; higher-order primitives are entered or refused, never passed through."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast import constants
+from jaxamp._src.autocast import constants, fp8_state
 from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating, is_narrow, is_narrower
 from jaxamp._src.jaxprs import (
@@ -362,9 +363,9 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
 
 
 def _fp8_matmul(eqn: Any, env: _Env) -> Any:
-    """A ``dot_general`` under a float8 policy, scaled by its operands' current amax (a
-    matmul outside a Flax layer has no place for delayed scaling's state). The result is
-    in the compute dtype, or wider where the traced program asked for it."""
+    """A ``dot_general`` under a float8 policy, scaled by its operands' current amax, or by
+    its state in the ``fp8_state`` autocast was given (delayed scaling). The result is in
+    the compute dtype, or wider where the traced program asked for it."""
     compute = env.policy.compute_dtype
     lhs, rhs = (_wide_operand(env, a, compute) for a in eqn.invars)
     preferred = eqn.params.get("preferred_element_type")
@@ -379,6 +380,7 @@ def _fp8_matmul(eqn: Any, env: _Env) -> Any:
         dims,
         None,
         out,
+        meta=fp8_state.meta_here(),
         margin=env.policy.fp8.margin,
         out_sharding=eqn.params.get("out_sharding"),
     )
@@ -571,11 +573,16 @@ def eval_jaxpr(
     env = _Env(config, record=record)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        with eqn_context(eqn):
-            outs = _eval_eqn(eqn, env)
-        env.values.update(zip(eqn.outvars, outs, strict=True))
-        env.remember_made(eqn, outs)
+    store = fp8_state.active()  # delayed float8 scaling: each GEMM's state by its path
+    with fp8_state.body(store) if store is not None else contextlib.nullcontext():
+        for index, eqn in enumerate(jaxpr.eqns):
+            with (
+                eqn_context(eqn),
+                fp8_state.equation(store, index) if store is not None else contextlib.nullcontext(),
+            ):
+                outs = _eval_eqn(eqn, env)
+            env.values.update(zip(eqn.outvars, outs, strict=True))
+            env.remember_made(eqn, outs)
     return [env.read(v) for v in jaxpr.outvars]
 
 
@@ -736,6 +743,7 @@ def _custom_vjp3(prim: Any, eqn: Any, env: _Env) -> list[Any]:
     """A ``jax.custom_vjp`` function under ``jax_custom_vjp3`` (``CustomVJPTraced``):
     bound again as ``_custom_vjp`` does, with its primal and forward functions evaluated
     with the rules and its backward function as written."""
+    config = without_fp8(env.config)
     p = prim.params
     if p["symbolic_zeros"]:
         raise NotImplementedError(
@@ -750,9 +758,7 @@ def _custom_vjp3(prim: Any, eqn: Any, env: _Env) -> list[Any]:
     traced = p["traced"]
 
     def primal(*dynamic):
-        outs = jex.core.jaxpr_as_fun(_with_rules(traced.jaxpr, env.config))(
-            *jax.tree.leaves(dynamic)
-        )
+        outs = jex.core.jaxpr_as_fun(_with_rules(traced.jaxpr, config))(*jax.tree.leaves(dynamic))
         return jax.tree.unflatten(traced.out_tree, outs)
 
     def fwd(*full):
@@ -760,7 +766,7 @@ def _custom_vjp3(prim: Any, eqn: Any, env: _Env) -> list[Any]:
             it = iter(dynamic)
             return p["fwd"](*[full[i] if i in static else next(it) for i in range(len(full))])
 
-        return _ruled_function(fwd_of_dynamic, env.config)(
+        return _ruled_function(fwd_of_dynamic, config)(
             *[a for i, a in enumerate(full) if i not in static]
         )
 
@@ -774,6 +780,17 @@ def _custom_vjp3(prim: Any, eqn: Any, env: _Env) -> list[Any]:
         p["opt_remat"],
     )
     return bind(eqn, values, {**eqn.params, "_prim": rebuilt})
+
+
+def without_fp8(config: AutocastConfig) -> AutocastConfig:
+    """``config`` for the inside of a ``custom_jvp``/``custom_vjp`` function: its GEMMs run
+    under the 16-bit matmul rule, not in float8. A float8 GEMM has a custom VJP of its own,
+    which JAX can neither differentiate in forward mode (a JVP rule's tangents) nor
+    transpose; and a JVP rule runs instead of the body only under differentiation, so
+    delayed scaling would find a different set of GEMMs in each."""
+    if config.policy.fp8 is None:
+        return config
+    return dataclasses.replace(config, policy=dataclasses.replace(config.policy, fp8=None))
 
 
 def _with_rules(closed: Any, config: AutocastConfig) -> Any:
@@ -795,6 +812,7 @@ def _custom_vjp(eqn: Any, env: _Env) -> list[Any]:
     traced in: a custom backward pass is the user's numerics. The forward jaxpr comes
     from ``fwd_jaxpr_thunk`` (a JAX-internal parameter); with other parameters (another
     JAX version) it is refused."""
+    config = without_fp8(env.config)
     p = eqn.params
     if not {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees"} <= set(p):
         raise NotImplementedError(
@@ -806,12 +824,12 @@ def _custom_vjp(eqn: Any, env: _Env) -> list[Any]:
 
     def fwd_with_rules(*zeros):
         fwd = jex.core.ClosedJaxpr(*thunk.call_wrapped(*zeros))
-        ruled = _with_rules(fwd, env.config)
+        ruled = _with_rules(fwd, config)
         return ruled.jaxpr, ruled.consts
 
     params = dict(
         p,
-        call_jaxpr=_with_rules(p["call_jaxpr"], env.config),
+        call_jaxpr=_with_rules(p["call_jaxpr"], config),
         fwd_jaxpr_thunk=jex.linear_util.wrap_init(
             fwd_with_rules, debug_info=getattr(thunk, "debug_info", None)
         ),
@@ -1008,6 +1026,7 @@ def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
     those. The JVP rule's jaxpr comes from the equation's ``jvp_jaxpr_fun`` (a
     JAX-internal parameter); with other parameters (another JAX version) the function
     runs as traced."""
+    config = without_fp8(env.config)
     p = eqn.params
     if not {"call_jaxpr", "jvp_jaxpr_fun", "num_consts"} <= set(p):
         return _as_traced(eqn, env)
@@ -1016,7 +1035,7 @@ def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
     values = [env.read(a) for a in eqn.invars]
 
     def primal(consts, args):
-        return eval_jaxpr(body, body_consts, [*consts, *args], env.config)
+        return eval_jaxpr(body, body_consts, [*consts, *args], config)
 
     @jax.custom_jvp
     def call(consts, args):
@@ -1027,7 +1046,7 @@ def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
         consts, args = primals
         dtypes = [y.dtype for y in jax.eval_shape(primal, consts, args)]
         jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
-        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], env.config)
+        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], config)
         n = len(out_zeros)
         primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
         nonzero = iter(outs[n:])

@@ -1,0 +1,162 @@
+"""Delayed float8 scaling under ``autocast``: the state as an explicit object, one ``Fp8Meta``
+per GEMM of the traced program, keyed by where the GEMM sits in it (guides/fp8.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+
+from jaxamp._src.ops.fp8 import Fp8Meta, init_meta, max_combined
+
+
+@dataclasses.dataclass
+class _Store:
+    """The state of one call: ``state`` (``None`` while ``init_fp8_state`` collects the keys),
+    the path of the equation being evaluated, and how many bodies each equation has
+    entered so far (a ``cond``'s branches are bodies 0, 1, ...)."""
+
+    state: Mapping[str, Any] | None
+    history_length: int
+    collected: dict[str, Fp8Meta] = dataclasses.field(default_factory=dict)
+    path: list[str] = dataclasses.field(default_factory=list)
+    bodies: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+
+
+_ACTIVE: list[_Store] = []
+
+
+def active() -> _Store | None:
+    """The store of the delayed-scaling call being evaluated, or ``None``."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def body(store: _Store) -> Iterator[None]:
+    """A program body being evaluated: the top one adds nothing to the path, a nested one
+    its number among the bodies of the equation that holds it."""
+    if not store.path:
+        yield
+        return
+    prefix = tuple(store.path)
+    number = store.bodies.get(prefix, 0)
+    store.bodies[prefix] = number + 1
+    store.path.append(str(number))
+    try:
+        yield
+    finally:
+        store.path.pop()
+
+
+@contextlib.contextmanager
+def equation(store: _Store, index: int) -> Iterator[None]:
+    store.path.append(str(index))
+    try:
+        yield
+    finally:
+        store.path.pop()
+
+
+def meta_here() -> Fp8Meta | None:
+    """The state of the GEMM being evaluated, or ``None`` for current scaling."""
+    store = active()
+    if store is None:
+        return None
+    key = "/".join(store.path)
+    if store.state is None:
+        store.collected.setdefault(key, init_meta(store.history_length))
+        return store.collected[key]
+    if key not in store.state:
+        raise ValueError(
+            f"fp8_state has no state for the GEMM at '{key}' of the traced program; it holds "
+            f"{sorted(store.state)[:8]}. The state was made for another program (other "
+            "argument shapes that change the trace, another function): make it with "
+            "jaxamp.init_fp8_state(f, *args) on the arguments f is called with."
+        )
+    return Fp8Meta(*store.state[key])
+
+
+@contextlib.contextmanager
+def _running(store: _Store) -> Iterator[_Store]:
+    _ACTIVE.append(store)
+    try:
+        yield store
+    finally:
+        _ACTIVE.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Delayed:
+    """What ``init_fp8_state`` needs of a function ``with_state`` made."""
+
+    evaluate: Callable[..., Any]
+    history_length: int
+
+
+def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., Any]:
+    """``fun`` (autocast's evaluation) taking the delayed-scaling state as ``fp8_state=``."""
+
+    @functools.wraps(fun)
+    def call(*args: Any, fp8_state: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+        if fp8_state is None:
+            raise TypeError(
+                "a function autocast runs with delayed float8 scaling takes its state as "
+                "fp8_state=: make it with jaxamp.init_fp8_state(f, *args), pass it, and take "
+                "its gradient as the next state (guides/fp8.md)."
+            )
+        if not isinstance(fp8_state, Mapping):
+            raise TypeError(
+                "fp8_state must be the mapping jaxamp.init_fp8_state made (a GEMM's key to "
+                f"its jaxamp.ops.Fp8Meta), got {type(fp8_state).__name__}."
+            )
+        with _running(_Store(max_combined(dict(fp8_state)), history_length)):
+            return fun(*args, **kwargs)
+
+    call._jaxamp_delayed = _Delayed(fun, history_length)  # type: ignore[attr-defined]
+    return call
+
+
+def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Fp8Meta]:
+    """The delayed-scaling state of a function ``autocast`` runs in float8: one ``Fp8Meta``
+    per GEMM, found by tracing ``fun`` on these arguments (nothing is computed).
+
+    Pass it as ``fun(*args, fp8_state=state)`` and differentiate with respect to it: its
+    gradient is the next state (never give it to an optimizer). A GEMM in a loop body
+    has one state for all iterations, its amax the largest of theirs; GEMMs inside
+    ``custom_jvp``/``custom_vjp`` functions run in the compute dtype, not in float8.
+
+    Args:
+      fun: the function ``jaxamp.autocast`` returned for a delayed-scaling policy.
+      *args: its arguments, as it will be called.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A dict of each GEMM's key (its place in the traced program) to a fresh ``Fp8Meta``.
+
+    Raises:
+      TypeError: if ``fun`` is not such a function.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxamp
+      >>> f = jaxamp.autocast(lambda w, x: jnp.sum(x @ w), "mixed_float8_delayed")
+      >>> w, x = jnp.ones((4, 3)), jnp.ones((2, 4))
+      >>> state = init_fp8_state(f, w, x)
+      >>> step = jax.jit(jax.grad(lambda w, s: f(w, x, fp8_state=s), argnums=(0, 1)))
+      >>> dw, state = step(w, state)
+      >>> float(state["0"].input_amax_history[0])
+      1.0
+    """
+    delayed = getattr(fun, "_jaxamp_delayed", None)
+    if not isinstance(delayed, _Delayed):
+        raise TypeError(
+            "init_fp8_state expects a function jaxamp.autocast made with a delayed-scaling "
+            f"policy (e.g. 'mixed_float8_delayed'), got {fun!r}."
+        )
+    with _running(_Store(None, delayed.history_length)) as store:
+        jax.eval_shape(lambda: delayed.evaluate(*args, **kwargs))
+    return {key: init_meta(delayed.history_length) for key in store.collected}
