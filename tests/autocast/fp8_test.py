@@ -214,6 +214,29 @@ def test_gemms_in_custom_derivatives_run_in_16_bits(recipe):
         assert jaxamp.precision_report(jax.grad(lambda a: f(*a)))(args).float8_gemms()
 
 
+def test_init_traces_an_nnx_model_without_changing_it():
+    """init_fp8_state finds the GEMMs of an NNX model autocast runs without running it: its
+    BatchNorm statistics stay as they were (they had been written with leaked tracers);
+    the call with the state updates them as a call outside autocast does."""
+    from flax import nnx
+
+    model = nnx.Sequential(
+        nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+        nnx.BatchNorm(8, rngs=nnx.Rngs(0)),
+        nnx.Linear(8, 2, rngs=nnx.Rngs(1)),
+    )
+    f = jaxamp.autocast(model, "mixed_float8_delayed")
+    x = jnp.ones((3, 4)) * jnp.arange(3.0)[:, None]
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
+    state = jaxamp.init_fp8_state(f, x)
+    assert len(state) == 2
+    after = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
+    np.testing.assert_equal(jax.tree.leaves(after), jax.tree.leaves(before))
+    f(x, fp8_state=state)
+    moved = nnx.state(model, nnx.BatchStat)
+    assert not np.array_equal(jax.tree.leaves(moved)[0], jax.tree.leaves(before)[0])
+
+
 def test_errors_name_the_state_and_how_to_make_it():
     w1, w2, x = _weights()
     f = jaxamp.autocast(_two_layers, "mixed_float8_delayed")

@@ -170,6 +170,7 @@ def interpreted(
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        store = fp8_state.take()  # delayed float8 scaling's state, for this call only
         graph = _GRAPH[0]
         nodes, state, others = graph.split((callee, args, kwargs))
         arrays, rebuild_inputs = partition_arrays((state, others))
@@ -208,7 +209,11 @@ def interpreted(
                 consts[i] = value
 
         def evaluate_traced(arrays):  # constants closed over, so the rules see their values
-            with constants.evaluating_with(written), constants.watching() as kept:
+            with (
+                constants.evaluating_with(written),
+                constants.watching() as kept,
+                fp8_state.running(store),
+            ):
                 outs = eval_jaxpr(closed.jaxpr, consts, arrays, config)
             if written or kept:  # an output a constant made wider keeps its value (sown state)
                 return [
@@ -223,6 +228,9 @@ def interpreted(
             return cast_to_traced(outs, closed.jaxpr.outvars)
 
         evaluate = checkpoint_residuals(evaluate_traced, residuals)
+        if store is not None and store.state is None:  # init_fp8_state: the GEMMs' keys
+            jax.eval_shape(evaluate, arrays)
+            return None
         out, new_state = rebuild_outputs[0](evaluate(arrays))
         nodes.update(new_state)
         return out

@@ -9,8 +9,6 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import jax
-
 from jaxamp._src.ops.fp8 import Fp8Meta, init_meta, max_combined
 
 
@@ -81,12 +79,36 @@ def meta_here() -> Fp8Meta | None:
 
 
 @contextlib.contextmanager
-def _running(store: _Store) -> Iterator[_Store]:
+def running(store: _Store | None) -> Iterator[None]:
+    """Evaluation with ``store``'s state (nothing for ``None``)."""
+    if store is None:
+        yield
+        return
     _ACTIVE.append(store)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+# The store of a call on its way to autocast's evaluation: taken once, by the outermost
+# interpreted call, so that a policy's own evaluation while autocast traces never sees it.
+_HANDED: list[_Store | None] = [None]
+
+
+@contextlib.contextmanager
+def _handing(store: _Store) -> Iterator[_Store]:
+    previous, _HANDED[0] = _HANDED[0], store
     try:
         yield store
     finally:
-        _ACTIVE.pop()
+        _HANDED[0] = previous
+
+
+def take() -> _Store | None:
+    """The store handed to this call (``None`` if none was), handed to no other call."""
+    store, _HANDED[0] = _HANDED[0], None
+    return store
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +135,7 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
                 "fp8_state must be the mapping jaxamp.init_fp8_state made (a GEMM's key to "
                 f"its jaxamp.ops.Fp8Meta), got {type(fp8_state).__name__}."
             )
-        with _running(_Store(max_combined(dict(fp8_state)), history_length)):
+        with _handing(_Store(max_combined(dict(fp8_state)), history_length)):
             return fun(*args, **kwargs)
 
     call._jaxamp_delayed = _Delayed(fun, history_length)  # type: ignore[attr-defined]
@@ -157,6 +179,6 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             "init_fp8_state expects a function jaxamp.autocast made with a delayed-scaling "
             f"policy (e.g. 'mixed_float8_delayed'), got {fun!r}."
         )
-    with _running(_Store(None, delayed.history_length)) as store:
-        jax.eval_shape(lambda: delayed.evaluate(*args, **kwargs))
+    with _handing(_Store(None, delayed.history_length)) as store:
+        delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
     return {key: init_meta(delayed.history_length) for key in store.collected}
