@@ -509,3 +509,29 @@ def test_a_recipe_policy_string_parses_back():
     assert jaxamp.get_policy(str(policy)) == policy
     with pytest.raises(ValueError, match="need fp8="):
         jaxamp.get_policy("p=f32,fp8_history=16")
+
+
+def test_a_missing_state_is_refused_with_what_to_pass():
+    """nn.scan without the collection in variable_axes, and apply without the collection:
+    each names the layer and what to add (Flax's own error named neither)."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.tanh(nn.Dense(8)(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            return layers()(x, None)[0]
+
+    x = jnp.ones((2, 8))
+    stack = jaxamp.linen.apply_policy(Stack(), "mixed_float8_delayed")
+    with pytest.raises(ValueError, match=r"ScanBlock_0/Dense_0.*'_overwrite_with_gradient': 0"):
+        stack.init(jax.random.key(0), x)
+    model, x, variables = _train_linen("mixed_float8_delayed")
+    with pytest.raises(ValueError, match=r"Dense_0 found no '_overwrite_with_gradient'.*apply"):
+        model.apply({"params": variables["params"]}, x)

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,9 +38,30 @@ def linen_meta(module: Any, recipe: Fp8Recipe) -> Fp8Meta:
     length = recipe.amax_history_length
     values = []
     for name in Fp8Meta._fields:
-        variable = module.variable(STATE_COLLECTION, name, _initial, name, length)
+        try:
+            variable = module.variable(STATE_COLLECTION, name, _initial, name, length)
+        except flax.errors.ScopeCollectionNotFound as e:
+            raise ValueError(_missing_state(module, str(e))) from e
         values.append(variable.value)
     return Fp8Meta(*values)
+
+
+def _missing_state(module: Any, flax_message: str) -> str:
+    path = "/".join(str(p) for p in module.scope.path) or "the model"
+    lifted = any(t in flax_message for t in ("scan(", "vmap(", "remat(", "jit("))
+    if lifted:
+        return (
+            f"the float8 layer {path} found no '{STATE_COLLECTION}' collection: a lifted "
+            "transformation (nn.scan, nn.vmap, ...) around it does not carry it. Add "
+            f"'{STATE_COLLECTION}': 0 to its variable_axes, beside 'params', so each layer "
+            "has its own state (guides/fp8.md)."
+        )
+    return (
+        f"the float8 layer {path} found no '{STATE_COLLECTION}' collection in the "
+        "variables apply was given: delayed scaling keeps its state there. Pass it beside "
+        f"the params, {{'params': params, '{STATE_COLLECTION}': state}}, with the state init "
+        "made (guides/fp8.md)."
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
