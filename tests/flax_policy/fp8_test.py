@@ -535,3 +535,39 @@ def test_a_missing_state_is_refused_with_what_to_pass():
     model, x, variables = _train_linen("mixed_float8_delayed")
     with pytest.raises(ValueError, match=r"Dense_0 found no '_overwrite_with_gradient'.*apply"):
         model.apply({"params": variables["params"]}, x)
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad_wrt_input", "vmap"])
+def test_an_nnx_model_closed_over_by_a_jax_transformation_runs(transform):
+    """jax.jit, jax.grad with respect to the input and jax.vmap of a function closing over
+    an NNX model under delayed scaling (evaluation, saliency): the state is read, never
+    written, so the model's variables of another trace are left alone (this failed with
+    TraceContextError), and the outputs equal the model called directly."""
+    model = nnx.Linear(8, 2, rngs=nnx.Rngs(0))
+    jaxamp.nnx.apply_policy(model, "mixed_float8_delayed")
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    expected = {
+        "jit": model(x),
+        "grad_wrt_input": None,
+        "vmap": jnp.stack([model(xi) for xi in x]),
+    }[transform]
+    if transform == "jit":
+        got = jax.jit(lambda x: model(x))(x)
+    elif transform == "grad_wrt_input":
+        got = jax.grad(lambda x: jnp.sum(model(x)))(x)
+        expected = jax.grad(lambda x: jnp.sum(nnx.merge(*nnx.split(model))(x)))(x)
+    else:
+        got = jax.vmap(lambda xi: model(xi))(x)
+        expected = model(x)  # one amax over the whole batch, as the unbatched call
+    np.testing.assert_array_equal(got, expected)
+    assert model.input_amax_history[...].dtype == jnp.float32
+
+
+def test_nnx_linear_general_with_batch_axis_keeps_one_state():
+    """nnx.LinearGeneral's batch_axis dimensions lead its kernel: not a stack of layers."""
+    layer = nnx.LinearGeneral(8, 5, axis=-1, batch_axis={0: 3}, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (3, 4, 8))
+    expected = layer(x)
+    jaxamp.nnx.apply_policy(layer, "mixed_float8_delayed")
+    assert layer.input_amax_history[...].shape == (1024,)
+    np.testing.assert_allclose(layer(x), expected, atol=0.1 * float(jnp.max(jnp.abs(expected))))

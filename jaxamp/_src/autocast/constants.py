@@ -116,6 +116,8 @@ def _const_keys(jaxpr: Any) -> dict[int, tuple[str, str, int]]:
 
 
 def _holds_inf(value: Any) -> bool:
+    if not is_16bit(getattr(value, "dtype", None)):  # extended dtypes have no numpy form
+        return False
     value = np.asarray(value)
     return is_16bit(value.dtype) and not np.all(np.isfinite(value.astype(np.float32)))
 

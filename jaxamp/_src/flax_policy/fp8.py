@@ -147,8 +147,9 @@ def _stacked(module: nnx.Module) -> tuple[int, ...]:
     shape = kernel.get_value().shape
     if isinstance(module, nnx.Einsum):
         declared = len(module.kernel_shape)
-    elif isinstance(module, nnx.LinearGeneral):
-        declared = len(module.in_features) + len(module.out_features)
+    elif isinstance(module, nnx.LinearGeneral):  # its batch_axis dimensions lead the kernel
+        declared = len(getattr(module, "batch_axis", None) or ())
+        declared += len(module.in_features) + len(module.out_features)
     else:  # nnx.Linear: (in, out)
         declared = 2
     return tuple(shape[: max(len(shape) - declared, 0)])
@@ -173,8 +174,15 @@ def detach_nnx_meta(module: nnx.Module) -> None:
             delattr(module, name)
 
 
+# The max-combined state of the layers of the call being traced: id(layer) to its Fp8Meta.
+_COMBINED: list[dict[int, Fp8Meta]] = []
+
+
 def nnx_meta(module: nnx.Module) -> Fp8Meta:
-    """The values of an NNX layer's float8 state."""
+    """The values of an NNX layer's float8 state (max-combined during a policy's call)."""
+    combined = _COMBINED[-1].get(id(module)) if _COMBINED else None
+    if combined is not None:
+        return combined
     return Fp8Meta(*(getattr(module, name).get_value() for name in Fp8Meta._fields))
 
 
@@ -182,28 +190,32 @@ def has_nnx_meta(module: Any) -> bool:
     return isinstance(getattr(module, Fp8Meta._fields[0], None), OverwriteWithGradient)
 
 
-@contextlib.contextmanager
-def nnx_max_combined(modules: Any) -> Iterator[None]:
-    """The float8 state of ``modules`` as max-combined values for the duration of a call."""
-    saved = []
+def nnx_max_combined(modules: Any) -> dict[Any, Fp8Meta]:
+    """The float8 state of ``modules`` (``(path, module)`` pairs) as max-combined values,
+    by path, converted once for the call; nothing is written to the variables (a model
+    closed over by ``jax.jit`` or ``jax.vmap`` holds variables of another trace)."""
     modules = list(modules)
-    params = [v.get_value() for m in modules for v in vars(m).values() if isinstance(v, nnx.Param)]
-    state = [nnx_meta(m) for m in modules if has_nnx_meta(m)]
-    warn_if_state_is_not_differentiated(params, state)
-    holders = [m for m in modules if has_nnx_meta(m)]
-    variables = [[getattr(m, name) for name in Fp8Meta._fields] for m in holders]
-    values = [Fp8Meta(*(v.get_value() for v in layer)) for layer in variables]
-    if values and all(v.dtype != MAX32 for meta in values for v in meta):
-        combined = max_combined(values)  # one conversion: a layer no GEMM used keeps its state
-        for layer, old, new in zip(variables, values, combined, strict=True):
-            for variable, before, after in zip(layer, old, new, strict=True):
-                saved.append((variable, before))
-                variable.set_value(after)
+    params = [
+        v.get_value() for _, m in modules for v in vars(m).values() if isinstance(v, nnx.Param)
+    ]
+    holders = [(path, m) for path, m in modules if has_nnx_meta(m)]
+    values = [nnx_meta(m) for _, m in holders]
+    warn_if_state_is_not_differentiated(params, values)
+    if not values or any(v.dtype == MAX32 for meta in values for v in meta):
+        return {}
+    combined = max_combined(values)  # one conversion: a layer no GEMM used keeps its state
+    return {path: meta for (path, _), meta in zip(holders, combined, strict=True)}
+
+
+@contextlib.contextmanager
+def nnx_combined_state(modules: Any, combined: dict[Any, Fp8Meta]) -> Iterator[None]:
+    """The layers among ``modules`` (``(path, module)`` pairs: the copies a traced call
+    works on) read their state from ``combined``, by path, for the duration."""
+    _COMBINED.append({id(m): combined[path] for path, m in modules if path in combined})
     try:
         yield
     finally:
-        for variable, value in saved:
-            variable.set_value(value)
+        _COMBINED.pop()
 
 
 def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):

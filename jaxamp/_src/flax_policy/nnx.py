@@ -81,15 +81,18 @@ def _policy_call(self, *args, **kwargs):
     config = AutocastConfig(policy, getattr(self, _RULES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
 
-    def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
-        if fp8_state.has_nnx_meta(module):
-            return policy.cast_to_output(
-                fp8_state.nnx_delayed_call(module, base_call, *args, **kwargs)
-            )
-        return policy.cast_to_output(base_call(module, *args, **kwargs))
+    # Delayed float8 scaling: the layers' state, converted once for the call, by path.
+    combined = fp8_state.nnx_max_combined(iter_modules(self))
 
-    modules = [m for _, m in iter_modules(self)]
-    with layer_plan.explaining_carry_errors(policy), fp8_state.nnx_max_combined(modules):
+    def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
+        with fp8_state.nnx_combined_state(iter_modules(module), combined):
+            if fp8_state.has_nnx_meta(module):
+                return policy.cast_to_output(
+                    fp8_state.nnx_delayed_call(module, base_call, *args, **kwargs)
+                )
+            return policy.cast_to_output(base_call(module, *args, **kwargs))
+
+    with layer_plan.explaining_carry_errors(policy):
         return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
 
 
