@@ -244,9 +244,9 @@ def test_errors_name_the_state_and_how_to_make_it():
         f(w1, w2, x)
     with pytest.raises(TypeError, match=r"fp8_state must be the mapping.*got list"):
         f(w1, w2, x, fp8_state=[init_meta()])
-    missing = r"no state for the GEMM at '2'.*holds \['0'\].*init_fp8_state"
+    missing = r"no state for the GEMM 'args\[1\]'.*holds \['args\[0\]'\].*init_fp8_state"
     with pytest.raises(ValueError, match=missing):
-        f(w1, w2, x, fp8_state={"0": init_meta()})
+        f(w1, w2, x, fp8_state={"args[0]": init_meta()})
     with pytest.raises(TypeError, match="delayed-scaling policy"):
         jaxamp.init_fp8_state(jaxamp.autocast(_two_layers, "mixed_float8"), w1, w2, x)
     with pytest.raises(TypeError, match="fp8_state"):
@@ -327,3 +327,48 @@ def test_both_recipes_train_close_to_16_bits(compute):
         _, got = _train(f"p=f32,c={compute},o=f32,fp8={recipe}")
         assert got == pytest.approx(half, abs=0.01 * first), recipe
         assert got < 0.02 * first, recipe
+
+
+def test_a_trace_without_some_gemm_finds_each_weights_own_state():
+    """A training-only head changes the traced program; each GEMM is named by its weight,
+    so evaluation without the head uses each layer's own state (keyed by place, the
+    first layer's state went to the head's GEMM and its activations were clipped)."""
+
+    def fun(p, x, aux):
+        out = jnp.sum(x @ p["aux"]) * 0.0 if aux else 0.0
+        h = jnp.tanh(x @ p["w1"]) * 1000.0
+        return out + jnp.sum(h @ p["w2"])
+
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {
+        "aux": jax.random.normal(k[0], (16, 4)) * 1e-3,
+        "w1": jax.random.normal(k[1], (16, 16)),
+        "w2": jax.random.normal(k[2], (16, 1)),
+    }
+    x = jax.random.normal(k[3], (8, 16))
+    f = jaxamp.autocast(fun, "mixed_float8_delayed")
+    state = jaxamp.init_fp8_state(f, p, x, True)
+    assert sorted(state) == ["args[0]['aux']", "args[0]['w1']", "args[0]['w2']"]
+    step = jax.jit(jax.grad(lambda p, s: f(p, x, True, fp8_state=s), argnums=1))
+    for _ in range(3):
+        state = step(p, state)
+    train = f(p, x, True, fp8_state=state)
+    np.testing.assert_array_equal(f(p, x, False, fp8_state=state), train)
+    assert float(train) == pytest.approx(float(fun(p, x, False)), rel=0.1)
+
+
+def test_differentiating_the_arguments_but_not_the_state_warns():
+    w1, w2, x = _weights()
+    f = jaxamp.autocast(_two_layers, "mixed_float8_delayed")
+    state = jaxamp.init_fp8_state(f, w1, w2, x)
+    with pytest.warns(UserWarning, match="state is not, so it will never update"):
+        jax.grad(lambda w: f(w, w2, x, fp8_state=state))(w1)
+
+
+def test_a_state_restored_as_plain_dicts_is_accepted():
+    """Orbax restores without a template as dicts of field names: the same state."""
+    w1, w2, x = _weights()
+    _, (_, new) = _delayed_grad(_two_layers, w1, w2, x)
+    f = jaxamp.autocast(_two_layers, "mixed_float8_delayed")
+    as_dicts = {k: dict(v._asdict()) for k, v in new.items()}
+    np.testing.assert_array_equal(f(w1, w2, x, fp8_state=as_dicts), f(w1, w2, x, fp8_state=new))

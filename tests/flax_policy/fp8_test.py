@@ -571,3 +571,14 @@ def test_nnx_linear_general_with_batch_axis_keeps_one_state():
     jaxamp.nnx.apply_policy(layer, "mixed_float8_delayed")
     assert layer.input_amax_history[...].shape == (1024,)
     np.testing.assert_allclose(layer(x), expected, atol=0.1 * float(jnp.max(jnp.abs(expected))))
+
+
+def test_loss_scaled_refuses_nnx_state_at_init():
+    """An NNX state's leaves sit under '.value': nnx.Optimizer with the state among wrt is
+    refused at once (it was accepted, and the state stepped by the optimizer)."""
+    model = _nnx_model("mixed_float8_delayed")
+    both = nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient)
+    with pytest.raises(ValueError, match="float8 scaling state among the params"):
+        nnx.Optimizer(model, jaxamp.loss_scaled(optax.sgd(0.1)), wrt=both)
+    with pytest.raises(ValueError, match="float8 scaling state among the params"):
+        jaxamp.loss_scaled(optax.sgd(0.1)).init(nnx.state(model))

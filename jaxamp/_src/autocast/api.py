@@ -208,13 +208,15 @@ def interpreted(
             for i, value in constants.written_consts(closed, wide).items():
                 consts[i] = value
 
-        def evaluate_traced(arrays):  # constants closed over, so the rules see their values
+        def evaluate_traced(traced_arrays):  # constants closed over: the rules see their values
+            if store is not None:  # the arguments' names, for the float8 GEMMs' state
+                fp8_state.rename(store, arrays, traced_arrays)
             with (
                 constants.evaluating_with(written),
                 constants.watching() as kept,
                 fp8_state.running(store),
             ):
-                outs = eval_jaxpr(closed.jaxpr, consts, arrays, config)
+                outs = eval_jaxpr(closed.jaxpr, consts, traced_arrays, config)
             if written or kept:  # an output a constant made wider keeps its value (sown state)
                 return [
                     out if wide else cast

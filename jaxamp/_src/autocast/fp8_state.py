@@ -9,7 +9,14 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from jaxamp._src.ops.fp8 import Fp8Meta, init_meta, max_combined
+import jax
+
+from jaxamp._src.ops.fp8 import (
+    Fp8Meta,
+    init_meta,
+    max_combined,
+    warn_if_state_is_not_differentiated,
+)
 
 
 @dataclasses.dataclass
@@ -20,6 +27,7 @@ class _Store:
 
     state: Mapping[str, Any] | None
     history_length: int
+    names: dict[int, tuple[Any, str]] = dataclasses.field(default_factory=dict)
     collected: dict[str, Fp8Meta] = dataclasses.field(default_factory=dict)
     path: list[str] = dataclasses.field(default_factory=list)
     bodies: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
@@ -59,23 +67,58 @@ def equation(store: _Store, index: int) -> Iterator[None]:
         store.path.pop()
 
 
-def meta_here() -> Fp8Meta | None:
-    """The state of the GEMM being evaluated, or ``None`` for current scaling."""
+def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, str]]:
+    """``id(array): (array, name)`` for the arrays among a call's arguments, named by where
+    they sit: ``args[0]['w1']``, ``kwargs['params']['Dense_0']['kernel']``."""
+    names = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            head = "args" if path[0].idx == 0 else "kwargs"
+            names[id(leaf)] = (leaf, head + jax.tree_util.keystr(path[1:]))
+    return names
+
+
+def _name_of(store: _Store, value: Any) -> str | None:
+    entry = store.names.get(id(value))
+    return entry[1] if entry is not None and entry[0] is value else None
+
+
+def rename(store: _Store, before: list[Any], after: list[Any]) -> None:
+    """The arrays ``after`` take the names of ``before`` (an abstract trace of the call)."""
+    for old, new in zip(before, after, strict=True):
+        name = _name_of(store, old)
+        if name is not None:
+            store.names[id(new)] = (new, name)
+
+
+def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
+    """The state of the GEMM being evaluated, or ``None`` for current scaling. A GEMM with
+    an argument of the call for an operand (its weight, ``x @ params['w1']``, up to casts
+    and transposes) is keyed by that argument's name, so the same weight finds the same
+    state in any trace; others by their place in the traced program."""
     store = active()
     if store is None:
         return None
-    key = "/".join(store.path)
+    rhs_name, lhs_name = _name_of(store, rhs), _name_of(store, lhs)
+    if rhs_name is not None:
+        key = rhs_name
+    elif lhs_name is not None:
+        key = f"{lhs_name} (lhs)"
+    else:
+        key = "/".join(store.path)
     if store.state is None:
         store.collected.setdefault(key, init_meta(store.history_length))
         return store.collected[key]
     if key not in store.state:
         raise ValueError(
-            f"fp8_state has no state for the GEMM at '{key}' of the traced program; it holds "
-            f"{sorted(store.state)[:8]}. The state was made for another program (other "
-            "argument shapes that change the trace, another function): make it with "
-            "jaxamp.init_fp8_state(f, *args) on the arguments f is called with."
+            f"fp8_state has no state for the GEMM '{key}' (a GEMM is named by the argument "
+            "its weight comes from, or else by its place in the traced program); it holds "
+            f"{sorted(store.state)[:8]}. The state was made for another function or other "
+            "arguments: make it with jaxamp.init_fp8_state(f, *args) on the arguments f is "
+            "called with."
         )
-    return Fp8Meta(*store.state[key])
+    meta = store.state[key]
+    return Fp8Meta(**meta) if isinstance(meta, Mapping) else Fp8Meta(*meta)
 
 
 @contextlib.contextmanager
@@ -135,7 +178,10 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
                 "fp8_state must be the mapping jaxamp.init_fp8_state made (a GEMM's key to "
                 f"its jaxamp.ops.Fp8Meta), got {type(fp8_state).__name__}."
             )
-        with _handing(_Store(max_combined(dict(fp8_state)), history_length)):
+        warn_if_state_is_not_differentiated((args, kwargs), fp8_state)
+        store = _Store(max_combined(dict(fp8_state)), history_length)
+        store.names = _argument_names(args, kwargs)
+        with _handing(store):
             return fun(*args, **kwargs)
 
     call._jaxamp_delayed = _Delayed(fun, history_length)  # type: ignore[attr-defined]
@@ -157,7 +203,8 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
       **kwargs: its keyword arguments.
 
     Returns:
-      A dict of each GEMM's key (its place in the traced program) to a fresh ``Fp8Meta``.
+      A dict of each GEMM's key to a fresh ``Fp8Meta``: the name of the argument its
+      weight comes from (``"args[0]['w1']"``), or else its place in the traced program.
 
     Raises:
       TypeError: if ``fun`` is not such a function.
@@ -170,8 +217,8 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
       >>> state = init_fp8_state(f, w, x)
       >>> step = jax.jit(jax.grad(lambda w, s: f(w, x, fp8_state=s), argnums=(0, 1)))
       >>> dw, state = step(w, state)
-      >>> float(state["0"].input_amax_history[0])
-      1.0
+      >>> list(state), float(state["args[0]"].input_amax_history[0])
+      (['args[0]'], 1.0)
     """
     delayed = getattr(fun, "_jaxamp_delayed", None)
     if not isinstance(delayed, _Delayed):
@@ -179,6 +226,8 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             "init_fp8_state expects a function jaxamp.autocast made with a delayed-scaling "
             f"policy (e.g. 'mixed_float8_delayed'), got {fun!r}."
         )
-    with _handing(_Store(None, delayed.history_length)) as store:
+    store = _Store(None, delayed.history_length)
+    store.names = _argument_names(args, kwargs)
+    with _handing(store):
         delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
     return {key: init_meta(delayed.history_length) for key in store.collected}

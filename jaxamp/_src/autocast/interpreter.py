@@ -380,10 +380,27 @@ def _fp8_matmul(eqn: Any, env: _Env) -> Any:
         dims,
         None,
         out,
-        meta=fp8_state.meta_here(),
+        meta=fp8_state.meta_here(_source(env, lhs), _source(env, rhs)),
         margin=env.policy.fp8.margin,
         out_sharding=eqn.params.get("out_sharding"),
     )
+
+
+# Equations that move or cast a value without computing: a GEMM's operand made by them
+# from an argument (``x @ w.T``, a kernel cast or reshaped) is that argument's.
+_MOVES = frozenset(
+    {"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
+)
+
+
+def _source(env: _Env, value: Any) -> Any:
+    """The value ``value`` was moved or cast from, through ``_MOVES``."""
+    for _ in range(16):
+        entry = env.record.made.get(id(value))
+        if entry is None or entry[0] is not value or entry[1].primitive.name not in _MOVES:
+            return value
+        value = entry[2][0]
+    return value
 
 
 def _traced_matmul(eqn: Any, env: _Env) -> list[Any]:

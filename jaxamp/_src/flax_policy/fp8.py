@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +11,6 @@ import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src.interpreters import ad  # JVPTracer: is a value being differentiated
 
 from jaxamp._src.dtypes import FLOAT32
 from jaxamp._src.ops.fp8 import (
@@ -22,6 +20,7 @@ from jaxamp._src.ops.fp8 import (
     Fp8Meta,
     as_float32,
     max_combined,
+    warn_if_state_is_not_differentiated,
 )
 from jaxamp._src.policy import Fp8Recipe
 
@@ -88,34 +87,6 @@ class LinenDelayed:
     def einsum(self, *args, **kwargs):
         """``jnp.einsum`` in float8 with this layer's state."""
         return self._rule().einsum(*args, **kwargs)
-
-
-_DIFFERENTIATING = tuple(
-    t for t in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if t
-)
-
-
-def _differentiated(x: Any) -> bool:
-    return isinstance(x, _DIFFERENTIATING)
-
-
-def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
-    """Warns where params are being differentiated and the delayed-scaling state is not:
-    its next value is its gradient, so it would never move from its first scale of 1
-    (values above 448 clipped, small ones flushed to zero, every step)."""
-    leaves = jax.tree.leaves(state)
-    if not leaves or any(map(_differentiated, leaves)):
-        return
-    if any(map(_differentiated, jax.tree.leaves(params))):
-        warnings.warn(
-            "Delayed float8 scaling: the params are being differentiated but the scaling "
-            "state is not, so it will never update (its gradient is its next value). "
-            "Differentiate it too and keep its gradient: Linen, jax.grad(loss, argnums=(0, 1))"
-            "(params, variables['_overwrite_with_gradient']); NNX, nnx.grad(loss, argnums="
-            "nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))) and "
-            "jaxamp.nnx.update_fp8_state (guides/fp8.md).",
-            stacklevel=4,
-        )
 
 
 def max_combined_collection(variables: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +19,7 @@ from jax._src import ad_util as _ad_util
 from jax._src import core as _jax_core
 from jax._src import dtypes as _jax_dtypes
 from jax._src import earray as _earray
+from jax._src.interpreters import ad as _ad  # JVPTracer: is a value being differentiated
 from jax._src.interpreters import pxla as _pxla
 from jax._src.sharding_impls import canonicalize_sharding
 
@@ -181,6 +183,8 @@ def state_paths(tree: Any) -> list[str]:
     collection (Linen), or a layer's full set of ``Fp8Meta`` fields (NNX)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     keys = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path) for path, _ in flat]
+    # An NNX State's leaves sit under their Variable's value: input_scale/value.
+    keys = [k[:-1] if len(k) > 1 and k[-1] in ("value", "raw_value") else k for k in keys]
     by_parent: dict[tuple[str, ...], set[str]] = {}
     for key in keys:
         if key:
@@ -192,6 +196,37 @@ def state_paths(tree: Any) -> list[str]:
         if in_collection or (in_layer and key[-1] in Fp8Meta._fields):
             found.append("/".join(key))
     return found
+
+
+# --------------------------------------------------------- a state left undifferentiated
+
+_DIFFERENTIATING = tuple(
+    t for t in (getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)) if t
+)
+
+
+def _differentiated(x: Any) -> bool:
+    return isinstance(x, _DIFFERENTIATING)
+
+
+def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
+    """Warns where params are being differentiated and the delayed-scaling state is not:
+    its next value is its gradient, so it would never move from its first scale of 1
+    (values above 448 clipped, small ones flushed to zero, every step)."""
+    leaves = jax.tree.leaves(state)
+    if not leaves or any(map(_differentiated, leaves)):
+        return
+    if any(map(_differentiated, jax.tree.leaves(params))):
+        warnings.warn(
+            "Delayed float8 scaling: the params are being differentiated but the scaling "
+            "state is not, so it will never update (its gradient is its next value). "
+            "Differentiate it too and keep its gradient: Linen, jax.grad(loss, argnums=(0, 1))"
+            "(params, variables['_overwrite_with_gradient']); NNX, nnx.grad(loss, argnums="
+            "nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))) and "
+            "jaxamp.nnx.update_fp8_state; autocast, jax.grad(lambda p, s: f(p, x, "
+            "fp8_state=s), argnums=(0, 1)) (guides/fp8.md).",
+            stacklevel=4,
+        )
 
 
 # ------------------------------------------------------------------------ quantization
