@@ -66,6 +66,8 @@ class Fp8Recipe:
     margin: int = 0
 
     def __post_init__(self):
+        if isinstance(self.scaling, str):  # as the grammar reads it: "Delayed" is "delayed"
+            object.__setattr__(self, "scaling", self.scaling.strip().lower())
         if self.scaling not in FP8_SCALINGS:
             raise invalid_choice("fp8 scaling", self.scaling, FP8_SCALINGS)
         for name in ("amax_history_length", "margin"):
@@ -267,8 +269,11 @@ def _parse_grammar(spec: str) -> Policy:
                 why = f"Invalid policy {spec!r}: unknown fp8 scaling {value!r}."
                 raise invalid_choice("fp8 scaling", value, FP8_SCALINGS, why=why)
         elif name in ("fp8_history", "fp8_margin"):
-            if not value.isdigit():
-                raise ValueError(f"Invalid policy {spec!r}: {name}={value!r} is not an integer.")
+            least = 1 if name == "fp8_history" else 0
+            if not value.lstrip("+-").isdigit() or int(value) < least:
+                raise ValueError(
+                    f"Invalid policy {spec!r}: {name}={value!r} must be an integer >= {least}."
+                )
         else:
             canonical_dtype(value, f"dtype for {name!r} in policy {spec!r}:")
         values[name] = value

@@ -372,3 +372,17 @@ def test_a_state_restored_as_plain_dicts_is_accepted():
     f = jaxamp.autocast(_two_layers, "mixed_float8_delayed")
     as_dicts = {k: dict(v._asdict()) for k, v in new.items()}
     np.testing.assert_array_equal(f(w1, w2, x, fp8_state=as_dicts), f(w1, w2, x, fp8_state=new))
+
+
+def test_a_weight_used_twice_has_one_state_with_the_larger_amax():
+    """x @ w, then (x @ w) @ w: one state named by w, whose input history holds the larger
+    of the two inputs' amax, as a Linen layer called twice."""
+    w = jax.random.normal(jax.random.key(0), (6, 6))
+    x = jax.random.normal(jax.random.key(1), (4, 6))
+    f = jaxamp.autocast(lambda w, x: jnp.sum((x @ w) @ w.T), "p=f32,c=f32,fp8=delayed")
+    state = jaxamp.init_fp8_state(f, w, x)
+    assert list(state) == ["args[0]"]
+    new = jax.jit(jax.grad(lambda s: f(w, x, fp8_state=s)))(state)["args[0]"]
+    inner = fp8_dot_general(x, w, DN, meta=init_meta())  # at the first step's scale of 1
+    expected = max(float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(inner))))
+    assert float(new.input_amax_history[0]) == pytest.approx(expected, rel=1e-6)

@@ -251,6 +251,11 @@ def test_float8_policy_grammar_and_errors():
         jaxamp.get_policy("p=f32,fp8=late")
     with pytest.raises(ValueError, match="amax_history_length"):
         jaxamp.Fp8Recipe("delayed", amax_history_length=0)
+    with pytest.raises(ValueError, match=r"fp8_margin='-1' must be an integer >= 0"):
+        jaxamp.get_policy("p=f32,fp8=delayed,fp8_margin=-1")
+    with pytest.raises(ValueError, match=r"fp8_history='0' must be an integer >= 1"):
+        jaxamp.get_policy("p=f32,fp8=delayed,fp8_history=0")
+    assert jaxamp.Fp8Recipe("Delayed") == jaxamp.Policy("float32", fp8="Delayed").fp8
 
 
 def test_accumulation_with_multisteps_advances_the_state_every_micro_step():
