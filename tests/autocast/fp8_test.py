@@ -204,7 +204,7 @@ def test_gemms_in_custom_derivatives_run_in_16_bits(recipe):
     if recipe == "delayed":
         state = jaxamp.init_fp8_state(f, *args)
         assert len(state) == 1
-        g = jax.jit(jax.grad(lambda a, s: f(*a, fp8_state=s)))(args, state)
+        g, _ = jax.jit(jax.grad(lambda a, s: f(*a, fp8_state=s), argnums=(0, 1)))(args, state)
     else:
         g = jax.jit(jax.grad(lambda a: f(*a)))(args)
     expected = jax.grad(lambda a: fun(*a))(args)
@@ -244,9 +244,9 @@ def test_errors_name_the_state_and_how_to_make_it():
         f(w1, w2, x)
     with pytest.raises(TypeError, match=r"fp8_state must be the mapping.*got list"):
         f(w1, w2, x, fp8_state=[init_meta()])
-    missing = r"no state for the GEMM 'args\[1\]'.*holds \['args\[0\]'\].*init_fp8_state"
+    missing = r"no state for the GEMM '· @ args\[1\]'.*holds \['args\[2\] @ args\[0\]'\]"
     with pytest.raises(ValueError, match=missing):
-        f(w1, w2, x, fp8_state={"args[0]": init_meta()})
+        f(w1, w2, x, fp8_state={"args[2] @ args[0]": init_meta()})
     with pytest.raises(TypeError, match="delayed-scaling policy"):
         jaxamp.init_fp8_state(jaxamp.autocast(_two_layers, "mixed_float8"), w1, w2, x)
     with pytest.raises(TypeError, match="fp8_state"):
@@ -348,7 +348,11 @@ def test_a_trace_without_some_gemm_finds_each_weights_own_state():
     x = jax.random.normal(k[3], (8, 16))
     f = jaxamp.autocast(fun, "mixed_float8_delayed")
     state = jaxamp.init_fp8_state(f, p, x, True)
-    assert sorted(state) == ["args[0]['aux']", "args[0]['w1']", "args[0]['w2']"]
+    assert list(state) == [
+        "args[1] @ args[0]['aux']",
+        "args[1] @ args[0]['w1']",
+        "· @ args[0]['w2']",
+    ]
     step = jax.jit(jax.grad(lambda p, s: f(p, x, True, fp8_state=s), argnums=1))
     for _ in range(3):
         state = step(p, state)
@@ -374,15 +378,53 @@ def test_a_state_restored_as_plain_dicts_is_accepted():
     np.testing.assert_array_equal(f(w1, w2, x, fp8_state=as_dicts), f(w1, w2, x, fp8_state=new))
 
 
-def test_a_weight_used_twice_has_one_state_with_the_larger_amax():
-    """x @ w, then (x @ w) @ w: one state named by w, whose input history holds the larger
-    of the two inputs' amax, as a Linen layer called twice."""
+def test_gemms_sharing_an_operand_keep_their_own_states():
+    """W1 @ x and W2 @ x, x @ w[:, :4] and x @ w[:, 4:], and one weight used twice: each
+    GEMM its own state (named by one shared operand, the second GEMM got the first's
+    scales: a small weight's product flushed to zero)."""
+    x = jax.random.normal(jax.random.key(0), (6, 4))
+    w1 = jax.random.normal(jax.random.key(1), (5, 6))
+    w2 = w1 * 1e-6
+    w = jnp.concatenate([w1.T[:, :4], w2.T[:, :4]], axis=1)  # (6, 8)
+
+    def fun(w1, w2, w, x):
+        a, b = w1 @ x, w2 @ x
+        c, d = x.T @ w[:, :4], x.T @ w[:, 4:]
+        return a, b, c, d, (x.T @ w) @ w.T
+
+    f = jaxamp.autocast(fun, "p=f32,c=f32,fp8=delayed")
+    state = jaxamp.init_fp8_state(f, w1, w2, w, x)
+    assert list(state) == [
+        "args[0] @ args[3]",
+        "args[1] @ args[3]",
+        "args[3] @ ·",
+        "args[3] @ · #1",
+        "args[3] @ args[2]",
+        "· @ args[2]",
+    ]
+    for _ in range(2):  # the scales move to each operand's own amax
+        state = jax.jit(jax.grad(lambda s: sum(map(jnp.sum, f(w1, w2, w, x, fp8_state=s)))))(state)
+    _, b, _, d, _ = jax.jit(lambda s: f(w1, w2, w, x, fp8_state=s))(state)
+    for got, exact in ((b, w2 @ x), (d, x.T @ w[:, 4:])):  # within float8's rounding
+        scale = float(jnp.max(jnp.abs(exact)))
+        assert float(jnp.max(jnp.abs(got - exact))) < 0.1 * scale
+
+
+def test_an_array_passed_twice_has_a_state_per_place_under_jit():
+    """Tied weights {"a": w, "b": w}: init (eager, one array) names each place, as jit
+    (two tracers) does."""
     w = jax.random.normal(jax.random.key(0), (6, 6))
     x = jax.random.normal(jax.random.key(1), (4, 6))
-    f = jaxamp.autocast(lambda w, x: jnp.sum((x @ w) @ w.T), "p=f32,c=f32,fp8=delayed")
-    state = jaxamp.init_fp8_state(f, w, x)
-    assert list(state) == ["args[0]"]
-    new = jax.jit(jax.grad(lambda s: f(w, x, fp8_state=s)))(state)["args[0]"]
-    inner = fp8_dot_general(x, w, DN, meta=init_meta())  # at the first step's scale of 1
-    expected = max(float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(inner))))
-    assert float(new.input_amax_history[0]) == pytest.approx(expected, rel=1e-6)
+    f = jaxamp.autocast(lambda p, x: jnp.sum((x @ p["a"]) @ p["b"]), "mixed_float8_delayed")
+    params = {"a": w, "b": w}
+    state = jaxamp.init_fp8_state(f, params, x)
+    assert list(state) == ["args[1] @ args[0]['a']", "· @ args[0]['b']"]
+    new = jax.jit(jax.grad(lambda s: f(params, x, fp8_state=s)))(state)
+    assert float(new["· @ args[0]['b']"].input_amax_history[0]) > 0
+    f(params, x, fp8_state=new)  # eager: one array, both places found
+
+
+def test_weights_keep_their_names_inside_checkpoint():
+    w1, w2, x = _weights()
+    f = jaxamp.autocast(jax.checkpoint(_two_layers), "mixed_float8_delayed")
+    assert list(jaxamp.init_fp8_state(f, w1, w2, x)) == ["args[2] @ args[0]", "· @ args[1]"]

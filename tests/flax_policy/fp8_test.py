@@ -587,3 +587,34 @@ def test_loss_scaled_refuses_nnx_state_at_init():
         nnx.Optimizer(model, jaxamp.loss_scaled(optax.sgd(0.1)), wrt=both)
     with pytest.raises(ValueError, match="float8 scaling state among the params"):
         jaxamp.loss_scaled(optax.sgd(0.1)).init(nnx.state(model))
+
+
+def test_an_nnx_transform_inside_the_model_beside_a_plain_layer_keeps_its_state():
+    """A layer run through nnx.remat inside __call__, beside a plain head: its next state is
+    its own (the copy nnx.remat makes read the unconverted state, and old + new came back:
+    the scale of an all-zero history went to 2)."""
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(8, 8, rngs=rngs)
+            self.b = nnx.Linear(8, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.remat(lambda mod, x: mod(x))(self.a, x))
+
+    model = Model(nnx.Rngs(0))
+    jaxamp.nnx.apply_policy(model, "p=f32,c=f32,fp8=delayed,fp8_history=4")
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    x = jnp.ones((4, 8))
+
+    @nnx.jit
+    def step(model, x):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=wrt)(model)
+        jaxamp.nnx.update_fp8_state(model, grads)
+
+    step(model, x)
+    np.testing.assert_array_equal(model.a.input_scale[...], [1.0])
+    np.testing.assert_array_equal(model.a.input_amax_history[...], [1.0, 0, 0, 0])
+    step(model, x)
+    np.testing.assert_allclose(model.a.input_scale[...], [1 / 448], rtol=1e-6)
+    np.testing.assert_array_equal(model.a.input_amax_history[...], [1.0, 0, 0, 1.0])

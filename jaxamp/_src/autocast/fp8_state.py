@@ -1,12 +1,12 @@
 """Delayed float8 scaling under ``autocast``: the state as an explicit object, one ``Fp8Meta``
-per GEMM of the traced program, keyed by where the GEMM sits in it (guides/fp8.md)."""
+per GEMM of the traced program, named by its operands (guides/fp8.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,15 +22,14 @@ from jaxamp._src.ops.fp8 import (
 @dataclasses.dataclass
 class _Store:
     """The state of one call: ``state`` (``None`` while ``init_fp8_state`` collects the keys),
-    the path of the equation being evaluated, and how many bodies each equation has
-    entered so far (a ``cond``'s branches are bodies 0, 1, ...)."""
+    the names of the call's arrays (``id: (array, [names])``, an array passed twice has
+    two), and how many GEMMs each pair of operand names has had so far."""
 
     state: Mapping[str, Any] | None
     history_length: int
-    names: dict[int, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    names: dict[int, tuple[Any, list[str]]] = dataclasses.field(default_factory=dict)
     collected: dict[str, Fp8Meta] = dataclasses.field(default_factory=dict)
-    path: list[str] = dataclasses.field(default_factory=list)
-    bodies: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 _ACTIVE: list[_Store] = []
@@ -41,80 +40,71 @@ def active() -> _Store | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-@contextlib.contextmanager
-def body(store: _Store) -> Iterator[None]:
-    """A program body being evaluated: the top one adds nothing to the path, a nested one
-    its number among the bodies of the equation that holds it."""
-    if not store.path:
-        yield
-        return
-    prefix = tuple(store.path)
-    number = store.bodies.get(prefix, 0)
-    store.bodies[prefix] = number + 1
-    store.path.append(str(number))
-    try:
-        yield
-    finally:
-        store.path.pop()
-
-
-@contextlib.contextmanager
-def equation(store: _Store, index: int) -> Iterator[None]:
-    store.path.append(str(index))
-    try:
-        yield
-    finally:
-        store.path.pop()
-
-
-def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, str]]:
-    """``id(array): (array, name)`` for the arrays among a call's arguments, named by where
+def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, list[str]]]:
+    """``id(array): (array, names)`` for the arrays among a call's arguments, named by where
     they sit: ``args[0]['w1']``, ``kwargs['params']['Dense_0']['kernel']``."""
-    names = {}
+    names: dict[int, tuple[Any, list[str]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            head = "args" if path[0].idx == 0 else "kwargs"
-            names[id(leaf)] = (leaf, head + jax.tree_util.keystr(path[1:]))
+            head = "args" if path[0].idx == 0 else "kwargs"  # type: ignore[attr-defined]
+            names.setdefault(id(leaf), (leaf, []))[1].append(head + jax.tree_util.keystr(path[1:]))
     return names
 
 
-def _name_of(store: _Store, value: Any) -> str | None:
+def _names_of(store: _Store, value: Any) -> list[str]:
+    """The names of ``value``: one per place an argument array sits (one array passed at
+    two places has two), ``["·"]`` for a computed value."""
     entry = store.names.get(id(value))
-    return entry[1] if entry is not None and entry[0] is value else None
+    return list(entry[1]) if entry is not None and entry[0] is value else ["·"]
 
 
-def rename(store: _Store, before: list[Any], after: list[Any]) -> None:
-    """The arrays ``after`` take the names of ``before`` (an abstract trace of the call)."""
+def rename(store: _Store | None, before: Sequence[Any], after: Sequence[Any]) -> None:
+    """The values ``after`` take the names of ``before``: the same arguments seen by a trace
+    (an abstract trace of the call, a body's parameters). An array that appears twice in
+    ``before`` gives its names in order, so each position keeps its own, as under ``jit``."""
+    if store is None:
+        return
+    seen: dict[int, int] = {}
     for old, new in zip(before, after, strict=True):
-        name = _name_of(store, old)
-        if name is not None:
-            store.names[id(new)] = (new, name)
+        entry = store.names.get(id(old))
+        if new is old or entry is None or entry[0] is not old:
+            continue
+        if id(new) in store.names and store.names[id(new)][0] is new:
+            continue
+        k = seen.get(id(old), 0)
+        seen[id(old)] = k + 1
+        store.names[id(new)] = (new, [entry[1][min(k, len(entry[1]) - 1)]])
 
 
 def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
-    """The state of the GEMM being evaluated, or ``None`` for current scaling. A GEMM with
-    an argument of the call for an operand (its weight, ``x @ params['w1']``, up to casts
-    and transposes) is keyed by that argument's name, so the same weight finds the same
-    state in any trace; others by their place in the traced program."""
+    """The state of the GEMM being evaluated, or ``None`` for current scaling.
+
+    A GEMM is named by its operands: the argument each comes from (``x @ params['w1']``,
+    through casts and transposes) or ``·`` for a computed value, and a count where the
+    same pair of names has come before (a layer called twice, slices of one weight), so
+    that GEMMs of other operands, present in one trace and not another, change nothing."""
     store = active()
     if store is None:
         return None
-    rhs_name, lhs_name = _name_of(store, rhs), _name_of(store, lhs)
-    if rhs_name is not None:
-        key = rhs_name
-    elif lhs_name is not None:
-        key = f"{lhs_name} (lhs)"
-    else:
-        key = "/".join(store.path)
+    pairs = [f"{a} @ {b}" for a in _names_of(store, lhs) for b in _names_of(store, rhs)]
+    keys = [p if store.counts.get(p, 0) == 0 else f"{p} #{store.counts[p]}" for p in pairs]
+    # An array at two places (tied weights) is one value here and two under jit, whose
+    # tracers init_fp8_state names apart: the first of its places the state holds.
+    chosen = 0
+    if store.state is not None:
+        chosen = next((i for i, k in enumerate(keys) if k in store.state), 0)
+    pair, key = pairs[chosen], keys[chosen]
+    store.counts[pair] = store.counts.get(pair, 0) + 1
     if store.state is None:
         store.collected.setdefault(key, init_meta(store.history_length))
         return store.collected[key]
     if key not in store.state:
         raise ValueError(
-            f"fp8_state has no state for the GEMM '{key}' (a GEMM is named by the argument "
-            "its weight comes from, or else by its place in the traced program); it holds "
+            f"fp8_state has no state for the GEMM '{key}' (a GEMM is named by the arguments "
+            "its operands come from, '·' for a computed one); it holds "
             f"{sorted(store.state)[:8]}. The state was made for another function or other "
-            "arguments: make it with jaxamp.init_fp8_state(f, *args) on the arguments f is "
+            "arguments (or shapes that change which GEMMs run, as jnp.einsum's contraction "
+            "order can): make it with jaxamp.init_fp8_state(f, *args) on the arguments f is "
             "called with."
         )
     meta = store.state[key]
@@ -203,8 +193,9 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
       **kwargs: its keyword arguments.
 
     Returns:
-      A dict of each GEMM's key to a fresh ``Fp8Meta``: the name of the argument its
-      weight comes from (``"args[0]['w1']"``), or else its place in the traced program.
+      A dict of each GEMM's key to a fresh ``Fp8Meta``: the names of the arguments its
+      operands come from (``"args[1] @ args[0]['w1']"``, ``·`` for a computed operand),
+      with a count where a pair repeats (``"· @ args[0]['w2'] #1"``).
 
     Raises:
       TypeError: if ``fun`` is not such a function.
@@ -217,8 +208,8 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
       >>> state = init_fp8_state(f, w, x)
       >>> step = jax.jit(jax.grad(lambda w, s: f(w, x, fp8_state=s), argnums=(0, 1)))
       >>> dw, state = step(w, state)
-      >>> list(state), float(state["args[0]"].input_amax_history[0])
-      (['args[0]'], 1.0)
+      >>> list(state), float(state["args[1] @ args[0]"].input_amax_history[0])
+      (['args[1] @ args[0]'], 1.0)
     """
     delayed = getattr(fun, "_jaxamp_delayed", None)
     if not isinstance(delayed, _Delayed):

@@ -4,7 +4,6 @@ rule; higher-order primitives are entered or refused, never passed through."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -389,7 +388,16 @@ def _fp8_matmul(eqn: Any, env: _Env) -> Any:
 # Equations that move or cast a value without computing: a GEMM's operand made by them
 # from an argument (``x @ w.T``, a kernel cast or reshaped) is that argument's.
 _MOVES = frozenset(
-    {"convert_element_type", "transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"}
+    {
+        "convert_element_type",
+        "transpose",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "pvary",  # a replicated weight inside shard_map
+    }
 )
 
 
@@ -590,16 +598,11 @@ def eval_jaxpr(
     env = _Env(config, record=record)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
-    store = fp8_state.active()  # delayed float8 scaling: each GEMM's state by its path
-    with fp8_state.body(store) if store is not None else contextlib.nullcontext():
-        for index, eqn in enumerate(jaxpr.eqns):
-            with (
-                eqn_context(eqn),
-                fp8_state.equation(store, index) if store is not None else contextlib.nullcontext(),
-            ):
-                outs = _eval_eqn(eqn, env)
-            env.values.update(zip(eqn.outvars, outs, strict=True))
-            env.remember_made(eqn, outs)
+    for eqn in jaxpr.eqns:
+        with eqn_context(eqn):
+            outs = _eval_eqn(eqn, env)
+        env.values.update(zip(eqn.outvars, outs, strict=True))
+        env.remember_made(eqn, outs)
     return [env.read(v) for v in jaxpr.outvars]
 
 
@@ -712,13 +715,16 @@ def _rematerialized(closed: Any, params: dict[str, Any], eqn: Any, env: _Env) ->
     """``jax.checkpoint`` rebuilt around the body, evaluated with the rules."""
     jaxpr, consts = open_jaxpr(closed)
 
+    outer = [env.read(a) for a in eqn.invars]
+
     def body(*args):
+        fp8_state.rename(fp8_state.active(), outer, args)  # the arguments keep their names
         return eval_jaxpr(jaxpr, consts, args, env.config)
 
     remat = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )
-    return list(remat(*[env.read(a) for a in eqn.invars]))
+    return list(remat(*outer))
 
 
 def _hi_primitive(eqn: Any, env: _Env) -> list[Any]:
@@ -1006,7 +1012,10 @@ def _shard_map(eqn: Any, env: _Env) -> list[Any]:
         return _as_traced(eqn, env)  # another version's parameters: run it as traced
     jaxpr, consts = open_jaxpr(p["jaxpr"])
 
+    outer = [env.read(a) for a in eqn.invars]
+
     def body(*args):
+        fp8_state.rename(fp8_state.active(), outer, args)  # the arguments keep their names
         return tuple(eval_jaxpr(jaxpr, consts, args, env.config))
 
     mapped = shard_map(
@@ -1017,7 +1026,7 @@ def _shard_map(eqn: Any, env: _Env) -> list[Any]:
         axis_names=frozenset(axis_names),
         check_vma=p.get("check_vma", True),
     )
-    return list(mapped(*[env.read(a) for a in eqn.invars]))
+    return list(mapped(*outer))
 
 
 def _zero_tangent(y: Any) -> Any:

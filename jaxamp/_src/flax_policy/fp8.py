@@ -161,10 +161,14 @@ def has_nnx_meta(module: Any) -> bool:
     return isinstance(getattr(module, Fp8Meta._fields[0], None), OverwriteWithGradient)
 
 
-def nnx_max_combined(modules: Any) -> dict[Any, Fp8Meta]:
+@contextlib.contextmanager
+def nnx_max_combined(modules: Any) -> Iterator[dict[Any, Fp8Meta]]:
     """The float8 state of ``modules`` (``(path, module)`` pairs) as max-combined values,
-    by path, converted once for the call; nothing is written to the variables (a model
-    closed over by ``jax.jit`` or ``jax.vmap`` holds variables of another trace)."""
+    converted once for the call and written into the variables for its duration, so that
+    the copies NNX transformations inside the call make (``nnx.remat``, ``nnx.scan``) carry
+    them too. A model closed over by ``jax.jit`` or ``jax.vmap`` holds variables of another
+    trace, which cannot be written: their values are yielded by path instead, for
+    ``nnx_combined_state`` (the layers' own calls read them)."""
     modules = list(modules)
     params = [
         v.get_value() for _, m in modules for v in vars(m).values() if isinstance(v, nnx.Param)
@@ -173,9 +177,27 @@ def nnx_max_combined(modules: Any) -> dict[Any, Fp8Meta]:
     values = [nnx_meta(m) for _, m in holders]
     warn_if_state_is_not_differentiated(params, values)
     if not values or any(v.dtype == MAX32 for meta in values for v in meta):
-        return {}
+        yield {}
+        return
     combined = max_combined(values)  # one conversion: a layer no GEMM used keeps its state
-    return {path: meta for (path, _), meta in zip(holders, combined, strict=True)}
+    saved: list[tuple[Any, Any]] = []
+    by_path: dict[Any, Fp8Meta] = {}
+    try:
+        for (_, module), old, new in zip(holders, values, combined, strict=True):
+            for name, before, after in zip(Fp8Meta._fields, old, new, strict=True):
+                variable = getattr(module, name)
+                variable.set_value(after)
+                saved.append((variable, before))
+    except flax.errors.TraceContextError:
+        for variable, before in reversed(saved):
+            variable.set_value(before)
+        saved = []
+        by_path = {path: meta for (path, _), meta in zip(holders, combined, strict=True)}
+    try:
+        yield by_path
+    finally:
+        for variable, before in reversed(saved):
+            variable.set_value(before)
 
 
 @contextlib.contextmanager

@@ -81,9 +81,6 @@ def _policy_call(self, *args, **kwargs):
     config = AutocastConfig(policy, getattr(self, _RULES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
 
-    # Delayed float8 scaling: the layers' state, converted once for the call, by path.
-    combined = fp8_state.nnx_max_combined(iter_modules(self))
-
     def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
         with fp8_state.nnx_combined_state(iter_modules(module), combined):
             if fp8_state.has_nnx_meta(module):
@@ -92,7 +89,11 @@ def _policy_call(self, *args, **kwargs):
                 )
             return policy.cast_to_output(base_call(module, *args, **kwargs))
 
-    with layer_plan.explaining_carry_errors(policy):
+    # Delayed float8 scaling: the layers' state, converted once for the call.
+    with (
+        layer_plan.explaining_carry_errors(policy),
+        fp8_state.nnx_max_combined(iter_modules(self)) as combined,
+    ):
         return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
 
 
