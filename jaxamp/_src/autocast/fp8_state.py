@@ -46,7 +46,7 @@ def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, list[str]]]:
     names: dict[int, tuple[Any, list[str]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-            head = "args" if path[0].idx == 0 else "kwargs"  # type: ignore[attr-defined]
+            head = "args" if path[0].idx == 0 else "kwargs"
             names.setdefault(id(leaf), (leaf, []))[1].append(head + jax.tree_util.keystr(path[1:]))
     return names
 
