@@ -618,3 +618,52 @@ def test_an_nnx_transform_inside_the_model_beside_a_plain_layer_keeps_its_state(
     step(model, x)
     np.testing.assert_allclose(model.a.input_scale[...], [1 / 448], rtol=1e-6)
     np.testing.assert_array_equal(model.a.input_amax_history[...], [1.0, 0, 0, 1.0])
+
+
+_RAW_JAX = {
+    "python": lambda layer, xs: sum(layer(x) for x in xs),
+    "scan": lambda layer, xs: jax.lax.scan(
+        lambda c, x: (c + layer(x), None), jnp.zeros((2, 4)), xs
+    )[0],
+    "fori_loop": lambda layer, xs: jax.lax.fori_loop(
+        0, len(xs), lambda i, c: c + layer(xs[i]), jnp.zeros((2, 4))
+    ),
+    "checkpoint": lambda layer, xs: sum(jax.checkpoint(lambda x: layer(x))(x) for x in xs),
+    "cond": lambda layer, xs: sum(jax.lax.cond(True, layer, lambda x: x[..., :4], x) for x in xs),
+    "vmap": lambda layer, xs: jax.vmap(layer)(xs).sum(0),
+}
+
+
+@pytest.mark.parametrize("construct", sorted(set(_RAW_JAX) - {"python"}))
+def test_an_nnx_layer_inside_jax_control_flow_in_the_model_matches_a_python_loop(construct):
+    """A layer called inside jax.lax.scan, fori_loop, cond, jax.checkpoint or jax.vmap written
+    in the model's __call__ (raised TraceContextError: the layer was written to during its
+    call) has the outputs and next state of the same calls written as a Python loop."""
+
+    class Model(nnx.Module):
+        def __init__(self, run, rngs):
+            self.run = run
+            self.layer = nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, xs):
+            return self.run(self.layer, xs)
+
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    xs = jax.random.normal(jax.random.key(0), (3, 2, 8)) * jnp.array([1.0, 9.0, 0.5])[:, None, None]
+    results = []
+    for run in (_RAW_JAX["python"], _RAW_JAX[construct]):
+        model = jaxamp.nnx.apply_policy(Model(run, nnx.Rngs(0)), "p=f32,c=f32,fp8=delayed")
+
+        @nnx.jit
+        def step(model):
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(xs) ** 2), argnums=wrt)(model)
+            jaxamp.nnx.update_fp8_state(model, grads)
+            return loss
+
+        losses = [step(model) for _ in range(3)]
+        results.append((losses, nnx.state(model, jaxamp.nnx.OverwriteWithGradient)))
+    (ref_losses, ref_state), (losses, state) = results
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert float(state["layer"]["input_scale"][...][0]) != 1.0  # the scales moved

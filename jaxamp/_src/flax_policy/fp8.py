@@ -211,19 +211,45 @@ def nnx_combined_state(modules: Any, combined: dict[Any, Fp8Meta]) -> Iterator[N
         _COMBINED.pop()
 
 
+# The state of the NNX layers being called: (their matmul hook, its Fp8Meta), innermost last.
+_CALLING: list[tuple[NnxDelayed, Fp8Meta]] = []
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NnxDelayed(Fp8DotGeneral):
+    """An NNX layer's ``dot_general`` under delayed scaling: reads the state of the layer
+    being called (``nnx_delayed_call``). The layer is never written to during its call, so
+    it may run inside ``jax.lax.scan``, ``jax.checkpoint`` or ``jax.vmap`` in a model's call.
+    """
+
+    def _rule(self) -> Fp8DotGeneral:
+        for hook, meta in reversed(_CALLING):
+            if hook is self:
+                return Fp8DotGeneral(self.compute_dtype, self.margin, meta)
+        raise RuntimeError(
+            "an NNX layer's float8 matmul under delayed scaling ran outside the layer's call; "
+            "call the layer itself (its state is read there)."
+        )
+
+    def __call__(self, *args, **kwargs):
+        return self._rule()(*args, **kwargs)
+
+    def einsum(self, *args, **kwargs):
+        """``jnp.einsum`` in float8 with the state of the layer being called."""
+        return self._rule().einsum(*args, **kwargs)
+
+
 def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
     """An NNX layer's call with its matmul hook given the layer's float8 state."""
-    name = "dot_general" if hasattr(self, "dot_general") else "einsum_op"
-    hook = getattr(self, name)
-    rule = hook if isinstance(hook, Fp8DotGeneral) else getattr(hook, "__self__", None)
-    if not isinstance(rule, Fp8DotGeneral):  # running as written: Flax's own hook
+    hook = getattr(self, "dot_general", None) or getattr(self, "einsum_op", None)
+    rule = getattr(hook, "__self__", hook)
+    if not isinstance(rule, NnxDelayed):  # running as written: Flax's own hook
         return base_call(self, *args, **kwargs)
-    rule = dataclasses.replace(rule, meta=nnx_meta(self))
-    setattr(self, name, rule if name == "dot_general" else rule.einsum)
+    _CALLING.append((rule, nnx_meta(self)))
     try:
         return base_call(self, *args, **kwargs)
     finally:
-        setattr(self, name, hook)
+        _CALLING.pop()
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> nnx.State:

@@ -22,7 +22,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from jaxamp._src.dtypes import is_16bit, is_floating, is_narrower
-from jaxamp._src.flax_policy.fp8 import LinenDelayed
+from jaxamp._src.flax_policy.fp8 import LinenDelayed, NnxDelayed
 from jaxamp._src.ops import attention
 from jaxamp._src.ops.fp8 import Fp8DotGeneral
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
@@ -145,7 +145,8 @@ def _fp8_rule(module: Any, policy: Policy) -> Fp8DotGeneral | LinenDelayed:
     assert recipe is not None
     if recipe.scaling == "delayed" and isinstance(module, nn.Module):
         return LinenDelayed(module, policy.compute_dtype, recipe)
-    # NNX layers get their state at call time (jaxamp._src.flax_policy.nnx).
+    if recipe.scaling == "delayed":  # NNX: the state of the layer being called
+        return NnxDelayed(policy.compute_dtype, recipe.margin)
     return Fp8DotGeneral(policy.compute_dtype, recipe.margin)
 
 
