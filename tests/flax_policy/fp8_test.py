@@ -31,14 +31,12 @@ def _flax_meta_as_jaxamp(tree):
     return {layer: dict(children["Fp8DirectDotGeneralOp_0"]) for layer, children in tree.items()}
 
 
-def test_linen_delayed_policy_matches_flax_fp8_ops_step_for_step():
-    """An unmodified Mlp under 'p=f32,c=f32,fp8=delayed' against the same Mlp written with
-    Flax's Fp8DirectDotGeneralOp, trained with SGD for steps whose inputs change scale:
-    outputs, gradients, amax histories and scales bit for bit."""
-    x0 = jax.random.normal(jax.random.key(0), (8, 12))
-    ref = Mlp(fp8_ops.Fp8DirectDotGeneralOp)
+def _assert_steps_match_flax(model, ref, x0):
+    """``model`` (unmodified, under 'p=f32,c=f32,o=f32,fp8=delayed') against ``ref`` (the
+    same model written with Flax's Fp8DirectDotGeneralOp), trained with SGD for steps whose
+    inputs change scale: outputs, gradients, amax histories and scales bit for bit."""
+    model = jaxamp.linen.apply_policy(model, "p=f32,c=f32,o=f32,fp8=delayed")
     ref_vars = ref.init(jax.random.key(1), x0)
-    model = jaxamp.linen.apply_policy(Mlp(), "p=f32,c=f32,o=f32,fp8=delayed")
     variables = model.init(jax.random.key(1), x0)
     np.testing.assert_equal(
         jax.tree.map(np.asarray, variables["params"]),
@@ -66,7 +64,45 @@ def test_linen_delayed_policy_matches_flax_fp8_ops_step_for_step():
         params = jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
         ref_params = jax.tree.map(lambda p, d: p - 0.1 * d, ref_params, rg)
         state, ref_state = new_state, ref_new
-    assert float(state["Dense_0"]["input_scale"][0]) != 1.0  # the scales moved
+    assert all(float(s["input_scale"][0]) != 1.0 for s in state.values())  # the scales moved
+
+
+def test_linen_delayed_policy_matches_flax_fp8_ops_step_for_step():
+    """An Mlp of two Dense layers against Flax's Fp8DirectDotGeneralOp, bit for bit."""
+    x0 = jax.random.normal(jax.random.key(0), (8, 12))
+    _assert_steps_match_flax(Mlp(), Mlp(fp8_ops.Fp8DirectDotGeneralOp), x0)
+
+
+def test_linen_attention_under_float32_compute_matches_flax_fp8_ops():
+    """MultiHeadDotProductAttention: its four projections in float8, its two attention
+    matmuls in the float32 compute dtype, as Flax's qkv/out_dot_general_cls put them
+    (under a float32 compute dtype they ran in float8 too)."""
+    x0 = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    op = fp8_ops.Fp8DirectDotGeneralOp
+    model = nn.MultiHeadDotProductAttention(2, qkv_features=8)
+    ref = nn.MultiHeadDotProductAttention(
+        2, qkv_features=8, qkv_dot_general_cls=op, out_dot_general_cls=op
+    )
+    _assert_steps_match_flax(model, ref, x0)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_matmuls_without_a_hook_stay_out_of_float8_under_float32_compute(scaling):
+    """Attention's two matmuls and Embed.attend (no hook) run in the compute dtype, as the
+    guide says, under a float32 compute dtype too: only the layers' GEMMs are float8."""
+    policy = f"p=f32,c=f32,fp8={scaling}"
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    attention = jaxamp.nnx.apply_policy(
+        nnx.MultiHeadAttention(2, 8, qkv_features=8, decode=False, rngs=nnx.Rngs(0)), policy
+    )
+    assert jaxamp.precision_report(lambda x: attention(x))(x).float8_gemms() == (4, 4)
+    embed = jaxamp.linen.apply_policy(nn.Embed(10, 8), policy)
+    variables = embed.init(jax.random.key(0), jnp.arange(3))
+    attend = jax.jit(lambda v, x: embed.apply(v, x, method="attend"))
+    assert jaxamp.precision_report(attend)(variables, x).float8_gemms() == (0, 0)
+    np.testing.assert_array_equal(
+        attend(variables, x), nn.Embed(10, 8).apply(variables, x, method="attend")
+    )
 
 
 def _train_linen(policy, steps=3, reuse=False):
@@ -326,7 +362,11 @@ def test_linen_layers_run_in_float8_close_to_float32(layer, scaling):
     y, ref = model.apply(variables, x), plain.apply({"params": variables["params"]}, x)
     assert np.linalg.norm(y - ref) <= 0.1 * np.linalg.norm(ref)
     report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
-    assert report.count() > 0 and all(op.float8 for op in report.ops if op.contracts), report
+    gemms = [op for op in report.ops if op.contracts]
+    # the layers' GEMMs in float8; attention's two matmuls (no hook) in the compute dtype
+    unhooked = 2 if layer.startswith("Multi") else 0
+    assert gemms and sum(op.float8 for op in gemms) == len(gemms) - unhooked, report
+    assert all(op.float8 or op.lhs_dtype == "float32" for op in gemms), report
 
 
 _NNX_LAYERS = {

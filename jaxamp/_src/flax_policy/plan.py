@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxamp._src.dtypes import is_16bit, is_floating, is_narrower
 from jaxamp._src.flax_policy.fp8 import LinenDelayed, NnxDelayed
+from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops import attention
 from jaxamp._src.ops.fp8 import Fp8DotGeneral
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
@@ -110,9 +111,12 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
     if hasattr(module, "dtype") and _is_float_setting(module.dtype):
         attrs["dtype"] = policy.compute_dtype
     sixteen_bit = is_16bit(policy.compute_dtype)
+    # Under a float8 policy the matmuls no hook reaches (attention's two, Embed.attend) run
+    # in the compute dtype, even float32: as the model wrote them, they would run in float8.
+    narrow = sixteen_bit or policy.fp8 is not None
     if isinstance(module, EMBED_LAYERS):
         if method_name == "attend":  # a matmul against the table, with no hook
-            matmul = DotGeneral(policy.compute_dtype) if sixteen_bit else None
+            matmul = DotGeneral(policy.compute_dtype) if narrow else None
         else:  # gather in the table's dtype, then cast the rows: the table's gradient is
             # scatter-added in float32, not in 16 bits
             attrs.pop("dtype", None)
@@ -125,7 +129,7 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         attrs.update(_matmul_hooks(module, policy.compute_dtype, _fp8_rule(module, policy)))
     elif sixteen_bit:
         attrs.update(_matmul_hooks(module, policy.compute_dtype))
-    if sixteen_bit and getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
+    if narrow and getattr(module, "attention_fn", None) in _FLAX_ATTENTION_FNS:
         attrs["attention_fn"] = attention.dot_product_attention  # Flax's own otherwise
     changed = tuple((k, v) for k, v in attrs.items() if getattr(module, k) is not v)
     return LayerPlan(changed, cast_output_to, matmul)
@@ -233,6 +237,9 @@ def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
         table = module.embedding
         table = table[...] if isinstance(table, nnx.Variable) else table
         dn = (((query.ndim - 1,), (1,)), ((), ()))
+        if not is_16bit(rule.compute_dtype):  # float32 under a float8 policy: as written
+            with jax.named_scope(FLOAT32_SCOPE):
+                return lax.dot_general(query.astype(rule.compute_dtype), table, dn)
         return rule(query.astype(rule.compute_dtype), table, dn)
     return _linen_einsum(module, rule, *args, **kwargs)
 

@@ -11,6 +11,7 @@ from flax import nnx
 from jax import lax
 
 from jaxamp._src.dtypes import is_16bit
+from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.matmul import DotGeneral
 
 Array = jax.Array
@@ -64,6 +65,13 @@ def softmax_float32(
         causal = jnp.tril(jnp.ones(x.shape[-2:], jnp.bool_))
         x = jnp.where(causal, x, big_neg)
     return jax.nn.softmax(x, axis=-1).astype(dtype)
+
+
+def _einsum_as_traced(*args, **kwargs) -> Array:
+    """``jnp.einsum`` in the dtype it is given, which autocast keeps (a float32 compute
+    dtype under a float8 policy: the two attention matmuls stay out of float8)."""
+    with jax.named_scope(FLOAT32_SCOPE):
+        return jnp.einsum(*args, **kwargs)
 
 
 def dot_product_attention(
@@ -125,7 +133,7 @@ def dot_product_attention(
         key = jnp.repeat(key, q_heads // kv_heads, axis=-2)
         value = jnp.repeat(value, q_heads // kv_heads, axis=-2)
 
-    rule_einsum = DotGeneral(dtype).einsum if is_16bit(dtype) else jnp.einsum
+    rule_einsum = DotGeneral(dtype).einsum if is_16bit(dtype) else _einsum_as_traced
     qk_einsum = qk_attn_weights_einsum or rule_einsum
     wv_einsum = attn_weights_value_einsum or rule_einsum
     query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
