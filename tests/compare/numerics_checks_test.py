@@ -184,3 +184,33 @@ def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
                 assert d["size_ratio"] < 0.5, d
             else:
                 assert d["fault"] is None and 0.9 < d["size_ratio"] < 1.1, d
+
+
+def test_float8_variants_get_a_float8_floor_and_a_healthy_model_is_not_flagged():
+    """A float8 variant's floor is made at its GEMMs' precision (e4m3 forward, e5m2 for
+    gradients; inputs rounded with a per-tensor scale): a healthy model's rows sit within
+    it. Against the bfloat16 floor it had, most rows were flagged for float8's own
+    rounding."""
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    runs = _divergence_of(_Attention(by_hand=False), ("bf16", "fp8", "fp8-delayed"))
+    bf16 = {(d["layer"], d["phase"]): d["floor"] for d in runs["bf16"]}
+    for name in ("fp8", "fp8-delayed"):
+        rows = [d for d in runs[name] if d["floor"] is not None]
+        assert len(rows) == len(runs[name]) > 4, (name, runs[name])
+        for d in rows:
+            assert d["floor"] > bf16[(d["layer"], d["phase"])], (name, d)
+        assert not any(d["flagged"] for d in rows), (name, rows)
+
+    def floor(phase):
+        rows = [{"layer": "a", "phase": phase, "scale_error": 0.5}]
+        key = ("a", phase)
+        e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+        return in_compare.with_floor(rows, e4m3, {key: 0.0}, {key: 1e-7}, e5m2)[0]["floor"]
+
+    assert floor("forward") == pytest.approx(1e-7 * 2.0**20)  # eps(e4m3) / eps(float32)
+    assert floor("backward") == pytest.approx(1e-7 * 2.0**21)  # eps(e5m2) / eps(float32)
+    # rounding to float8 scales first: a tensor of small values is not flushed to zero
+    x = jnp.full((4,), 1e-4)
+    loss = lambda x: jnp.sum(x)
+    assert in_compare.input_sensitivity(loss, jnp.float8_e4m3fn, x)[("", "forward")] < 0.07

@@ -25,7 +25,6 @@ from jaxamp._src.compare.environment import environment
 from jaxamp._src.compare.models.bert import BertClassifier, BertConfig
 from jaxamp._src.compare.models.resnet import ResNet18, ResNet50
 from jaxamp._src.compare.variants import FP16_ON_CPU, Variant, default_variants, get_variant
-from jaxamp._src.dtypes import is_16bit
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.flax_policy.linen import apply_policy
 from jaxamp._src.ops.fp8 import STATE_COLLECTION as FP8_STATE
@@ -544,16 +543,18 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             )
             run.divergence_loss_scale = taken
             scale = taken["initial"] if taken["used"] is None else taken["used"]
-        dtype = np.dtype(run.variant.policy.compute_dtype)
+        dtype, backward = numerics_checks.floor_dtypes(run.variant.policy)
         rows = numerics_checks.divergence(reference, run.loss_fn(rng), *args, loss_scale=scale)
         taken = run.divergence_loss_scale
         finite = taken is None or taken["loss_finite"]  # a loss no scale makes finite: no floor
-        if is_16bit(dtype) and finite:  # float32 has no 16-bit rounding to put a floor under
+        if dtype != np.float32 and finite:  # float32 has no rounding to put a floor under
             if "float64" not in floors:
                 floors["float64"] = numerics_checks.rounding_error(reference, *args)
             if dtype not in floors:
                 floors[dtype] = numerics_checks.input_sensitivity(reference, dtype, *args)
-            rows = numerics_checks.with_floor(rows, dtype, floors[dtype], floors["float64"])
+            rows = numerics_checks.with_floor(
+                rows, dtype, floors[dtype], floors["float64"], backward
+            )
         run.divergence = rows
     float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
     if not float16:

@@ -11,10 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
 from jaxamp._src.numerics.numerics_diff import NEAR_ZERO, numerics_diff
 from jaxamp._src.numerics.range_report import range_report
+from jaxamp._src.ops.fp8 import quantize
 from jaxamp._src.policy import cast_floating
 
 # A layer is flagged when the variant's error exceeds FLAG_RATIO times its floor (the
@@ -51,14 +53,34 @@ def divergence(
     ]
 
 
+def floor_dtypes(policy: Any) -> tuple[Any, Any]:
+    """The dtypes a variant rounds its forward pass and its gradients to, which its floor
+    is made at: the compute dtype for both, or under a float8 policy the float8 GEMMs'
+    operand dtypes (e4m3 for the forward pass, e5m2 for the gradients)."""
+    if policy.fp8 is not None:
+        return np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+    return np.dtype(policy.compute_dtype), np.dtype(policy.compute_dtype)
+
+
+def _rounded(x: Any, dtype: Any) -> Any:
+    """``x`` rounded to ``dtype`` and back; to a float8 dtype with a per-tensor scale that
+    maps its largest magnitude to the dtype's largest, as a float8 GEMM scales it."""
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
+        return x
+    if jnp.finfo(dtype).bits != 8:
+        return x.astype(dtype).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
+    return quantize(x, dtype, scale).astype(jnp.float32) * scale
+
+
 def rounded_inputs(reference: Callable, dtype: Any) -> Callable:
     """``reference`` with its floating arguments (params, inputs) rounded to ``dtype`` and
-    back to float32 first: the model's own sensitivity to one 16-bit rounding of what it
-    is given, with no 16-bit arithmetic inside (the floor of ``divergence_with_floor``)."""
+    back to float32 first (``_rounded``): the model's own sensitivity to one rounding of
+    what it is given, with no low-precision arithmetic inside (the floor of ``with_floor``)."""
 
     def perturbed(*args: Any) -> Any:
-        rounded = cast_floating(cast_floating(args, dtype), jnp.float32)
-        return reference(*rounded)
+        return reference(*jax.tree.map(lambda x: _rounded(x, dtype), args))
 
     return perturbed
 
@@ -91,9 +113,11 @@ def with_floor(
     dtype: Any,
     inputs: dict[tuple[str, str], float],
     rounding: dict[tuple[str, str], float],
+    backward_dtype: Any = None,
 ) -> list[dict[str, Any]]:
     """``divergence``'s rows of a variant computing in ``dtype``, each beside its floor and
-    whether it is ``flagged``.
+    whether it is ``flagged``. ``backward_dtype`` (default ``dtype``) is the precision of
+    the gradients (``floor_dtypes``: e5m2 under a float8 policy).
 
     Two floors, neither with any 16-bit arithmetic, each a ``scale_error`` of the
     float32 model itself:
@@ -117,9 +141,12 @@ def with_floor(
     floor, not above it, on a model whose floor is high: the ratio of error to floor
     (at most 0.9 on the healthy default runs) shows it before a flag does.
     """
-    grow = float(jnp.finfo(dtype).eps / jnp.finfo(jnp.float32).eps)
+    eps = float(jnp.finfo(jnp.float32).eps)
+    grows = {"forward": float(jnp.finfo(dtype).eps) / eps}
+    grows["backward"] = float(jnp.finfo(backward_dtype or dtype).eps) / eps
     for row in rows:
         key = (row["layer"], row["phase"])
+        grow = grows.get(row["phase"], max(grows.values()))
         row["floor_inputs"] = inputs.get(key)
         row["floor_rounding"] = None if key not in rounding else rounding[key] * grow
         known = [f for f in (row["floor_inputs"], row["floor_rounding"]) if f is not None]
@@ -261,7 +288,10 @@ _FLOOR = (
     "for, with no 16-bit arithmetic. It is the larger of two: the float32 model with its "
     "params and inputs rounded once to the variant's 16-bit dtype, and the float32 model's "
     "own rounding error against float64 scaled up to the 16-bit dtype's precision (what "
-    "rounding every operation at that precision would give). A layer whose floor is high "
+    "rounding every operation at that precision would give). A float8 variant's floor is "
+    "made at its GEMMs' precision: inputs rounded to e4m3 with a per-tensor scale, and "
+    "every operation's rounding at e4m3's precision forward and e5m2's for gradients. "
+    "A layer whose floor is high "
     "(a BatchNorm over few values, a backward pass that cancels) amplifies any rounding, and "
     "its error there is the model's sensitivity, not AMP's fault. AMP rounds less than "
     "every operation, so where it does what it should its error sits at or below the floor; "
