@@ -114,6 +114,24 @@ def test_bad_specs_name_the_bad_part(spec, fragment):
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("mixed_float8_delayed,fp8_history=4", "'params=float32,compute=bfloat16,output=float32"),
+        ("mixed_bfloat16,c=f16", "cannot be combined with key=value parts"),
+        ("f32,c=bf16", "'params=float32,compute=float32,output=float32'"),
+        ("p=f32,fp8=current,fp8_history=16", "fp8=current scales by each tensor's own amax"),
+    ],
+)
+def test_a_preset_with_keys_or_a_history_without_one_is_refused_saying_why(spec, fragment):
+    """A preset (or dtype name) followed by keys is refused with the preset written out,
+    not with 'Did you mean' the same name; an amax history under current scaling, which
+    keeps none, is refused rather than ignored."""
+    with pytest.raises(ValueError) as e:
+        get_policy(spec)
+    assert fragment in str(e.value) and "Did you mean" not in str(e.value), e.value
+
+
 def test_a_bad_dtype_is_named_once():
     with pytest.raises(ValueError) as e:
         get_policy("p=f32,c=bf17")

@@ -256,6 +256,12 @@ def _parse_grammar(spec: str) -> Policy:
     values: dict[str, str] = {}
     for part in spec.split(","):
         key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep and (part.strip() in PRESETS or part.strip() in JMP_DTYPE_NAMES):
+            raise ValueError(
+                f"Invalid policy {spec!r}: {part.strip()!r} names a whole policy and cannot "
+                f"be combined with key=value parts; write it out, "
+                f"{str(get_policy(part.strip()))!r}, and change or add keys there."
+            )
         if not sep or not key or not value or "=" in value:
             raise _unknown(spec, part, f"part {part.strip()!r} is not of the form key=dtype")
         if key not in _GRAMMAR_KEYS:
@@ -282,6 +288,11 @@ def _parse_grammar(spec: str) -> Policy:
     history, margin = values.pop("fp8_history", None), values.pop("fp8_margin", None)
     if (history is not None or margin is not None) and fp8 is None:
         raise ValueError(f"Invalid policy {spec!r}: fp8_history and fp8_margin need fp8=.")
+    if history is not None and fp8 == "current":
+        raise ValueError(
+            f"Invalid policy {spec!r}: fp8_history is the amax history of fp8=delayed; "
+            "fp8=current scales by each tensor's own amax and keeps none."
+        )
     if fp8 is not None:
         fp8 = Fp8Recipe(
             str(fp8),
