@@ -424,6 +424,33 @@ def test_an_array_passed_twice_has_a_state_per_place_under_jit():
     f(params, x, fp8_state=new)  # eager: one array, both places found
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit_closed_over", "jit_argument"])
+def test_tied_weights_keep_each_places_state_eagerly_and_under_jit(mode):
+    """Tied weights {"a": w, "b": w}, used b first: each place's state records its own
+    GEMM's output-gradient amax however the step is run (one concrete array at two places
+    carried both names, and eagerly or closed over by jit the GEMMs swapped states)."""
+    w = jax.random.normal(jax.random.key(0), (16, 16))
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    f = jaxamp.autocast(
+        lambda p, x: jnp.sum((x @ p["b"]) ** 2) + 3.0 * jnp.sum(x @ p["a"]),
+        "p=f32,c=f32,fp8=delayed",
+    )
+    params = {"a": w, "b": w}
+    state = jaxamp.init_fp8_state(f, params, x)
+    a, b = "args[1] @ args[0]['a']", "args[1] @ args[0]['b']"
+    assert sorted(state) == [a, b]
+    if mode == "eager":
+        new = jax.grad(lambda s: f(params, x, fp8_state=s))(state)
+    elif mode == "jit_closed_over":
+        new = jax.jit(jax.grad(lambda s: f(params, x, fp8_state=s)))(state)
+    else:
+        new = jax.jit(jax.grad(lambda s, w: f({"a": w, "b": w}, x, fp8_state=s)))(state, w)
+    # d/dy of 3 * sum(y) is 3; of sum(y ** 2), 2y (y in float8 here: close to float32's)
+    np.testing.assert_array_equal(new[a].output_grad_amax_history[0], 3.0)
+    amax = jnp.max(jnp.abs(2 * x @ w))
+    np.testing.assert_allclose(new[b].output_grad_amax_history[0], amax, rtol=0.05)
+
+
 def test_weights_keep_their_names_inside_checkpoint():
     w1, w2, x = _weights()
     f = jaxamp.autocast(jax.checkpoint(_two_layers), "mixed_float8_delayed")

@@ -51,6 +51,23 @@ def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, list[str]]]:
     return names
 
 
+def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``(args, kwargs)`` with an array that sits at several places (tied weights, one array
+    passed twice) copied at each place after its first, so that every place is a value of
+    its own, named by its place, as the separate tracers ``jit`` makes of it are."""
+    seen: set[int] = set()
+
+    def one(leaf: Any) -> Any:
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.copy()
+        seen.add(id(leaf))
+        return leaf
+
+    return jax.tree.map(one, (args, kwargs))
+
+
 def _names_of(store: _Store, value: Any) -> list[str]:
     """The names of ``value``: one per place an argument array sits (one array passed at
     two places has two), ``["·"]`` for a computed value."""
@@ -170,6 +187,7 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
             )
         warn_if_state_is_not_differentiated((args, kwargs), fp8_state)
         store = _Store(max_combined(dict(fp8_state)), history_length)
+        args, kwargs = _distinct(args, kwargs)
         store.names = _argument_names(args, kwargs)
         with _handing(store):
             return fun(*args, **kwargs)
@@ -218,6 +236,7 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             f"policy (e.g. 'mixed_float8_delayed'), got {fun!r}."
         )
     store = _Store(None, delayed.history_length)
+    args, kwargs = _distinct(args, kwargs)
     store.names = _argument_names(args, kwargs)
     with _handing(store):
         delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
