@@ -451,6 +451,33 @@ def test_tied_weights_keep_each_places_state_eagerly_and_under_jit(mode):
     np.testing.assert_allclose(new[b].output_grad_amax_history[0], amax, rtol=0.05)
 
 
+def test_under_disable_jit_the_state_is_that_of_jit():
+    """Under jax.disable_jit() a lax.cond ran one branch and a scan one iteration at a time,
+    so the GEMMs' counts shifted: the taken branch recorded its amax in the other's state
+    (or a scan's GEMM found no state). The state and its next value are jit's."""
+
+    def fn(p, x, flag):
+        h = jax.lax.cond(
+            flag, lambda h: jnp.tanh(h) @ p["w"], lambda h: (jnp.tanh(h) * 100) @ p["w"], x
+        )
+        h = jax.lax.scan(lambda c, _: (jnp.tanh(c) @ p["v"], None), h, length=3)[0]
+        return jnp.sum(h)
+
+    f = jaxamp.autocast(fn, "p=f32,c=f32,fp8=delayed,fp8_history=4")
+    params = {"w": jnp.ones((4, 4)), "v": jnp.ones((4, 4))}
+    x, flag = jnp.ones((2, 4)), jnp.array(True)
+    step = jax.grad(lambda s: f(params, x, flag, fp8_state=s))
+    state = jaxamp.init_fp8_state(f, params, x, flag)
+    expected = jax.jit(step)(state)
+    with jax.disable_jit():
+        assert list(jaxamp.init_fp8_state(f, params, x, flag)) == list(state)
+        got = step(state)
+    for key in state:
+        for field, value in _as_dict(got[key]).items():
+            np.testing.assert_allclose(value, _as_dict(expected[key])[field], rtol=1e-6)
+    assert any(float(m.input_amax_history[0]) > 0 for m in got.values())
+
+
 def test_weights_keep_their_names_inside_checkpoint():
     w1, w2, x = _weights()
     f = jaxamp.autocast(jax.checkpoint(_two_layers), "mixed_float8_delayed")

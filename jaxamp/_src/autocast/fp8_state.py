@@ -189,7 +189,9 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
         store = _Store(max_combined(dict(fp8_state)), history_length)
         args, kwargs = _distinct(args, kwargs)
         store.names = _argument_names(args, kwargs)
-        with _handing(store):
+        # Under jax.disable_jit() lax.cond would run one branch and the other's GEMMs would
+        # not be counted, shifting the names of the GEMMs after it: traced as under jit.
+        with _handing(store), jax.disable_jit(False):
             return fun(*args, **kwargs)
 
     call._jaxamp_delayed = _Delayed(fun, history_length)  # type: ignore[attr-defined]
@@ -238,6 +240,6 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
     store = _Store(None, delayed.history_length)
     args, kwargs = _distinct(args, kwargs)
     store.names = _argument_names(args, kwargs)
-    with _handing(store):
+    with _handing(store), jax.disable_jit(False):
         delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
     return {key: init_meta(delayed.history_length) for key in store.collected}
