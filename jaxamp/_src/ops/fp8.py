@@ -281,20 +281,25 @@ def _dequantize_product(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(normal, y * both, (y * a) * b)
 
 
-@jax.custom_batching.custom_vmap
 def _amax(x: jax.Array) -> jax.Array:
     """The tensor's largest magnitude; under ``vmap``, of the whole batch (one tensor to
     scale, as without ``vmap``), so that the scaling state stays unbatched; inside
-    ``shard_map``, of every device's shard (the whole tensor, as under ``jit``)."""
+    ``shard_map``, of every device's shard (the whole tensor, as under ``jit``). A scale
+    is no function of what it scales to differentiate: a constant to higher derivatives."""
+    return _batch_amax(lax.stop_gradient(x))
+
+
+@jax.custom_batching.custom_vmap
+def _batch_amax(x: jax.Array) -> jax.Array:
     amax = jnp.max(jnp.abs(x.astype(FLOAT32))) if x.size else jnp.float32(0)
     axes = varying_axes(jax.typeof(x))
     return lax.pmax(amax, tuple(sorted(axes))) if axes else amax
 
 
-@_amax.def_vmap
+@_batch_amax.def_vmap
 def _amax_vmap(axis_size, in_batched, x):
     del axis_size, in_batched
-    return _amax(x), False
+    return _batch_amax(x), False
 
 
 def _poison(*amaxes: jax.Array) -> jax.Array:
