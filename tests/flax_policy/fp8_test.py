@@ -707,3 +707,36 @@ def test_an_nnx_layer_inside_jax_control_flow_in_the_model_matches_a_python_loop
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert float(state["layer"]["input_scale"][...][0]) != 1.0  # the scales moved
+
+
+def test_a_model_returning_its_state_returns_float32():
+    """A model that returns a layer's scale (to monitor it) returns float32, in Linen and
+    NNX, eagerly and under jit: it returned the call's fp8_max32 values, on which no
+    arithmetic works."""
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            dense = nn.Dense(8)
+            return dense(x), dense.variables[STATE]["input_scale"]
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.layer = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.layer(x), self.layer.input_scale[...]
+
+    x, policy = jnp.ones((2, 8)), "mixed_float8_delayed"
+    linen = jaxamp.linen.apply_policy(Linen(), policy)
+    variables = linen.init(jax.random.key(0), x)
+    nnx_model = jaxamp.nnx.apply_policy(Nnx(nnx.Rngs(0)), policy)
+    for call in (
+        lambda x: linen.apply(variables, x),
+        jax.jit(lambda x: linen.apply(variables, x)),
+        lambda x: nnx_model(x),
+        lambda x: nnx.jit(lambda m, x: m(x))(nnx_model, x),
+    ):
+        _, scale = call(x)
+        assert scale.dtype == jnp.float32, scale.dtype
+        np.testing.assert_array_equal(scale * 2, [2.0])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._src.dtypes import FLOAT32
+from jaxamp._src.flax_policy.graph import is_node
 from jaxamp._src.ops.fp8 import (
     MAX32,
     STATE_COLLECTION,
@@ -103,6 +104,16 @@ def as_float32_collection(variables: Any) -> Any:
         return variables
     state = jax.tree.map(as_float32, variables[STATE_COLLECTION])
     return type(variables)({**variables, STATE_COLLECTION: state})
+
+
+def float32_state(tree: Any) -> Any:
+    """``tree`` (a model's outputs) with any max-combined state value back in float32
+    (graph nodes, an NNX module or variable returned, as they are)."""
+    return jax.tree.map(
+        lambda x: as_float32(x) if hasattr(x, "dtype") and not is_node(x) else x,
+        tree,
+        is_leaf=is_node,
+    )
 
 
 class OverwriteWithGradient(nnx.Variable):

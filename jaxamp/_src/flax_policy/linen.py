@@ -342,8 +342,8 @@ class PolicyModule(nn.Module):
         out = super().apply(variables, *args, method=self._method(method), **kwargs)
         if kwargs.get("mutable", False) is not False:  # the state returned as it came in
             out, updated = out
-            out = (out, fp8_state.as_float32_collection(updated))
-        return out
+            return fp8_state.float32_state(out), fp8_state.as_float32_collection(updated)
+        return fp8_state.float32_state(out)  # a model returning its state: float32
 
     def __repr__(self) -> str:
         return f"PolicyModule({type(self.module).__name__}, policy='{self.policy}')"

@@ -94,7 +94,8 @@ def _policy_call(self, *args, **kwargs):
         layer_plan.explaining_carry_errors(policy),
         fp8_state.nnx_max_combined(iter_modules(self)) as combined,
     ):
-        return interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
+        out = interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
+    return fp8_state.float32_state(out)  # a model returning its state: float32
 
 
 @contextlib.contextmanager
