@@ -497,6 +497,22 @@ def test_second_derivatives_are_close_to_float32_and_forward_mode_is_refused(pol
         jax.jvp(lambda x: f(w, x), (x,), (x,))
 
 
+def test_init_takes_shapes_and_a_keyword_call_after_a_positional_init_says_why():
+    """init_fp8_state on jax.ShapeDtypeStruct arguments (failed: the function ran on them)
+    gives the keys arrays give; a call by keyword on a state made positionally is refused
+    saying that names follow how the arguments are passed."""
+    f = jaxamp.autocast(
+        lambda p, x: jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"]), "mixed_float8_delayed"
+    )
+    params = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 4))}
+    x = jnp.ones((5, 8))
+    state = jaxamp.init_fp8_state(f, params, x)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    assert list(jaxamp.init_fp8_state(f, *shapes)) == list(state)
+    with pytest.raises(ValueError, match="by position or keyword as f is called"):
+        f(params, x=x, fp8_state=state)
+
+
 def test_weights_keep_their_names_inside_checkpoint():
     w1, w2, x = _weights()
     f = jaxamp.autocast(jax.checkpoint(_two_layers), "mixed_float8_delayed")

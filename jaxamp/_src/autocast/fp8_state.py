@@ -118,11 +118,13 @@ def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
     if key not in store.state:
         raise ValueError(
             f"fp8_state has no state for the GEMM '{key}' (a GEMM is named by the arguments "
-            "its operands come from, '·' for a computed one); it holds "
-            f"{sorted(store.state)[:8]}. The state was made for another function or other "
-            "arguments (or shapes that change which GEMMs run, as jnp.einsum's contraction "
-            "order can): make it with jaxamp.init_fp8_state(f, *args) on the arguments f is "
-            "called with."
+            "its operands come from, by position or keyword as f is called: args[1] and "
+            "kwargs['x'] are other names; '·' for a computed one); it holds "
+            f"{sorted(store.state)[:8]}. The state was made for another function, for "
+            "arguments passed otherwise (positionally, not by keyword, or the reverse), or "
+            "for shapes that change which GEMMs run (as jnp.einsum's contraction order "
+            "can): make it with jaxamp.init_fp8_state(f, ...) given the arguments exactly "
+            "as f is called with them."
         )
     meta = store.state[key]
     return Fp8Meta(**meta) if isinstance(meta, Mapping) else Fp8Meta(*meta)
@@ -209,8 +211,8 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
 
     Args:
       fun: the function ``jaxamp.autocast`` returned for a delayed-scaling policy.
-      *args: its arguments, as it will be called.
-      **kwargs: its keyword arguments.
+      *args: its arguments, as it will be called (arrays or ``jax.ShapeDtypeStruct``).
+      **kwargs: its keyword arguments, passed by keyword as it will be called.
 
     Returns:
       A dict of each GEMM's key to a fresh ``Fp8Meta``: the names of the arguments its
@@ -238,8 +240,23 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             f"policy (e.g. 'mixed_float8_delayed'), got {fun!r}."
         )
     store = _Store(None, delayed.history_length)
-    args, kwargs = _distinct(args, kwargs)
-    store.names = _argument_names(args, kwargs)
-    with _handing(store), jax.disable_jit(False):
-        delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
+
+    def collect(args: Any, kwargs: Any) -> None:
+        args, kwargs = _distinct(args, kwargs)
+        store.names = _argument_names(args, kwargs)
+        with _handing(store), jax.disable_jit(False):
+            delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
+
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    shapes = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
+    if any(shapes):  # the other arguments (a flag, a model) as they are
+
+        def with_arrays(arrays: list[Any]) -> None:
+            given = iter(arrays)
+            full = [next(given) if s else x for x, s in zip(leaves, shapes, strict=True)]
+            collect(*jax.tree.unflatten(tree, full))
+
+        jax.eval_shape(with_arrays, [x for x, s in zip(leaves, shapes, strict=True) if s])
+    else:
+        collect(args, kwargs)
     return {key: init_meta(delayed.history_length) for key in store.collected}
