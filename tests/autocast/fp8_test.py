@@ -2,7 +2,6 @@
 against Flax's fp8_ops step for step, under loops, vmap, remat, reuse and a checkpoint;
 both recipes train a small network close to bfloat16."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,17 +11,9 @@ from flax.linen import fp8_ops
 
 import jaxamp
 from jaxamp.ops import fp8_dot_general, init_meta, max_combined
+from tests.fp8_models import Mlp
 
 DN = (((1,), (0,)), ((), ()))
-
-
-class Mlp(nn.Module):
-    dot_general_cls: object = None
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.relu(nn.Dense(16, dot_general_cls=self.dot_general_cls)(x))
-        return nn.Dense(4, dot_general_cls=self.dot_general_cls)(h)
 
 
 def _as_dict(meta):

@@ -12,17 +12,9 @@ from flax.linen import fp8_ops
 
 import jaxamp
 from jaxamp.ops import FP8_STATE_COLLECTION as STATE
+from tests.fp8_models import Mlp
 
 assert STATE == fp8_ops.OVERWRITE_WITH_GRADIENT
-
-
-class Mlp(nn.Module):
-    dot_general_cls: object = None
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.relu(nn.Dense(16, dot_general_cls=self.dot_general_cls)(x))
-        return nn.Dense(4, dot_general_cls=self.dot_general_cls)(h)
 
 
 def _flax_meta_as_jaxamp(tree):
