@@ -102,6 +102,38 @@ def test_a_loop_carry_that_changes_dtype_is_explained(path):
     assert str(error.value).count("jaxamp:") == 1
 
 
+@pytest.mark.parametrize("lift", ["none", "remat", "remat_twice"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
+def test_a_float32_carry_of_an_nn_scan_over_a_lifted_body_keeps_its_dtype(lift, policy):
+    """A float32 carry (jnp.zeros) through nn.scan(nn.remat(Cell)), whose Dense runs in 16
+    bits: the body's new carry comes back float32 as with nn.scan(Cell) (the scan failed
+    with a carry TypeError: the body behind nn.remat's class was not seen as the loop's)."""
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, h, x):
+            h = jnp.tanh(nn.Dense(8)(h) + x)
+            return h, h
+
+    lifts = {"none": Cell, "remat": nn.remat(Cell), "remat_twice": nn.remat(nn.remat(Cell))}
+
+    class Looped(nn.Module):
+        @nn.compact
+        def __call__(self, xs):
+            scan = nn.scan(lifts[lift], variable_broadcast="params", split_rngs={"params": False})
+            return scan(name="cell")(jnp.zeros(xs.shape[1:]), xs)[0]
+
+    xs = jax.random.normal(jax.random.key(0), (4, 3, 8))
+    model = Looped()
+    variables = model.init(jax.random.key(1), xs)
+    policed = jaxamp.linen.apply_policy(model, policy)
+    out = jax.jit(policed.apply)(variables, xs)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, model.apply(variables, xs), rtol=2e-2, atol=2e-2)
+    grads = jax.grad(lambda v: jnp.sum(policed.apply(v, xs)))(variables)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
 @pytest.mark.parametrize("key", ["blocks", "blocks/Dense_0"])
 def test_an_override_on_an_nn_scan_body_keeps_the_carry_dtype(key):
     """The model's input (cast to bfloat16) is the carry of an nn.scan whose block an

@@ -86,11 +86,32 @@ def _module_chain(module: nn.Module, call: _Call) -> tuple[tuple[tuple[str, ...]
     return tuple(chain)
 
 
+def _in_scan(before: Any, path: Any, module: nn.Module) -> bool:
+    """Whether ``module``, called at ``path``, is the body of an ``nn.scan``: the layers
+    called before it at that path (``before``, latest first) are lifted classes of it
+    (``nn.remat``'s ``CheckpointCell``, earlier calls of it) up to a ``Scan<Body>``."""
+    for seen_path, seen in (chain[0] for chain in before):
+        if seen_path != path:
+            continue
+        if _is_scan_body(seen, module):
+            return True
+        if not isinstance(seen, type(module)):
+            return False
+    return False
+
+
 def _is_scan_body(owner: nn.Module, module: nn.Module) -> bool:
     """Whether ``module`` is the body of ``owner``, a module class ``nn.scan`` made (Flax
-    names it ``Scan<Body>`` and calls a clone of the body inside the scan)."""
-    cls = type(owner)
-    return cls.__name__ == f"Scan{type(module).__name__}" and type(module) in cls.__bases__
+    names it ``Scan<Body>`` and calls a clone of the body inside the scan), or the body
+    another lifted class wraps there (``nn.scan(nn.remat(Cell))``: ``ScanCheckpointCell``
+    calls ``CheckpointCell``, which calls ``Cell``)."""
+    cls, body = type(owner), type(module)
+    return (
+        cls.__name__.startswith("Scan")
+        and cls.__name__.endswith(body.__name__)
+        and body is not cls
+        and issubclass(cls, body)
+    )
 
 
 def _holds(owner: nn.Module, module: nn.Module) -> bool:
@@ -184,10 +205,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
                 chain = chain + caller[top + 1 :]
         # Flax calls an nn.scan body (a clone of the scanned class) after the Scan<Body>
         # layer at the same path; the running layer is not always that one.
-        scan_body = any(
-            seen[0][0] == chain[0][0] and _is_scan_body(seen[0][1], module)
-            for seen in call.seen[-2::-1][:4]
-        )
+        scan_body = _in_scan(call.seen[-2::-1][:64], chain[0][0], module)
         token = _RUNNING.set(chain)
         try:
             out = run(chain, module, next_fun, args, kwargs, context)
