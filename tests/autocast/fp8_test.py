@@ -504,6 +504,32 @@ def test_init_takes_shapes_and_a_keyword_call_after_a_positional_init_says_why()
         f(params, x=x, fp8_state=state)
 
 
+def test_an_nnx_model_given_to_delayed_autocast_keeps_its_updates():
+    """An NNX model passed to a delayed-scaling autocast function keeps its BatchNorm
+    statistics' update (a copy of the arguments, made to name tied weights apart, got it
+    and the caller's model kept zeros)."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layer = nnx.Linear(4, 4, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.layer(x))
+
+    x = jax.random.normal(jax.random.key(0), (8, 4)) + 2.0
+    means = []
+    for policy in ("float32", "p=f32,c=f32,fp8=delayed"):
+        model = Model(nnx.Rngs(0))
+        f = jaxamp.autocast(lambda m, x: jnp.sum(m(x)), policy)
+        kwargs = {"fp8_state": jaxamp.init_fp8_state(f, model, x)} if "delayed" in policy else {}
+        f(model, x, **kwargs)
+        means.append(model.norm.mean[...])
+    assert float(jnp.max(jnp.abs(means[0]))) > 0
+    np.testing.assert_allclose(means[1], means[0], rtol=0.2, atol=1e-3)
+
+
 def test_weights_keep_their_names_inside_checkpoint():
     w1, w2, x = _weights()
     f = jaxamp.autocast(jax.checkpoint(_two_layers), "mixed_float8_delayed")

@@ -52,9 +52,16 @@ def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, list[str]]]:
 
 
 def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """``(args, kwargs)`` with an array that sits at several places (tied weights, one array
-    passed twice) copied at each place after its first, so that every place is a value of
-    its own, named by its place, as the separate tracers ``jit`` makes of it are."""
+    """``(args, kwargs)`` with an array that sits at several places of plain containers
+    (tied weights, one array passed twice) copied at each place after its first, so that
+    every place is a value of its own, named by its place, as the separate tracers ``jit``
+    makes of it are. Other objects (an NNX module, whose updates must reach the caller's)
+    are passed as they are, and without a repeated array nothing is rebuilt."""
+    opaque = lambda x: not isinstance(x, (Mapping, list, tuple))
+    leaves = jax.tree.leaves((args, kwargs), is_leaf=opaque)
+    arrays = [id(x) for x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")]
+    if len(set(arrays)) == len(arrays):
+        return args, kwargs
     seen: set[int] = set()
 
     def one(leaf: Any) -> Any:
@@ -65,7 +72,7 @@ def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
         seen.add(id(leaf))
         return leaf
 
-    return jax.tree.map(one, (args, kwargs))
+    return jax.tree.map(one, (args, kwargs), is_leaf=opaque)
 
 
 def _names_of(store: _Store, value: Any) -> list[str]:
