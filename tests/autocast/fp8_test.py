@@ -469,23 +469,26 @@ def test_under_disable_jit_the_state_is_that_of_jit():
     assert any(float(m.input_amax_history[0]) > 0 for m in got.values())
 
 
-@pytest.mark.parametrize("policy", ["mixed_float8", "p=f32,c=f32,fp8=current"])
-def test_second_derivatives_are_close_to_float32_and_forward_mode_is_refused(policy):
-    """grad of grad and jax.hessian through float8 GEMMs (failed: the amax had no
-    derivative) are within float8's rounding of float32's (e5m2's, 2 mantissa bits);
-    forward mode, through a custom_vjp, raises JAX's TypeError (guides/fp8.md, Limits)."""
-    w = jax.random.normal(jax.random.key(0), (8, 8)) * 0.3
+@pytest.mark.parametrize("policy", ["mixed_float8", "p=f32,c=f32,fp8=delayed"])
+def test_second_derivatives_and_forward_mode_are_refused(policy):
+    """grad of grad and jax.hessian through float8 GEMMs are refused by name: their
+    tangents were cast to float8 unscaled, and after one state update 3005 of 4096
+    Hessian entries of two tanh layers were NaN. Forward mode, through a custom_vjp,
+    raises JAX's TypeError (guides/fp8.md, Limits). One derivative still works."""
+    w = jax.random.normal(jax.random.key(0), (8, 8)) * 0.5
     x = jax.random.normal(jax.random.key(1), (4, 8))
-    fn = lambda w, x: jnp.sum(jnp.tanh(x @ w))
-    f = jaxamp.autocast(fn, policy)
-    second = lambda fn: jax.grad(lambda w: jnp.sum(jax.grad(fn)(w, x) ** 2))(w)
-    hessian = lambda fn: jax.hessian(lambda x: fn(w, x))(x)
-    for derivative in (second, hessian):
-        got, exact = jax.jit(derivative, static_argnums=0)(f), derivative(fn)
-        # e5m2 gradients (2 mantissa bits) enter twice: 13% here, the first derivative 6%
-        assert float(jnp.linalg.norm(got - exact)) < 0.2 * float(jnp.linalg.norm(exact))
+    f = jaxamp.autocast(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w) ** 2), policy)
+    kwargs = {}
+    if "delayed" in policy:
+        state = jaxamp.init_fp8_state(f, w, x)
+        kwargs["fp8_state"] = jax.grad(lambda s: f(w, x, fp8_state=s))(state)
+    loss = lambda w: f(w, x, **kwargs)
+    assert bool(jnp.all(jnp.isfinite(jax.jit(jax.grad(loss))(w))))
+    for second in (jax.hessian(loss), jax.grad(lambda w: jnp.sum(jax.grad(loss)(w) ** 2))):
+        with pytest.raises(NotImplementedError, match="second derivatives"):
+            jax.jit(second)(w)
     with pytest.raises(TypeError, match="forward-mode autodiff"):
-        jax.jvp(lambda x: f(w, x), (x,), (x,))
+        jax.jvp(loss, (w,), (w,))
 
 
 def test_init_takes_shapes_and_a_keyword_call_after_a_positional_init_says_why():

@@ -732,3 +732,17 @@ def test_a_model_returning_its_state_returns_float32():
         _, scale = call(x)
         assert scale.dtype == jnp.float32, scale.dtype
         np.testing.assert_array_equal(scale * 2, [2.0])
+    # a loss that adds the returned scale (crashed: UndefinedPrimal) has the next state of
+    # one that does not: the returned value is a reading, no gradient flows back through it
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    with_scale = lambda m, k: jnp.sum(m(x)[0]) + k * jnp.sum(m(x)[1])
+    states = [nnx.grad(with_scale, argnums=wrt)(nnx_model, k) for k in (0.0, 1.0)]
+    for a, b in zip(*(jax.tree.leaves(s) for s in states), strict=True):
+        np.testing.assert_array_equal(a, b)
+    loss = lambda s, k: (
+        jnp.sum(linen.apply({**variables, STATE: s}, x)[0])
+        + k * jnp.sum(linen.apply({**variables, STATE: s}, x)[1])
+    )
+    np.testing.assert_equal(
+        *(jax.tree.map(np.asarray, jax.grad(loss)(variables[STATE], k)) for k in (0.0, 1.0))
+    )

@@ -11,6 +11,7 @@ import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from jaxamp._src.dtypes import FLOAT32
 from jaxamp._src.flax_policy.graph import is_node
@@ -106,11 +107,17 @@ def as_float32_collection(variables: Any) -> Any:
     return type(variables)({**variables, STATE_COLLECTION: state})
 
 
+def _is_max32(x: Any) -> bool:
+    return getattr(x, "dtype", None) == MAX32
+
+
 def float32_state(tree: Any) -> Any:
     """``tree`` (a model's outputs) with any max-combined state value back in float32
     (graph nodes, an NNX module or variable returned, as they are)."""
+    # A value to monitor: no gradient flows back through it (the state's gradient is its
+    # next value, which the GEMMs write).
     return jax.tree.map(
-        lambda x: as_float32(x) if hasattr(x, "dtype") and not is_node(x) else x,
+        lambda x: lax.stop_gradient(as_float32(x)) if _is_max32(x) and not is_node(x) else x,
         tree,
         is_leaf=is_node,
     )

@@ -138,7 +138,9 @@ def max_combined(tree: Any) -> Any:
     The policies convert the state they are given; convert it yourself before a loop
     that calls the model several times in one differentiated step (micro-batches
     accumulated in a ``lax.scan``), so that the loop's uses combine by max too. The
-    gradient of a state no float8 GEMM used is the state itself.
+    gradient of a state that reaches the loss but that no float8 GEMM used is the state
+    itself; a state the differentiated function never reads gets JAX's zero gradient,
+    which the next step treats as a fresh state (scales of 1).
 
     Examples:
       >>> meta = max_combined(init_meta(4))
@@ -302,6 +304,24 @@ def _amax_vmap(axis_size, in_batched, x):
     return _batch_amax(x), False
 
 
+@jax.custom_jvp
+def _first_order(x: jax.Array) -> jax.Array:
+    """``x``, refusing to be differentiated: a float8 GEMM's passes quantize, and tangents
+    or cotangents through them would be cast to float8 unscaled (inf and NaN where they
+    outgrow the operands' range), so a second derivative would be silently wrong."""
+    return x
+
+
+@_first_order.defjvp
+def _first_order_jvp(primals, tangents):
+    raise NotImplementedError(
+        "second derivatives (jax.hessian, jax.grad of jax.grad) through jaxamp's float8 "
+        "GEMMs are not supported: their passes quantize to float8, and the derivatives of "
+        "the quantized values would be cast to float8 unscaled. Take one derivative, or "
+        "compute second derivatives under a 16-bit policy (guides/fp8.md, Limits)."
+    )
+
+
 def _poison(*amaxes: jax.Array) -> jax.Array:
     """1, or NaN where an operand holds inf or NaN: float8 has no infinity, and clipping an
     overflow to 448 would hide it from loss scaling's check of the gradients."""
@@ -356,6 +376,7 @@ def _current(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
 
 
 def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
+    lhs, rhs = _first_order(lhs), _first_order(rhs)
     amax_l, amax_r = _amax(lhs), _amax(rhs)
     s_l, s_r = (scale_from_amax(a, E4M3, margin) for a in (amax_l, amax_r))
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
@@ -369,6 +390,7 @@ def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
 
 def _current_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     q_l, s_l, q_r, s_r, lhs_like, rhs_like = res
+    g = _first_order(g)
     amax_g = _amax(g)
     s_g = scale_from_amax(amax_g, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
@@ -425,6 +447,7 @@ def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
 
 
 def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
+    lhs, rhs = _first_order(lhs), _first_order(rhs)
     amax_l, amax_r = _amax(lhs), _amax(rhs)
     s_l, h_l = _next(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
     s_r, h_r = _next(amax_r, meta.kernel_scale, meta.kernel_amax_history, E4M3, margin)
@@ -438,6 +461,7 @@ def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding)
 
 def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
+    g = _first_order(g)
     amax_g = _amax(g)
     s_g, h_g = _next(amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
