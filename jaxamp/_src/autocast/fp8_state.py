@@ -40,12 +40,16 @@ def active() -> _Store | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def _argument_names(args: Any, kwargs: Any) -> dict[int, tuple[Any, list[str]]]:
     """``id(array): (array, names)`` for the arrays among a call's arguments, named by where
     they sit: ``args[0]['w1']``, ``kwargs['params']['Dense_0']['kernel']``."""
     names: dict[int, tuple[Any, list[str]]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        if _is_array(leaf):
             head = "args" if path[0].idx == 0 else "kwargs"
             names.setdefault(id(leaf), (leaf, []))[1].append(head + jax.tree_util.keystr(path[1:]))
     return names
@@ -59,13 +63,13 @@ def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
     are passed as they are, and without a repeated array nothing is rebuilt."""
     opaque = lambda x: not isinstance(x, (Mapping, list, tuple))
     leaves = jax.tree.leaves((args, kwargs), is_leaf=opaque)
-    arrays = [id(x) for x in leaves if hasattr(x, "shape") and hasattr(x, "dtype")]
+    arrays = [id(x) for x in leaves if _is_array(x)]
     if len(set(arrays)) == len(arrays):
         return args, kwargs
     seen: set[int] = set()
 
     def one(leaf: Any) -> Any:
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        if not _is_array(leaf):
             return leaf
         if id(leaf) in seen:
             return leaf.copy()
@@ -73,6 +77,13 @@ def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
         return leaf
 
     return jax.tree.map(one, (args, kwargs), is_leaf=opaque)
+
+
+def _named(store: _Store, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``(args, kwargs)`` as ``_distinct`` gives them, their arrays' names in ``store``."""
+    args, kwargs = _distinct(args, kwargs)
+    store.names = _argument_names(args, kwargs)
+    return args, kwargs
 
 
 def _names_of(store: _Store, value: Any) -> list[str]:
@@ -196,8 +207,7 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
             )
         warn_if_state_is_not_differentiated((args, kwargs), fp8_state)
         store = _Store(max_combined(dict(fp8_state)), history_length)
-        args, kwargs = _distinct(args, kwargs)
-        store.names = _argument_names(args, kwargs)
+        args, kwargs = _named(store, args, kwargs)
         # Under jax.disable_jit() lax.cond would run one branch and the other's GEMMs would
         # not be counted, shifting the names of the GEMMs after it: traced as under jit.
         with _handing(store), jax.disable_jit(False):
@@ -249,8 +259,7 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
     store = _Store(None, delayed.history_length)
 
     def collect(args: Any, kwargs: Any) -> None:
-        args, kwargs = _distinct(args, kwargs)
-        store.names = _argument_names(args, kwargs)
+        args, kwargs = _named(store, args, kwargs)
         with _handing(store), jax.disable_jit(False):
             delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
 
