@@ -135,6 +135,29 @@ def test_vmap_takes_the_amax_of_the_whole_batch():
     assert float(first.input_amax_history[0]) == float(jnp.max(jnp.abs(xs)))
 
 
+def test_vmap_over_stacked_weights_and_states_scales_each_member_alone():
+    """An ensemble under autocast: weights and states stacked, run by ``vmap``, against
+    each member run alone (a whole-batch amax had scaled every member by the largest)."""
+    w1, w2, x = _weights()
+    factors = jnp.array([0.01, 1.0, 100.0])[:, None, None]
+    w1s, w2s = w1 * factors, w2 / factors
+    f = jaxamp.autocast(_two_layers, "p=f32,c=f32,fp8=delayed,fp8_history=4")
+    state = jaxamp.init_fp8_state(f, w1, w2, x)
+    states = jax.tree.map(lambda v: jnp.stack([v] * 3), state)
+    step = jax.jit(jax.value_and_grad(lambda a, b, s: f(a, b, x, fp8_state=s), argnums=(0, 2)))
+    batched = jax.jit(jax.vmap(step))
+    for _ in range(2):
+        losses, (dw1s, new_states) = batched(w1s, w2s, states)
+        for i in range(3):
+            member = jax.tree.map(lambda v, i=i: v[i], states)
+            loss, (dw1, new) = step(w1s[i], w2s[i], member)
+            np.testing.assert_allclose(losses[i], loss, rtol=1e-6)
+            np.testing.assert_allclose(dw1s[i], dw1, rtol=1e-6)
+            for a, b in zip(jax.tree.leaves(new_states), jax.tree.leaves(new), strict=True):
+                np.testing.assert_allclose(a[i], b, rtol=1e-6)
+        states = new_states
+
+
 def test_a_gemm_the_step_does_not_run_keeps_its_state():
     """A cond's branch not taken: its GEMM's state is left as it was, not zeroed."""
     w1, w2, x = _weights()

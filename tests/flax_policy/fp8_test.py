@@ -746,3 +746,103 @@ def test_a_model_returning_its_state_returns_float32():
     np.testing.assert_equal(
         *(jax.tree.map(np.asarray, jax.grad(loss)(variables[STATE], k)) for k in (0.0, 1.0))
     )
+
+
+@pytest.mark.parametrize("shared_input", [True, False])
+def test_an_nnx_ensemble_run_by_nnx_vmap_matches_its_members_run_one_by_one(shared_input):
+    """Layers stacked by nnx.vmap and run by it (an ensemble) against the same layers as
+    separate modules in a Python loop, members' weights far apart: losses and every
+    member's state over 3 jitted steps (every member had recorded the largest one's amax)."""
+    factors = [1.0, 50.0, 0.02]
+    x = jax.random.normal(jax.random.key(1), (4, 8)) * 5
+    xs = jnp.stack([x * f for f in factors[::-1]])
+    in_axes = (0, None) if shared_input else (0, 0)
+
+    class Ensemble(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=len(factors))
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return nnx.Linear(8, 8, rngs=rngs)
+
+            self.layers = make(rngs)
+            self.layers.kernel[...] *= jnp.array(factors)[:, None, None]
+
+        def __call__(self, x):
+            return nnx.vmap(lambda layer, x: layer(x), in_axes=in_axes)(self.layers, x)
+
+    class Loop(nnx.Module):
+        def __init__(self, ensemble):
+            self.layers = nnx.List([nnx.Linear(8, 8, rngs=nnx.Rngs(0)) for _ in factors])
+            for i, layer in enumerate(self.layers):
+                layer.kernel[...] = ensemble.layers.kernel[i]
+                layer.bias[...] = ensemble.layers.bias[i]
+
+        def __call__(self, x):
+            inputs = [x] * len(factors) if shared_input else list(x)
+            return jnp.stack([layer(xi) for layer, xi in zip(self.layers, inputs, strict=True)])
+
+    policy = "p=f32,c=f32,fp8=delayed,fp8_history=4"
+    ensemble = jaxamp.nnx.apply_policy(Ensemble(nnx.Rngs(0)), policy)
+    loop = jaxamp.nnx.apply_policy(Loop(ensemble), policy)
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+
+    @nnx.jit
+    def step(model, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2), argnums=wrt)(model)
+        jaxamp.nnx.update_fp8_state(model, grads)
+        return loss
+
+    inputs = x if shared_input else xs
+    for _ in range(3):
+        np.testing.assert_allclose(step(ensemble, inputs), step(loop, inputs), rtol=1e-6)
+    for i, layer in enumerate(loop.layers):
+        for name in jaxamp.ops.Fp8Meta._fields:
+            np.testing.assert_allclose(
+                getattr(ensemble.layers, name)[...][i],
+                getattr(layer, name)[...],
+                rtol=1e-6,
+                err_msg=f"member {i}, {name}",
+            )
+
+
+def test_a_linen_ensemble_run_by_nn_vmap_matches_its_members_run_one_by_one():
+    """The same for Linen: nn.vmap over params and the state, against separate layers."""
+    factors = [1.0, 50.0, 0.02]
+    ensemble = nn.vmap(
+        nn.Dense,
+        variable_axes={"params": 0, STATE: 0},
+        split_rngs={"params": True},
+        in_axes=None,
+        axis_size=len(factors),
+    )(8)
+
+    class Loop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jnp.stack([nn.Dense(8, name=f"member_{i}")(x) for i in range(len(factors))])
+
+    policy = "p=f32,c=f32,fp8=delayed,fp8_history=4"
+    ensemble = jaxamp.linen.apply_policy(ensemble, policy)
+    loop = jaxamp.linen.apply_policy(Loop(), policy)
+    x = jax.random.normal(jax.random.key(1), (4, 8)) * 5
+    variables = ensemble.init(jax.random.key(0), x)
+    params = dict(variables["params"])
+    params["kernel"] = params["kernel"] * jnp.array(factors)[:, None, None]
+    state = variables[STATE]
+    loop_params = {
+        f"member_{i}": jax.tree.map(lambda v, i=i: v[i], params) for i in range(len(factors))
+    }
+    loop_state = loop.init(jax.random.key(0), x)[STATE]
+
+    def loss(apply, params, state):
+        return jnp.sum(apply({"params": params, STATE: state}, x) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)), static_argnums=0)
+    for _ in range(3):
+        got, (_, state) = step(ensemble.apply, params, state)
+        want, (_, loop_state) = step(loop.apply, loop_params, loop_state)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    for i in range(len(factors)):
+        for name, value in loop_state[f"member_{i}"].items():
+            np.testing.assert_allclose(state[name][i], value, rtol=1e-6, err_msg=f"{i} {name}")

@@ -306,3 +306,38 @@ def test_vmap_scales_the_batch_as_one_tensor(delayed):
     batched = jax.vmap(lambda x: fp8_dot_general(x, w, DN, meta=meta))(xs)
     stacked = fp8_dot_general(xs.reshape(6, 5), w, DN, meta=meta).reshape(3, 2, 4)
     np.testing.assert_array_equal(batched, stacked)
+
+
+@hypothesis.settings(deadline=None, max_examples=8)
+@hypothesis.given(
+    st.lists(st.sampled_from([1e-3, 0.1, 1.0, 30.0, 1e3]), min_size=2, max_size=3),
+    st.booleans(),
+)
+def test_vmap_over_a_batched_state_scales_each_member_as_run_alone(factors, shared_input):
+    """An ensemble: weights and states stacked, run by ``vmap``. Each member's amaxes,
+    scales and results are the member's own, as in a loop over the members (a whole-batch
+    amax had scaled every member by the largest one's)."""
+    k = len(factors)
+    scale = jnp.array(factors)[:, None, None]
+    ws = jax.random.normal(jax.random.key(1), (k, 5, 4)) * scale
+    xs = jax.random.normal(jax.random.key(0), (k, 2, 5)) * scale[::-1]
+    x_axis = None if shared_input else 0
+    metas = jax.tree.map(lambda v: jnp.stack([v] * k), init_meta(4))
+
+    def loss(w, meta, x):
+        return jnp.sum(fp8_dot_general(x, w, DN, meta=meta) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    batched = jax.jit(jax.vmap(step, in_axes=(0, 0, x_axis)))
+    for _ in range(3):  # the state's second step quantizes with the first's amaxes
+        got_loss, (got_dw, got_meta) = batched(ws, metas, xs[0] if shared_input else xs)
+        for i in range(k):
+            meta = jax.tree.map(lambda v, i=i: v[i], metas)
+            want_loss, (want_dw, want_meta) = step(ws[i], meta, xs[0] if shared_input else xs[i])
+            np.testing.assert_allclose(got_loss[i], want_loss, rtol=1e-6)
+            np.testing.assert_allclose(got_dw[i], want_dw, rtol=1e-6)
+            for name in Fp8Meta._fields:
+                np.testing.assert_allclose(
+                    getattr(got_meta, name)[i], getattr(want_meta, name), rtol=1e-6, err_msg=name
+                )
+        metas = got_meta

@@ -283,12 +283,18 @@ def _dequantize_product(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(normal, y * both, (y * a) * b)
 
 
-def _amax(x: jax.Array) -> jax.Array:
-    """The tensor's largest magnitude; under ``vmap``, of the whole batch (one tensor to
-    scale, as without ``vmap``), so that the scaling state stays unbatched; inside
-    ``shard_map``, of every device's shard (the whole tensor, as under ``jit``). A scale
-    is no function of what it scales to differentiate: a constant to higher derivatives."""
-    return _batch_amax(lax.stop_gradient(x))
+def _amax(x: jax.Array, state: Any = None) -> jax.Array:
+    """The tensor's largest magnitude, for scaling it (or for ``state``, the scale this amax
+    updates). Under ``vmap`` over a batch the state does not have (a data batch,
+    per-example gradients), one amax over the whole batch, so that the state stays
+    unbatched, as without ``vmap``; over a batch the state has too (an ensemble of layers
+    run by ``nnx.vmap``), one per member, as for layers run one by one. Inside
+    ``shard_map``, of every device's shard (the whole tensor, as under ``jit``). A scale is
+    no function of what it scales to differentiate: a constant to higher derivatives."""
+    x = lax.stop_gradient(x)
+    if state is None:
+        return _batch_amax(x)
+    return _state_amax(x, lax.stop_gradient(as_float32(state)))
 
 
 @jax.custom_batching.custom_vmap
@@ -302,6 +308,23 @@ def _batch_amax(x: jax.Array) -> jax.Array:
 def _amax_vmap(axis_size, in_batched, x):
     del axis_size, in_batched
     return _batch_amax(x), False
+
+
+@jax.custom_batching.custom_vmap
+def _state_amax(x: jax.Array, state: jax.Array) -> jax.Array:
+    del state
+    return _batch_amax(x)
+
+
+@_state_amax.def_vmap
+def _state_amax_vmap(axis_size, in_batched, x, state):
+    x_batched, state_batched = in_batched
+    if not (x_batched and state_batched):
+        return _state_amax(x, state), False
+    # One amax per member, each taken as this function takes it at the levels outside this
+    # one: a loop over the members, so that no ``vmap`` here meets this rule again.
+    del axis_size
+    return lax.map(lambda member: _state_amax(*member), (x, state)), True
 
 
 @jax.custom_jvp
@@ -448,7 +471,7 @@ def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
 
 def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
     lhs, rhs = _first_order(lhs), _first_order(rhs)
-    amax_l, amax_r = _amax(lhs), _amax(rhs)
+    amax_l, amax_r = _amax(lhs, meta.input_scale), _amax(rhs, meta.kernel_scale)
     s_l, h_l = _next(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
     s_r, h_r = _next(amax_r, meta.kernel_scale, meta.kernel_amax_history, E4M3, margin)
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
@@ -462,7 +485,7 @@ def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding)
 def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
     g = _first_order(g)
-    amax_g = _amax(g)
+    amax_g = _amax(g, meta.output_grad_scale)
     s_g, h_g = _next(amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin)
     q_g = quantize(g, E5M2, s_g)
     s_g_used = s_g * _poison(amax_g)
