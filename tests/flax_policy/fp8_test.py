@@ -213,11 +213,11 @@ def test_loss_scaled_refuses_the_state_instead_of_unscaling_it():
         tx.update(grads, state, variables["params"])
 
 
-def _nnx_model(policy):
+def _nnx_model(policy, overrides=None):
     model = nnx.Sequential(
         nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(16, 2, rngs=nnx.Rngs(1))
     )
-    return jaxamp.nnx.apply_policy(model, policy)
+    return jaxamp.nnx.apply_policy(model, policy, overrides=overrides)
 
 
 def test_nnx_delayed_state_updates_through_update_fp8_state_and_optimizer():
@@ -244,10 +244,24 @@ def test_nnx_delayed_state_updates_through_update_fp8_state_and_optimizer():
     assert losses[-1] < losses[0]
 
 
-def test_nnx_matches_linen_under_the_same_policy():
-    """The same two-layer model and parameters under NNX and Linen: the same outputs and
-    the same next state (NNX's paths hold the same six names)."""
-    model = _nnx_model("mixed_float8_delayed")
+_F32_DELAYED = "p=f32,c=f32,fp8=delayed"
+
+
+@pytest.mark.parametrize(
+    "policy, override",
+    [
+        ("mixed_float8_delayed", None),
+        # a layer kept wider than the root (a float32 compute dtype) with its own state
+        ("mixed_float8_delayed", _F32_DELAYED),
+        ("mixed_bfloat16", _F32_DELAYED),
+        ("mixed_bfloat16", "mixed_float8_delayed"),
+    ],
+)
+def test_nnx_matches_linen_under_the_same_policy(policy, override):
+    """The same two-layer model and parameters under NNX and Linen, the second layer under
+    an override: the same outputs and the same next state (NNX's paths hold the same six
+    names). An NNX layer kept wider than the root policy had failed at its first call."""
+    model = _nnx_model(policy, override and {"layers/2": override})
     x = jax.random.normal(jax.random.key(0), (4, 8))
 
     class Two(nn.Module):
@@ -256,7 +270,7 @@ def test_nnx_matches_linen_under_the_same_policy():
             h = nn.relu(nn.Dense(16)(x))
             return nn.Dense(2)(h)
 
-    linen = jaxamp.linen.apply_policy(Two(), "mixed_float8_delayed")
+    linen = jaxamp.linen.apply_policy(Two(), policy, overrides=override and {"Dense_1": override})
     variables = linen.init(jax.random.key(1), x)
     params = {
         f"Dense_{i}": {
@@ -265,9 +279,16 @@ def test_nnx_matches_linen_under_the_same_policy():
         }
         for i, j in ((0, 0), (1, 2))
     }
-    np.testing.assert_array_equal(
-        model(x), linen.apply({"params": params, STATE: variables[STATE]}, x)
-    )
+    state = variables.get(STATE, {})
+    np.testing.assert_array_equal(model(x), linen.apply({"params": params, STATE: state}, x))
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    grads = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32)), argnums=wrt)(model)
+    jaxamp.nnx.update_fp8_state(model, grads)
+    new = jax.grad(lambda s: jnp.sum(linen.apply({"params": params, STATE: s}, x)))(state)
+    for i, j in ((0, 0), (1, 2)):
+        for name, value in new.get(f"Dense_{i}", {}).items():
+            np.testing.assert_array_equal(getattr(model.layers[j], name)[...], value, name)
+    assert ("Dense_1" in new) == (override is not None or "float8" in policy)
 
 
 def test_float8_policy_grammar_and_errors():

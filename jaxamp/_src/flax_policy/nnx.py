@@ -120,7 +120,7 @@ def _as_written(tree: Any):
 
 def _embed_call(self, *args, **kwargs):
     """``Embed.__call__`` that gathers in the table's dtype and casts the rows."""
-    out = type(self).__mro__[1].__call__(self, *args, **kwargs)
+    out = _own_call(self, *args, **kwargs)
     if layer_plan.running_as_written():
         return out
     return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
@@ -130,7 +130,7 @@ def _as_traced_call(self, *args, **kwargs):
     """``__call__`` of a layer an override keeps wider than the root policy (float32):
     evaluated exactly as traced (see ``layer_plan.as_traced_scope``)."""
     with jax.named_scope(FLOAT32_SCOPE):
-        return type(self).__mro__[1].__call__(self, *args, **kwargs)
+        return _own_call(self, *args, **kwargs)
 
 
 def _embed_attend(self, *args, **kwargs):
@@ -141,9 +141,13 @@ def _embed_attend(self, *args, **kwargs):
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 
 
-def _fp8_call(self, *args, **kwargs):
-    """``__call__`` of a layer under delayed float8 scaling: its GEMM reads its state."""
-    return fp8_state.nnx_delayed_call(self, type(self).__mro__[1].__call__, *args, **kwargs)
+def _own_call(self, *args, **kwargs):
+    """The layer's own ``__call__``; under delayed float8 scaling, its GEMM reads its state
+    (every wrapper ends here)."""
+    call = type(self).__mro__[1].__call__
+    if fp8_state.has_nnx_meta(self):
+        return fp8_state.nnx_delayed_call(self, call, *args, **kwargs)
+    return call(self, *args, **kwargs)
 
 
 def _keeping_carry(call: Any) -> Any:
@@ -164,11 +168,11 @@ def _subclass(cls: type, call_name: str) -> type:
         "policy": {"__call__": _policy_call},
         "embed": {"__call__": _embed_call, "attend": _embed_attend},
         "as_traced": {"__call__": _as_traced_call},
-        "fp8": {"__call__": _fp8_call},
-        "cell": {},
+        "fp8": {"__call__": _own_call},
+        "cell": {"__call__": _own_call},
     }[call_name]
     if issubclass(cls, nnx.RNNCellBase) and call_name != "policy":
-        methods = {**methods, "__call__": _keeping_carry(methods.get("__call__", cls.__call__))}
+        methods = {**methods, "__call__": _keeping_carry(methods["__call__"])}
 
     def __reduce__(self):  # pickled as the original class plus the name of the wrapper
         return _rebuild, (cls, call_name, self.__getstate__())
