@@ -867,3 +867,35 @@ def test_a_linen_ensemble_run_by_nn_vmap_matches_its_members_run_one_by_one():
     for i in range(len(factors)):
         for name, value in loop_state[f"member_{i}"].items():
             np.testing.assert_allclose(state[name][i], value, rtol=1e-6, err_msg=f"{i} {name}")
+
+
+def test_an_nnx_layer_of_ones_own_with_a_rank_3_kernel_keeps_one_state():
+    """A layer of a class of one's own following Flax's hook convention, with a per-head
+    kernel (heads, in, out), is one layer with one state (it had been read as a stack of
+    layers made by nnx.vmap and failed at its call): its next state and gradient are the
+    float8 GEMM's own, with the same state."""
+    dims = (((2,), (1,)), ((0,), (0,)))
+
+    class PerHead(nnx.Module):
+        def __init__(self, rngs):
+            self.kernel = nnx.Param(jax.random.normal(rngs.params(), (3, 4, 5)))
+            self.dot_general = jax.lax.dot_general
+
+        def __call__(self, x):
+            return self.dot_general(x, self.kernel[...], dims)
+
+    model = jaxamp.nnx.apply_policy(PerHead(nnx.Rngs(0)), "p=f32,c=f32,fp8=delayed,fp8_history=4")
+    assert model.input_amax_history.shape == (4,)
+    x = jax.random.normal(jax.random.key(1), (3, 2, 4))
+    wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=wrt)(model)
+    kernel = model.kernel[...]
+    jaxamp.nnx.update_fp8_state(model, grads)
+
+    def reference(kernel, meta):
+        return jnp.sum(jaxamp.ops.fp8_dot_general(x, kernel, dims, meta=meta) ** 2)
+
+    want_kernel, want_meta = jax.grad(reference, argnums=(0, 1))(kernel, jaxamp.ops.init_meta(4))
+    np.testing.assert_allclose(grads["kernel"][...], want_kernel, rtol=1e-6)
+    for name in jaxamp.ops.Fp8Meta._fields:
+        np.testing.assert_array_equal(getattr(model, name)[...], getattr(want_meta, name), name)

@@ -129,7 +129,8 @@ class OverwriteWithGradient(nnx.Variable):
 
 def _stacked(module: nnx.Module) -> tuple[int, ...]:
     """The leading axes of a layer made by ``nnx.vmap`` (a stack of layers that ``nnx.scan``
-    runs one by one): the kernel's axes beyond those the layer declares."""
+    runs one by one): the kernel's axes beyond those the layer declares. A layer of a class
+    of one's own declares all of its kernel's axes (its rank is its own business)."""
     kernel = getattr(module, "kernel", None)
     if not isinstance(kernel, nnx.Variable):
         return ()
@@ -139,8 +140,10 @@ def _stacked(module: nnx.Module) -> tuple[int, ...]:
     elif isinstance(module, nnx.LinearGeneral):  # its batch_axis dimensions lead the kernel
         declared = len(getattr(module, "batch_axis", None) or ())
         declared += len(module.in_features) + len(module.out_features)
-    else:  # nnx.Linear: (in, out)
+    elif isinstance(module, nnx.Linear):  # (in, out)
         declared = 2
+    else:
+        declared = len(shape)
     return tuple(shape[: max(len(shape) - declared, 0)])
 
 
