@@ -899,3 +899,32 @@ def test_an_nnx_layer_of_ones_own_with_a_rank_3_kernel_keeps_one_state():
     np.testing.assert_allclose(grads["kernel"][...], want_kernel, rtol=1e-6)
     for name in jaxamp.ops.Fp8Meta._fields:
         np.testing.assert_array_equal(getattr(model, name)[...], getattr(want_meta, name), name)
+
+
+def test_a_state_of_another_history_length_is_refused_naming_both():
+    """A state made under another fp8_history (a checkpoint restored under a new policy)
+    had run with its own length, the policy's ignored: Linen, NNX and autocast refuse it."""
+    policy = "p=f32,c=f32,fp8=delayed,fp8_history=4"
+    other = jaxamp.get_policy("p=f32,c=f32,fp8=delayed,fp8_history=2")
+    x = jnp.ones((2, 8))
+    match = "length 2, and the policy's fp8_history is 4"
+    linen = jaxamp.linen.apply_policy(nn.Dense(3), policy)
+    params = linen.init(jax.random.key(0), x)["params"]
+    old_state = jaxamp.linen.apply_policy(nn.Dense(3), other).init(jax.random.key(0), x)[STATE]
+    with pytest.raises(ValueError, match=match):
+        jax.jit(linen.apply)({"params": params, STATE: old_state}, x)
+
+    model = jaxamp.nnx.apply_policy(nnx.Linear(8, 3, rngs=nnx.Rngs(0)), other)
+    old_nnx = nnx.state(model, jaxamp.nnx.OverwriteWithGradient)
+    jaxamp.nnx.apply_policy(model, policy)
+    nnx.update(model, old_nnx)
+    with pytest.raises(ValueError, match=match):
+        model(x)
+
+    f = jaxamp.autocast(lambda w, x: x @ w, policy)
+    w = jnp.ones((8, 3))
+    old_ac = jaxamp.init_fp8_state(jaxamp.autocast(lambda w, x: x @ w, other), w, x)
+    with pytest.raises(ValueError, match=match):
+        jax.jit(f)(w, x, fp8_state=old_ac)
+    with pytest.raises(ValueError, match="amax_history_length must be an integer >= 1, got 0"):
+        jaxamp.ops.init_meta(0)

@@ -13,6 +13,7 @@ import jax
 
 from jaxamp._src.ops.fp8 import (
     Fp8Meta,
+    checked_meta,
     init_meta,
     max_combined,
     warn_if_state_is_not_differentiated,
@@ -145,7 +146,8 @@ def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
             "as f is called with them."
         )
     meta = store.state[key]
-    return Fp8Meta(**meta) if isinstance(meta, Mapping) else Fp8Meta(*meta)
+    meta = Fp8Meta(**meta) if isinstance(meta, Mapping) else Fp8Meta(*meta)
+    return checked_meta(meta, store.history_length, f"the GEMM '{key}' of fp8_state")
 
 
 @contextlib.contextmanager

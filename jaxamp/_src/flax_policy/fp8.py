@@ -21,6 +21,7 @@ from jaxamp._src.ops.fp8 import (
     Fp8DotGeneral,
     Fp8Meta,
     as_float32,
+    checked_meta,
     max_combined,
     warn_if_state_is_not_differentiated,
 )
@@ -44,7 +45,8 @@ def linen_meta(module: Any, recipe: Fp8Recipe) -> Fp8Meta:
         except flax.errors.ScopeCollectionNotFound as e:
             raise ValueError(_missing_state(module, str(e))) from e
         values.append(variable.value)
-    return Fp8Meta(*values)
+    path = "/".join(str(p) for p in module.scope.path) or "the model"
+    return checked_meta(Fp8Meta(*values), length, f"the float8 layer {path}")
 
 
 def _missing_state(module: Any, flax_message: str) -> str:
@@ -232,8 +234,9 @@ def nnx_combined_state(modules: Any, combined: dict[Any, Fp8Meta]) -> Iterator[N
         _COMBINED.pop()
 
 
-# The state of the NNX layers being called: (their matmul hook, its Fp8Meta), innermost last.
-_CALLING: list[tuple[NnxDelayed, Fp8Meta]] = []
+# The NNX layers being called: (their matmul hook, (its Fp8Meta, the layer's class name)),
+# innermost last.
+_CALLING: list[tuple[NnxDelayed, tuple[Fp8Meta, str]]] = []
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -243,9 +246,12 @@ class NnxDelayed(Fp8DotGeneral):
     it may run inside ``jax.lax.scan``, ``jax.checkpoint`` or ``jax.vmap`` in a model's call.
     """
 
+    history_length: int = 1024
+
     def _rule(self) -> Fp8DotGeneral:
-        for hook, meta in reversed(_CALLING):
+        for hook, (meta, name) in reversed(_CALLING):
             if hook is self:
+                meta = checked_meta(meta, self.history_length, f"the float8 layer {name}")
                 return Fp8DotGeneral(self.compute_dtype, self.margin, meta)
         raise RuntimeError(
             "an NNX layer's float8 matmul under delayed scaling ran outside the layer's call; "
@@ -266,7 +272,7 @@ def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
     rule = getattr(hook, "__self__", hook)
     if not isinstance(rule, NnxDelayed):  # running as written: Flax's own hook
         return base_call(self, *args, **kwargs)
-    _CALLING.append((rule, nnx_meta(self)))
+    _CALLING.append((rule, (nnx_meta(self), type(self).__name__)))
     try:
         return base_call(self, *args, **kwargs)
     finally:

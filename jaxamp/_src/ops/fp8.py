@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import warnings
 from typing import Any, NamedTuple
 
@@ -446,9 +447,31 @@ def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
       >>> meta.input_amax_history.shape, meta.input_scale.shape
       ((4,), (1,))
     """
+    n = amax_history_length
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"amax_history_length must be an integer >= 1, got {n!r}.")
     history = jnp.zeros((amax_history_length,), FLOAT32)
     scale = jnp.ones((1,), FLOAT32)
     return Fp8Meta(history, history, history, scale, scale, scale)
+
+
+def checked_meta(meta: Fp8Meta, history_length: int, where: str) -> Fp8Meta:
+    """``meta``, refused where its amax histories are not ``history_length`` long (a state
+    made under another ``fp8_history``, restored from a checkpoint, say), which would
+    otherwise run with its own length instead of the policy's."""
+    lengths = {
+        np.shape(h)[-1] if np.ndim(h) else None
+        for h in (meta.input_amax_history, meta.kernel_amax_history, meta.output_grad_amax_history)
+    }
+    if lengths != {history_length}:
+        found = ", ".join(sorted(map(str, lengths)))
+        raise ValueError(
+            f"{where}: its float8 state has amax histories of length {found}, and the "
+            f"policy's fp8_history is {history_length}. A state made under another "
+            "fp8_history (restored from a checkpoint, say) needs that policy "
+            f"(fp8_history={found}), or a fresh state made under this one."
+        )
+    return meta
 
 
 def _next(x_amax, scale, history, dtype, margin):
