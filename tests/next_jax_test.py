@@ -61,3 +61,22 @@ def test_scan3_is_refused_by_name(jax_flag):
 
     with pytest.raises(NotImplementedError, match="'Scan3'"):
         jaxamp.autocast(f, "mixed_bfloat16")(jnp.ones((4, 4)), jnp.ones((3, 4)))
+
+
+@pytest.mark.xdist_group("next_jax")
+@pytest.mark.parametrize("flag", NEXT_FLAGS)
+def test_float8_gemms_inside_checkpoint_under_each_flag_alone(flag):
+    """Each flag on its own, from import on: under jax_custom_vjp3 without jax_remat3, a
+    custom_vjp defined with nondiff_argnums fails inside jax.checkpoint (in JAX: safe_zip
+    lengths), so the float8 GEMMs close over their static arguments instead."""
+    test = "tests/ops/fp8_test.py::test_a_gemm_inside_checkpoint_matches_it_outside"
+    env = {**os.environ, "JAXAMP_TEST_JAX_FLAGS": flag}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, f"under {flag}:\n{run.stdout[-6000:]}"

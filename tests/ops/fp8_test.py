@@ -1,6 +1,8 @@
 """The float8 matmul rule against references: a numpy quantize/dequantize for current scaling,
 Flax's ``fp8_ops`` for delayed scaling; the state's max-combination; edge values."""
 
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
-from jaxamp.ops import Fp8Meta, fp8_dot_general, init_meta
+from jaxamp.ops import Fp8Meta, fp8_dot_general, init_meta, max_combined
 
 DN = (((1,), (0,)), ((), ()))
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -341,3 +343,28 @@ def test_vmap_over_a_batched_state_scales_each_member_as_run_alone(factors, shar
                     getattr(got_meta, name)[i], getattr(want_meta, name), rtol=1e-6, err_msg=name
                 )
         metas = got_meta
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_gemm_inside_checkpoint_matches_it_outside(delayed):
+    """jax.checkpoint around the GEMM (and the state's max-combination) changes nothing,
+    traced whole and op by op (run again under each of the next JAX's flags by
+    tests/next_jax_test.py)."""
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 3))
+    meta = init_meta(4) if delayed else None
+
+    def gemm(x, w, meta):
+        return fp8_dot_general(x, w, DN, meta=None if meta is None else max_combined(meta))
+
+    def loss(gemm, w, meta):
+        return jnp.sum(jnp.tanh(gemm(x, w, meta)) ** 2)
+
+    argnums = (0, 1) if delayed else 0
+    for run in (jax.jit, lambda f: f):
+        want, got = (
+            run(jax.grad(functools.partial(loss, g), argnums=argnums))(w, meta)
+            for g in (gemm, jax.checkpoint(gemm))
+        )
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)

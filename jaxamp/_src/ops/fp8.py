@@ -155,19 +155,20 @@ def max_combined(tree: Any) -> Any:
     todo = [v for v, d in zip(values, done, strict=True) if not d]
     todo_paths = [p for p, d in zip(paths, done, strict=True) if not d]
 
+    # A custom_vjp of arrays, not of a list: see _as_custom_vjp.
     @jax.custom_vjp
-    def convert(xs):
-        return [lax.convert_element_type(x, MAX32) for x in xs]
+    def convert(*xs):
+        return tuple(lax.convert_element_type(x, MAX32) for x in xs)
 
-    def fwd(xs):
-        return convert(xs), xs
+    def fwd(*xs):
+        return convert(*xs), xs
 
     def bwd(xs, cts):
         cts = [lax.convert_element_type(c, FLOAT32) for c in cts]
-        return (_unused_kept(list(xs), cts, todo_paths),)
+        return tuple(_unused_kept(list(xs), cts, todo_paths))
 
     convert.defvjp(fwd, bwd)
-    converted = iter(convert(todo) if todo else [])
+    converted = iter(convert(*todo) if todo else [])
     out = [v if d else next(converted) for v, d in zip(values, done, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -394,9 +395,33 @@ def _transpose_rhs(g, lhs, rhs, dimension_numbers):
     return jnp.transpose(out, np.argsort(order))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _current(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
-    return _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding)[0]
+    static = (dimension_numbers, out_dtype, margin, sharding)
+    return _as_custom_vjp(_current_fwd, _current_bwd, (lhs, rhs), static)
+
+
+def _as_custom_vjp(fwd, bwd, arrays, static):
+    """``fwd(*arrays, *static)[0]`` with the gradient ``bwd(*static, res, g)``, through a
+    ``custom_vjp`` of the arrays' leaves alone, made once per set of static arguments and
+    closing over them. A workaround in the open: under the next JAX's ``jax_custom_vjp3``
+    without ``jax_remat3``, a ``custom_vjp`` defined with ``nondiff_argnums`` or taking a
+    pytree (the state) fails inside ``jax.checkpoint`` (JAX's bug: plain ones fail the
+    same way; tested by tests/next_jax_test.py)."""
+    leaves, treedef = jax.tree.flatten(arrays)
+    return _flat_custom_vjp(fwd, bwd, treedef, static)(*leaves)
+
+
+@functools.cache
+def _flat_custom_vjp(fwd, bwd, treedef, static):
+    def unflat(leaves):
+        return jax.tree.unflatten(treedef, leaves)
+
+    gemm = jax.custom_vjp(lambda *leaves: fwd(*unflat(leaves), *static)[0])
+    gemm.defvjp(
+        lambda *leaves: fwd(*unflat(leaves), *static),
+        lambda res, g: tuple(jax.tree.leaves(bwd(*static, res, g))),
+    )
+    return gemm
 
 
 def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
@@ -422,9 +447,6 @@ def _current_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     d_l = _dequantize_product(_transpose_lhs(q_g, q_r, q_l, dimension_numbers), s_r, s_g)
     d_r = _dequantize_product(_transpose_rhs(q_g, q_l, q_r, dimension_numbers), s_l, s_g)
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype)
-
-
-_current.defvjp(_current_fwd, _current_bwd)
 
 
 class Fp8Meta(NamedTuple):
@@ -487,9 +509,9 @@ def _next(x_amax, scale, history, dtype, margin):
     return new_scale, jnp.roll(history32, shift=-1, axis=0).at[0].set(amax)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
-    return _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding)[0]
+    static = (dimension_numbers, out_dtype, margin, sharding)
+    return _as_custom_vjp(_delayed_fwd, _delayed_bwd, (lhs, rhs, meta), static)
 
 
 def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
@@ -517,9 +539,6 @@ def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     new = Fp8Meta(h_l, h_r, h_g, s_l, s_r, s_g)
     new = Fp8Meta(*(_like(v, old) for v, old in zip(new, meta, strict=True)))
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype), new
-
-
-_delayed.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 def _out_dtype(lhs, rhs, preferred_element_type):
