@@ -39,16 +39,21 @@ SENSITIVE = (
 @pytest.mark.xdist_group("next_jax")
 @pytest.mark.skipif(not NEXT_FLAGS, reason="this jax has none of the next-JAX flags")
 def test_transformation_sensitive_tests_pass_under_the_next_jax_flags():
-    env = {**os.environ, "JAXAMP_TEST_JAX_FLAGS": ",".join(NEXT_FLAGS)}
+    _pytest_under(NEXT_FLAGS, *SENSITIVE, timeout=1800)
+
+
+def _pytest_under(flags, *tests, timeout):
+    """Runs ``tests`` in a fresh process with ``flags`` on from import on."""
+    env = {**os.environ, "JAXAMP_TEST_JAX_FLAGS": ",".join(flags)}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SENSITIVE],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=timeout,
     )
-    assert run.returncode == 0, f"under {NEXT_FLAGS}:\n{run.stdout[-6000:]}"
+    assert run.returncode == 0, f"under {flags}:\n{run.stdout[-6000:]}"
 
 
 @pytest.mark.parametrize("jax_flag", ["jax_scan3"], indirect=True)
@@ -70,13 +75,4 @@ def test_float8_gemms_inside_checkpoint_under_each_flag_alone(flag):
     custom_vjp defined with nondiff_argnums fails inside jax.checkpoint (in JAX: safe_zip
     lengths), so the float8 GEMMs close over their static arguments instead."""
     test = "tests/ops/fp8_test.py::test_a_gemm_inside_checkpoint_matches_it_outside"
-    env = {**os.environ, "JAXAMP_TEST_JAX_FLAGS": flag}
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, f"under {flag}:\n{run.stdout[-6000:]}"
+    _pytest_under((flag,), test, timeout=600)
