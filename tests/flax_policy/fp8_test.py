@@ -928,3 +928,43 @@ def test_a_state_of_another_history_length_is_refused_naming_both():
         jax.jit(f)(w, x, fp8_state=old_ac)
     with pytest.raises(ValueError, match="amax_history_length must be an integer >= 1, got 0"):
         jaxamp.ops.init_meta(0)
+
+
+@pytest.mark.parametrize("override", ["mixed_float8", "mixed_float8_delayed"])
+def test_a_float8_layer_under_a_16_bit_root_trains_as_without_checkpointing(override):
+    """A float8 layer under a 16-bit root: the root's residual policy checkpoints the
+    model, saving the layer's e4m3 operands, which JAX rounded to a format whose largest
+    value is 240 (NaN above it): every gradient was NaN. Three steps equal those without
+    checkpointing (residuals="all")."""
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="b")(nn.relu(nn.Dense(16, name="a")(x)))
+
+    x = jax.random.normal(jax.random.key(1), (8, 12))
+
+    def train(residuals):
+        model = jaxamp.linen.apply_policy(
+            Two(), "mixed_bfloat16", overrides={"a": override}, residuals=residuals
+        )
+        variables = model.init(jax.random.key(0), x)
+        params, state = variables["params"], variables.get(STATE, {})
+
+        def loss(params, state):
+            y = model.apply({"params": params, STATE: state}, x)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        losses = []
+        for _ in range(3):
+            value, (grads, state) = step(params, state)
+            params = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+            losses.append(value)
+        return losses, params
+
+    (losses, params), (ref_losses, ref_params) = train("compute_dtype"), train("all")
+    assert np.all(np.isfinite(losses))
+    np.testing.assert_array_equal(losses, ref_losses)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_array_equal(a, b)

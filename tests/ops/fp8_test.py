@@ -345,11 +345,15 @@ def test_vmap_over_a_batched_state_scales_each_member_as_run_alone(factors, shar
         metas = got_meta
 
 
+@pytest.mark.parametrize("saving", [None, "everything_saveable"])
 @pytest.mark.parametrize("delayed", [False, True])
-def test_a_gemm_inside_checkpoint_matches_it_outside(delayed):
+def test_a_gemm_inside_checkpoint_matches_it_outside(delayed, saving):
     """jax.checkpoint around the GEMM (and the state's max-combination) changes nothing,
     traced whole and op by op (run again under each of the next JAX's flags by
-    tests/next_jax_test.py)."""
+    tests/next_jax_test.py). A policy that saves the e4m3 operands had made every
+    gradient NaN: JAX rounds saved residuals with reduce_precision(4 exponent bits, 3
+    mantissa bits), an IEEE-like format whose largest value is 240, where e4m3fn's is 448."""
+    policy = saving and getattr(jax.checkpoint_policies, saving)
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
     meta = init_meta(4) if delayed else None
@@ -364,7 +368,7 @@ def test_a_gemm_inside_checkpoint_matches_it_outside(delayed):
     for run in (jax.jit, lambda f: f):
         want, got = (
             run(jax.grad(functools.partial(loss, g), argnums=argnums))(w, meta)
-            for g in (gemm, jax.checkpoint(gemm))
+            for g in (gemm, jax.checkpoint(gemm, policy=policy))
         )
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)

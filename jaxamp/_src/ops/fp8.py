@@ -424,6 +424,19 @@ def _flat_custom_vjp(fwd, bwd, treedef, static):
     return gemm
 
 
+def _saved(q: jax.Array) -> jax.Array:
+    """An e4m3 operand as the backward pass keeps it: its bits, as ``uint8``. A workaround
+    in the open: JAX rounds each residual that ``jax.checkpoint`` saves with
+    ``reduce_precision`` at its dtype's exponent and mantissa bits, which for e4m3fn (4 and
+    3) is an IEEE-like format whose largest finite value is 240, not 448: every value above
+    240, the operand's largest always among them, came back NaN (tests/ops/fp8_test.py)."""
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _restored(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits, E4M3)
+
+
 def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
     lhs, rhs = _first_order(lhs), _first_order(rhs)
     amax_l, amax_r = _amax(lhs), _amax(rhs)
@@ -433,12 +446,14 @@ def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
     y = y * _poison(amax_l, amax_r)
     # An operand's inf or NaN reaches the other operand's gradient through its saved scale.
     s_l, s_r = s_l * _poison(amax_l), s_r * _poison(amax_r)
-    res = (q_l, s_l, q_r, s_r, jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
+    res = (_saved(q_l), s_l, _saved(q_r), s_r, *like)
     return y.astype(out_dtype), res
 
 
 def _current_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     q_l, s_l, q_r, s_r, lhs_like, rhs_like = res
+    q_l, q_r = _restored(q_l), _restored(q_r)
     g = _first_order(g)
     amax_g = _amax(g)
     s_g = scale_from_amax(amax_g, E5M2, margin)
@@ -524,11 +539,13 @@ def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding)
     y = y * _poison(amax_l, amax_r)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     used = (s_l * _poison(amax_l), s_r * _poison(amax_r))  # as in _current_fwd
-    return y.astype(out_dtype), (q_l, s_l, h_l, q_r, s_r, h_r, meta, like, used)
+    res = (_saved(q_l), s_l, h_l, _saved(q_r), s_r, h_r, meta, like, used)
+    return y.astype(out_dtype), res
 
 
 def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
+    q_l, q_r = _restored(q_l), _restored(q_r)
     g = _first_order(g)
     amax_g = _amax(g, meta.output_grad_scale)
     s_g, h_g = _next(amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin)
