@@ -968,3 +968,42 @@ def test_a_float8_layer_under_a_16_bit_root_trains_as_without_checkpointing(over
     np.testing.assert_array_equal(losses, ref_losses)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_a_float32_override_keeps_a_layer_out_of_a_float32_compute_float8_root(scaling):
+    """Under p=f32,c=f32,fp8=..., an override to "float32" keeps the layer out of float8
+    (its matmul had run in float8 all the same, current scaling), in Linen and NNX: the
+    model's output is the float8 body's, then the head in float32."""
+    root = f"p=f32,c=f32,fp8={scaling}"
+    x = jax.random.normal(jax.random.key(1), (8, 12)) * 3
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(nn.Dense(16, name="body")(x))
+
+    model = jaxamp.linen.apply_policy(Linen(), root, overrides={"head": "float32"})
+    variables = model.init(jax.random.key(0), x)
+    body = jaxamp.linen.apply_policy(nn.Dense(16), root)
+    body_vars = {"params": variables["params"]["body"]}
+    if scaling == "delayed":
+        body_vars[STATE] = variables[STATE]["body"]
+    head = variables["params"]["head"]
+    want = body.apply(body_vars, x) @ head["kernel"] + head["bias"]
+    np.testing.assert_allclose(model.apply(variables, x), want, rtol=1e-6)
+    report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
+    assert report.float8_gemms() == (1, 1)
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(12, 16, rngs=rngs)
+            self.head = nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.body(x))
+
+    model = jaxamp.nnx.apply_policy(Nnx(nnx.Rngs(0)), root, overrides={"head": "float32"})
+    body = jaxamp.nnx.apply_policy(nnx.clone(model.body), root)
+    want = body(x) @ model.head.kernel[...] + model.head.bias[...]
+    np.testing.assert_allclose(model(x), want, rtol=1e-6)

@@ -13,7 +13,6 @@ from flax import nnx
 from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.dtypes import is_narrower
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.flax_policy.graph import is_node as is_graph_node
@@ -293,7 +292,7 @@ def apply_policy(
                 module, _ATTEND_PLAN_ATTR, layer_plan.plan_layer(module, layer_policy, "attend")
             )
             wrapper = "embed"
-        elif is_narrower(policy.compute_dtype, layer_policy.compute_dtype):
+        elif layer_plan.runs_as_traced(policy, layer_policy):
             wrapper = "as_traced"
         elif isinstance(module, nnx.RNNCellBase):
             wrapper = "cell"

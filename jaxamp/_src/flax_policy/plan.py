@@ -258,11 +258,26 @@ def _linen_einsum(module: nn.Einsum, rule: Any, inputs, einsum_str=None):
     return y
 
 
-def as_traced_scope(root: Policy, policy: Policy, scope: str) -> Any:
-    """A context for a layer whose policy computes wider than the root's (an override to
-    float32): its calls run in ``jax.named_scope(scope)``, which the autocast interpreter
-    evaluates exactly as traced, so matmuls the layer writes itself stay in float32."""
+def runs_as_traced(root: Policy, policy: Policy) -> bool:
+    """Whether a layer under ``policy`` is evaluated exactly as traced inside a model under
+    ``root``: its policy computes wider than the root's (an override to float32), or in
+    float32 as the root does but without the root's float8 (``"float32"`` under
+    ``p=f32,c=f32,fp8=...``), so that no rule of the root reaches its matmuls."""
     if is_narrower(root.compute_dtype, policy.compute_dtype):
+        return True
+    return (
+        root.fp8 is not None
+        and policy.fp8 is None
+        and not is_16bit(policy.compute_dtype)
+        and np.dtype(policy.compute_dtype) == np.dtype(root.compute_dtype)
+    )
+
+
+def as_traced_scope(root: Policy, policy: Policy, scope: str) -> Any:
+    """A context for a layer that ``runs_as_traced``: its calls run in
+    ``jax.named_scope(scope)``, which the autocast interpreter evaluates exactly as
+    traced, so matmuls the layer writes itself stay in float32."""
+    if runs_as_traced(root, policy):
         return jax.named_scope(scope)
     return contextlib.nullcontext()
 
