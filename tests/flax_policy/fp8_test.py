@@ -1007,3 +1007,48 @@ def test_a_float32_override_keeps_a_layer_out_of_a_float32_compute_float8_root(s
     body = jaxamp.nnx.apply_policy(nnx.clone(model.body), root)
     want = body(x) @ model.head.kernel[...] + model.head.bias[...]
     np.testing.assert_allclose(model(x), want, rtol=1e-6)
+
+
+_BAD_STATES = {
+    # name: (how the layer's state is changed, what the error says)
+    "a stack's state": (lambda v: jnp.stack([v] * 3), "has shape \\(3, "),
+    "bfloat16": (lambda v: v.astype(jnp.bfloat16), "is bfloat16; the state is float32"),
+    "float16": (lambda v: v.astype(jnp.float16), "is float16; the state is float32"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(_BAD_STATES))
+def test_a_state_that_is_not_one_layers_float32_state_is_refused_by_name(bad):
+    """A stack's state given to one layer crashed in a reshape naming neither; a 16-bit
+    state ran with rounded scales and came back 16-bit. Refused in Linen, NNX and autocast."""
+    change, match = _BAD_STATES[bad]
+    policy = "p=f32,c=f32,fp8=delayed,fp8_history=4"
+    x = jnp.ones((2, 8))
+    linen = jaxamp.linen.apply_policy(nn.Dense(3), policy)
+    variables = linen.init(jax.random.key(0), x)
+    state = jax.tree.map(change, variables[STATE])
+    with pytest.raises(ValueError, match=match):
+        jax.jit(linen.apply)({"params": variables["params"], STATE: state}, x)
+
+    model = jaxamp.nnx.apply_policy(nnx.Linear(8, 3, rngs=nnx.Rngs(0)), policy)
+    for name in jaxamp.ops.Fp8Meta._fields:
+        getattr(model, name).set_value(change(getattr(model, name).get_value()))
+    with pytest.raises(ValueError, match=match):
+        model(x)
+
+    f = jaxamp.autocast(lambda w, x: x @ w, policy)
+    w = jnp.ones((8, 3))
+    state = jax.tree.map(change, jaxamp.init_fp8_state(f, w, x))
+    with pytest.raises(ValueError, match=match):
+        jax.jit(f)(w, x, fp8_state=state)
+    with pytest.raises(ValueError, match=match):
+        meta = jax.tree.map(change, jaxamp.ops.init_meta(4))
+        jaxamp.ops.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta)
+
+
+def test_amax_histories_of_different_lengths_are_not_one_state():
+    meta = jaxamp.ops.init_meta(4)._replace(kernel_amax_history=jnp.zeros(16))
+    with pytest.raises(ValueError, match=r"different lengths \[4, 16\]: not one GEMM's state"):
+        jaxamp.ops.fp8_dot_general(
+            jnp.ones((2, 8)), jnp.ones((8, 3)), (((1,), (0,)), ((), ())), meta=meta
+        )

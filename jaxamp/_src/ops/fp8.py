@@ -150,6 +150,9 @@ def max_combined(tree: Any) -> Any:
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [_path_names(p) for p, _ in flat]
+    for path, (_, x) in zip(paths, flat, strict=True):
+        if hasattr(x, "dtype"):
+            _check_state_dtype(x.dtype, f"the float8 state at {'/'.join(path) or 'the root'}")
     done = [getattr(x, "dtype", None) == MAX32 for _, x in flat]
     values = [x if d else jnp.asarray(x, FLOAT32) for (_, x), d in zip(flat, done, strict=True)]
     todo = [v for v, d in zip(values, done, strict=True) if not d]
@@ -492,21 +495,49 @@ def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
     return Fp8Meta(history, history, history, scale, scale, scale)
 
 
-def checked_meta(meta: Fp8Meta, history_length: int, where: str) -> Fp8Meta:
-    """``meta``, refused where its amax histories are not ``history_length`` long (a state
-    made under another ``fp8_history``, restored from a checkpoint, say), which would
-    otherwise run with its own length instead of the policy's."""
-    lengths = {
-        np.shape(h)[-1] if np.ndim(h) else None
-        for h in (meta.input_amax_history, meta.kernel_amax_history, meta.output_grad_amax_history)
-    }
-    if lengths != {history_length}:
-        found = ", ".join(sorted(map(str, lengths)))
+def _check_state_dtype(dtype: Any, what: str) -> None:
+    """Refuses a floating state value that is neither float32 nor float64."""
+    if dtype == MAX32 or not is_floating(dtype):
+        return
+    if np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float64)):
         raise ValueError(
-            f"{where}: its float8 state has amax histories of length {found}, and the "
+            f"{what} is {np.dtype(dtype).name}; the state is float32 (its scales and amaxes "
+            "rounded to 16 bits would scale wrongly, and its next value would stay "
+            "rounded). Keep it float32 when casting or saving the model's variables."
+        )
+
+
+def checked_meta(meta: Fp8Meta, history_length: int | None, where: str) -> Fp8Meta:
+    """``meta``, refused by name where it is not one GEMM's state: amax histories of one
+    length (``history_length``, the policy's ``fp8_history``, where given) and scales of one
+    element, all float32 (float64 under ``jax_enable_x64``). A state made under another
+    ``fp8_history``, a stack's state given to one layer, or one cast to 16 bits (its
+    scales rounded, its next state kept in 16 bits) would otherwise run as it is."""
+    histories = Fp8Meta._fields[:3]
+    for name, value in zip(Fp8Meta._fields, meta, strict=True):
+        array: Any = value if hasattr(value, "dtype") else np.asarray(value)  # or a number
+        shape, dtype = np.shape(array), array.dtype
+        is_history = name in histories
+        if (len(shape) != 1) if is_history else (int(np.prod(shape)) != 1):
+            want = "(history length,)" if is_history else "(1,)"
+            raise ValueError(
+                f"{where}: its float8 state's {name} has shape {shape}, and one GEMM's state "
+                f"holds {want}. A stack's state ((layers, ...), from nn.scan, nn.vmap or "
+                "nnx.vmap) belongs to the stack, and each layer of it gets its own slice."
+            )
+        _check_state_dtype(dtype, f"{where}: its float8 state's {name}")
+    lengths = sorted({np.shape(getattr(meta, name))[0] for name in histories})
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{where}: its float8 state has amax histories of different lengths {lengths}: "
+            "not one GEMM's state. Make a fresh one under the policy."
+        )
+    if history_length is not None and lengths != [history_length]:
+        raise ValueError(
+            f"{where}: its float8 state has amax histories of length {lengths[0]}, and the "
             f"policy's fp8_history is {history_length}. A state made under another "
             "fp8_history (restored from a checkpoint, say) needs that policy "
-            f"(fp8_history={found}), or a fresh state made under this one."
+            f"(fp8_history={lengths[0]}), or a fresh state made under this one."
         )
     return meta
 
@@ -618,7 +649,8 @@ def fp8_dot_general(
     with jax.named_scope(FP8_SCOPE):  # autocast evaluates it as traced
         if meta is None:
             return _current(lhs, rhs, dims, out, margin, sharding)
-        return _delayed(lhs, rhs, Fp8Meta(*meta), dims, out, margin, sharding)
+        meta = checked_meta(Fp8Meta(*meta), None, "fp8_dot_general's meta")
+        return _delayed(lhs, rhs, meta, dims, out, margin, sharding)
 
 
 @dataclasses.dataclass(frozen=True)
