@@ -13,6 +13,7 @@ import jax.extend as jex
 # The name scope that marks equations to be evaluated exactly as traced.
 FLOAT32_SCOPE = "jaxamp_float32"
 FP8_SCOPE = "jaxamp_fp8"  # a float8 GEMM and its scaling, as traced (and named in the HLO)
+NO_FP8_SCOPE = "jaxamp_no_fp8"  # a layer an override takes out of float8: the 16-bit rule
 
 # Evaluating one equation the way ``jax.core.eval_jaxpr`` does needs three things JAX keeps
 # private: ``Primitive.get_bind_params`` (turns jaxpr-valued params into what ``bind`` takes;
@@ -82,6 +83,13 @@ def in_float32_scope(eqn: Any) -> bool:
         return False
     stack = str(source_info.name_stack)
     return FLOAT32_SCOPE in stack or FP8_SCOPE in stack
+
+
+def in_no_fp8_scope(eqn: Any) -> bool:
+    """Whether ``eqn`` was traced in a layer an override takes out of the root's float8
+    (its matmuls under the 16-bit rule instead)."""
+    source_info = getattr(eqn, "source_info", None)
+    return source_info is not None and NO_FP8_SCOPE in str(source_info.name_stack)
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:

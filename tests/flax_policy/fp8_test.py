@@ -1052,3 +1052,46 @@ def test_amax_histories_of_different_lengths_are_not_one_state():
         jaxamp.ops.fp8_dot_general(
             jnp.ones((2, 8)), jnp.ones((8, 3)), (((1,), (0,)), ((), ())), meta=meta
         )
+
+
+@pytest.mark.parametrize("override", ["mixed_bfloat16", "mixed_float16", "float32"])
+@pytest.mark.parametrize(
+    "root", ["mixed_float8", "mixed_float8_delayed", "p=f32,c=f32,fp8=current"]
+)
+def test_an_override_out_of_float8_keeps_the_layers_own_matmuls_out(root, override):
+    """A matmul a layer writes itself (x @ w) under an override that leaves float8 runs
+    outside float8 too (under a 16-bit override it had run in float8 with current
+    scaling), in Linen and NNX; a layer beside it, not overridden, stays in float8."""
+
+    class Inner(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x @ self.param("w", nn.initializers.normal(1.0), (8, 8))
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Inner(name="inner")(x) + Inner(name="other")(x)
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    model = jaxamp.linen.apply_policy(Linen(), root, overrides={"inner": override})
+    variables = model.init(jax.random.key(0), x)
+    report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
+    assert report.float8_gemms() == (1, 1)
+
+    class NnxInner(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (8, 8)))
+
+        def __call__(self, x):
+            return x @ self.w[...]
+
+    class Nnx(nnx.Module):
+        def __init__(self, rngs):
+            self.inner, self.other = NnxInner(rngs), NnxInner(rngs)
+
+        def __call__(self, x):
+            return self.inner(x) + self.other(x)
+
+    model = jaxamp.nnx.apply_policy(Nnx(nnx.Rngs(0)), root, overrides={"inner": override})
+    assert jaxamp.precision_report(lambda m: m(x))(model).float8_gemms() == (1, 1)

@@ -23,6 +23,7 @@ from jaxamp._src.jaxprs import (
     eqn_context,
     in_backward_pass,
     in_float32_scope,
+    in_no_fp8_scope,
     open_jaxpr,
 )
 from jaxamp._src.ops.fp8 import fp8_dot_general
@@ -325,6 +326,7 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
         env.policy.fp8 is not None
         and eqn.primitive is lax.dot_general_p
         and not _is_vector_dot(eqn)
+        and not in_no_fp8_scope(eqn)
     ):
         return [_fp8_matmul(eqn, env)]
     if is_16bit(compute):

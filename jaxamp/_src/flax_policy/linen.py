@@ -17,7 +17,6 @@ from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rul
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
-from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
 from jaxamp._src.policy import Policy, cast_floating, get_policy
 
@@ -218,7 +217,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
     def run(chain, module, next_fun, args, kwargs, context):
         policy = layer_plan.resolve_policy(root, overrides, chain)
         plan = layer_plan.plan_layer(module, policy, context.method_name)
-        scope = layer_plan.as_traced_scope(root, policy, FLOAT32_SCOPE)
+        scope = layer_plan.layer_scope(root, policy)
         if not plan or layer_plan.has_complex((args, kwargs)):
             with scope:
                 return next_fun(*args, **kwargs)

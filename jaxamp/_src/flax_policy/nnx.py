@@ -16,7 +16,6 @@ from jaxamp._src.backend import auto_policy
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.flax_policy.graph import is_node as is_graph_node
-from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import validate_residuals
 from jaxamp._src.policy import Policy, cast_floating, get_policy
 
@@ -25,6 +24,7 @@ _RESIDUALS_ATTR = "jaxamp_residuals"
 _RULES_ATTR = "jaxamp_rules"
 _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
 _ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
+_SCOPE_ATTR = "jaxamp_scope_policies"  # (root, layer): a layer run as traced or out of float8
 _WRAPPED_ATTR = "_jaxamp_policy_wrapper"  # on the subclasses that wrap a layer
 # The attributes a policy changed on a layer, as they were before the first policy: a
 # second ``apply_policy`` starts from them (a float32 policy puts Flax's matmuls back).
@@ -126,9 +126,9 @@ def _embed_call(self, *args, **kwargs):
 
 
 def _as_traced_call(self, *args, **kwargs):
-    """``__call__`` of a layer an override keeps wider than the root policy (float32):
-    evaluated exactly as traced (see ``layer_plan.as_traced_scope``)."""
-    with jax.named_scope(FLOAT32_SCOPE):
+    """``__call__`` of a layer an override keeps wider than the root policy (float32), or
+    takes out of its float8 (see ``layer_plan.layer_scope``)."""
+    with layer_plan.layer_scope(*getattr(self, _SCOPE_ATTR)):
         return _own_call(self, *args, **kwargs)
 
 
@@ -292,7 +292,10 @@ def apply_policy(
                 module, _ATTEND_PLAN_ATTR, layer_plan.plan_layer(module, layer_policy, "attend")
             )
             wrapper = "embed"
-        elif layer_plan.runs_as_traced(policy, layer_policy):
+        elif layer_plan.runs_as_traced(policy, layer_policy) or layer_plan.leaves_float8(
+            policy, layer_policy
+        ):
+            setattr(module, _SCOPE_ATTR, (policy, layer_policy))
             wrapper = "as_traced"
         elif isinstance(module, nnx.RNNCellBase):
             wrapper = "cell"

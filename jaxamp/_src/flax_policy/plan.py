@@ -23,7 +23,7 @@ from jax import lax
 
 from jaxamp._src.dtypes import is_16bit, is_floating, is_narrower
 from jaxamp._src.flax_policy.fp8 import LinenDelayed, NnxDelayed
-from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.jaxprs import FLOAT32_SCOPE, NO_FP8_SCOPE
 from jaxamp._src.ops import attention
 from jaxamp._src.ops.fp8 import Fp8DotGeneral
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
@@ -273,12 +273,22 @@ def runs_as_traced(root: Policy, policy: Policy) -> bool:
     )
 
 
-def as_traced_scope(root: Policy, policy: Policy, scope: str) -> Any:
-    """A context for a layer that ``runs_as_traced``: its calls run in
-    ``jax.named_scope(scope)``, which the autocast interpreter evaluates exactly as
-    traced, so matmuls the layer writes itself stay in float32."""
+def leaves_float8(root: Policy, policy: Policy) -> bool:
+    """Whether an override takes a layer out of the root's float8 into a 16-bit policy."""
+    return root.fp8 is not None and policy.fp8 is None and not runs_as_traced(root, policy)
+
+
+def layer_scope(root: Policy, policy: Policy) -> Any:
+    """A context for a layer's calls inside a model under ``root``: one that
+    ``runs_as_traced`` in ``FLOAT32_SCOPE``, which the autocast interpreter evaluates
+    exactly as traced (matmuls the layer writes itself stay in float32); one an override
+    takes out of float8 into 16 bits in ``NO_FP8_SCOPE``, where its own matmuls run
+    under the 16-bit rule. A child inside either keeps its parent's scope for the matmuls
+    it writes itself; Flax's layers in it take their own policy through their hooks."""
     if runs_as_traced(root, policy):
-        return jax.named_scope(scope)
+        return jax.named_scope(FLOAT32_SCOPE)
+    if leaves_float8(root, policy):
+        return jax.named_scope(NO_FP8_SCOPE)
     return contextlib.nullcontext()
 
 
