@@ -372,3 +372,22 @@ def test_a_gemm_inside_checkpoint_matches_it_outside(delayed, saving):
         )
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_as_a_mapping_of_its_names_is_the_same_state():
+    """A state Orbax restores without a target (a dict of the six names) gives the GEMM and
+    next state of the Fp8Meta it came from (it was refused as a stack's state)."""
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 3))
+    meta = jax.tree.map(lambda v: v + 0.5, init_meta(4))
+
+    def loss(w, meta):
+        return jnp.sum(fp8_dot_general(x, w, DN, meta=meta) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    want_loss, (want_dw, want_meta) = step(w, meta)
+    got_loss, (got_dw, got_meta) = step(w, dict(meta._asdict()))
+    np.testing.assert_array_equal(got_loss, want_loss)
+    np.testing.assert_array_equal(got_dw, want_dw)
+    for name in Fp8Meta._fields:
+        np.testing.assert_array_equal(got_meta[name], getattr(want_meta, name), name)

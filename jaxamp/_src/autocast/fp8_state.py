@@ -13,6 +13,7 @@ import jax
 
 from jaxamp._src.ops.fp8 import (
     Fp8Meta,
+    as_meta,
     checked_meta,
     init_meta,
     max_combined,
@@ -145,8 +146,7 @@ def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
             "can): make it with jaxamp.init_fp8_state(f, ...) given the arguments exactly "
             "as f is called with them."
         )
-    meta = store.state[key]
-    meta = Fp8Meta(**meta) if isinstance(meta, Mapping) else Fp8Meta(*meta)
+    meta = as_meta(store.state[key])
     return checked_meta(meta, store.history_length, f"the GEMM '{key}' of fp8_state")
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import numbers
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -495,6 +496,17 @@ def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
     return Fp8Meta(history, history, history, scale, scale, scale)
 
 
+def as_meta(meta: Any) -> Fp8Meta:
+    """An ``Fp8Meta`` from one, a mapping of its six names (as Orbax restores it without a
+    target) or a sequence of its six values."""
+    if isinstance(meta, Mapping):
+        missing = sorted(set(Fp8Meta._fields) - set(meta))
+        if missing:
+            raise ValueError(f"a float8 state without {missing}; it holds {sorted(meta)}.")
+        return Fp8Meta(**{name: meta[name] for name in Fp8Meta._fields})
+    return Fp8Meta(*meta)
+
+
 def _check_state_dtype(dtype: Any, what: str) -> None:
     """Refuses a floating state value that is neither float32 nor float64."""
     if dtype == MAX32 or not is_floating(dtype):
@@ -618,7 +630,8 @@ def fp8_dot_general(
       dimension_numbers: as for ``lax.dot_general``.
       precision: ignored (the GEMM's precision is its float8 operands').
       preferred_element_type: the result dtype; ``None`` promotes the operands' dtypes.
-      meta: delayed-scaling state (``init_meta``), or ``None`` for current scaling.
+      meta: delayed-scaling state (``init_meta``, or a mapping of its six names), or
+        ``None`` for current scaling.
       margin: powers of two of headroom below the float8 maximum.
       out_sharding: the result's sharding, as for ``lax.dot_general``.
 
@@ -649,7 +662,7 @@ def fp8_dot_general(
     with jax.named_scope(FP8_SCOPE):  # autocast evaluates it as traced
         if meta is None:
             return _current(lhs, rhs, dims, out, margin, sharding)
-        meta = checked_meta(Fp8Meta(*meta), None, "fp8_dot_general's meta")
+        meta = checked_meta(as_meta(meta), None, "fp8_dot_general's meta")
         return _delayed(lhs, rhs, meta, dims, out, margin, sharding)
 
 
