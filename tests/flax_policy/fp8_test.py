@@ -1095,3 +1095,70 @@ def test_an_override_out_of_float8_keeps_the_layers_own_matmuls_out(root, overri
 
     model = jaxamp.nnx.apply_policy(Nnx(nnx.Rngs(0)), root, overrides={"inner": override})
     assert jaxamp.precision_report(lambda m: m(x))(model).float8_gemms() == (1, 1)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float8", "mixed_float8_delayed"])
+def test_a_models_own_variables_in_the_state_collection_are_left_alone(policy):
+    """Variables a model keeps in '_overwrite_with_gradient' itself (by Flax's convention),
+    or Flax's own float8 ops' state: every policy had converted the whole collection to
+    jaxamp's max-combined dtype, and the model failed. Left alone now, their next value
+    float32; Flax's ops beside a delayed float8 policy are refused by name."""
+
+    class OwnVariable(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            own = self.variable(STATE, "own", lambda: jnp.ones((8,), jnp.float32))
+            return nn.Dense(4)(x * own.value)
+
+    class WithFlaxFp8(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, dot_general_cls=nn.Fp8DirectDotGeneralOp)(x)
+
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    for cls in (OwnVariable, WithFlaxFp8):
+        model = jaxamp.linen.apply_policy(cls(), policy)
+        variables = model.init(jax.random.key(0), x)
+
+        def loss(params, state, model=model):
+            return jnp.sum(model.apply({"params": params, STATE: state}, x).astype(jnp.float32))
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        if cls is WithFlaxFp8 and policy == "mixed_float8_delayed":
+            with pytest.raises(ValueError, match="Flax's own float8 ops"):
+                step(variables["params"], variables[STATE])
+            continue
+        _, new = step(variables["params"], variables[STATE])
+        assert jax.tree.structure(new) == jax.tree.structure(variables[STATE])
+        assert all(v.dtype == jnp.float32 and np.all(np.isfinite(v)) for v in jax.tree.leaves(new))
+
+
+def test_a_delayed_policy_module_run_as_a_submodule_warns_and_max_combined_is_the_way():
+    """A policy module inside a plain Linen module, run twice in a step (a siamese tower):
+    its state is summed, not maxed, unless the state goes through max_combined before
+    apply. Warned about (it was silent); with max_combined, the histories hold the max, as
+    with the policy on the root."""
+
+    class Siamese(nn.Module):
+        tower: nn.Module
+
+        @nn.compact
+        def __call__(self, a, b):
+            return self.tower(a) + self.tower(b)
+
+    a = jax.random.normal(jax.random.key(1), (2, 8))
+    b = 3 * a
+    model = Siamese(jaxamp.linen.apply_policy(nn.Dense(4), "p=f32,c=f32,fp8=delayed,fp8_history=4"))
+    variables = model.init(jax.random.key(0), a, b)
+
+    def loss(state, combine):
+        state = jaxamp.ops.max_combined(state) if combine else state
+        return jnp.sum(model.apply({"params": variables["params"], STATE: state}, a, b))
+
+    with pytest.warns(UserWarning, match="runs as a submodule of another module"):
+        summed = jax.grad(loss)(variables[STATE], False)
+    with pytest.warns(UserWarning, match="runs as a submodule"):
+        maxed = jax.grad(loss)(variables[STATE], True)
+    want = float(jnp.max(jnp.abs(b)))
+    assert float(maxed["tower"]["input_amax_history"][0]) == pytest.approx(want)
+    assert float(summed["tower"]["input_amax_history"][0]) > want  # the sum the warning names

@@ -93,12 +93,41 @@ class LinenDelayed:
         return self._rule().einsum(*args, **kwargs)
 
 
-def max_combined_collection(variables: Any) -> Any:
-    """``variables`` with its float8 state as values whose gradients combine by max."""
-    if not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
+def max_combined_collection(variables: Any, delayed: bool) -> Any:
+    """``variables`` with jaxamp's float8 state (``delayed``: a policy of the model scales
+    by it) as values whose gradients combine by max. Other variables of the collection (a
+    model's own, by Flax's convention) are left as they are; Flax's own float8 ops, whose
+    state has the same names, are refused beside a delayed policy."""
+    if not delayed or not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
         return variables
-    warn_if_state_is_not_differentiated(variables.get("params"), variables[STATE_COLLECTION])
-    return {**variables, STATE_COLLECTION: max_combined(variables[STATE_COLLECTION])}
+    collection = variables[STATE_COLLECTION]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(collection)
+    names = [tuple(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
+    parents: dict[tuple[str, ...], set[str]] = {}
+    for name in names:
+        parents.setdefault(name[:-1], set()).add(name[-1])
+    ours = {parent for parent, fields in parents.items() if set(Fp8Meta._fields) <= fields}
+    flax_ops = sorted("/".join(p) for p in ours if p and p[-1].startswith("Fp8"))
+    if flax_ops:
+        raise ValueError(
+            f"Flax's own float8 ops ({flax_ops[:3]}) in a model under a jaxamp policy with "
+            "delayed float8 scaling: the two keep their state in one collection under the "
+            "same names. Use one or the other: jaxamp's policy on plain layers, or Flax's "
+            "ops under a policy without fp8=delayed."
+        )
+    leaves = [leaf for _, leaf in flat]
+    picked = {n: i for i, n in enumerate(names) if n[:-1] in ours and n[-1] in Fp8Meta._fields}
+    # By layer and name, for max_combined to pair each scale with its history.
+    state: dict[tuple[str, ...], dict[str, Any]] = {}
+    for name, i in picked.items():
+        state.setdefault(name[:-1], {})[name[-1]] = leaves[i]
+    warn_if_state_is_not_differentiated(variables.get("params"), state)
+    converted = max_combined(list(state.values()))
+    for layer, values in zip(state, converted, strict=True):
+        for field, value in values.items():
+            key = (*layer, field)
+            leaves[picked[key]] = value
+    return {**variables, STATE_COLLECTION: jax.tree_util.tree_unflatten(treedef, leaves)}
 
 
 def as_float32_collection(variables: Any) -> Any:

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -296,6 +297,16 @@ class PolicyModule(nn.Module):
 
         target.__name__ = _TARGET
 
+        if self._is_submodule() and not self.is_initializing() and self._scales_delayed():
+            warnings.warn(
+                "A Linen model under a delayed float8 policy runs as a submodule of another "
+                "module: its layers' state is combined by max only when the policy module is "
+                "the one applied (jaxamp.linen.apply_policy(...).apply). Here a layer, or the "
+                "model, run more than once in a step sums its state (amax histories too "
+                "large). Apply the policy to the outermost module, or pass the state through "
+                "jaxamp.ops.max_combined before apply (guides/fp8.md).",
+                stacklevel=3,
+            )
         with layer_plan.explaining_carry_errors(self.policy):
             if self.is_initializing():  # creating params: the layers' settings are all it needs
                 out = target(self, *args, **kwargs)
@@ -314,6 +325,16 @@ class PolicyModule(nn.Module):
         if self.overrides and call.seen and method == "__call__":
             layer_plan.warn_unmatched(self.overrides, call.seen, type(self.module).__name__)
         return out
+
+    @nn.nowrap
+    def _is_submodule(self) -> bool:
+        return self.scope is not None and self.scope.parent is not None
+
+    @nn.nowrap
+    def _scales_delayed(self) -> bool:
+        """Whether a policy of the model (the root's or an override's) is delayed float8."""
+        policies = (self.policy, *(policy for _, policy in self.overrides))
+        return any(p.fp8 is not None and p.fp8.scaling == "delayed" for p in policies)
 
     @nn.nowrap
     def _method(self, method: Any) -> Any:
@@ -351,7 +372,7 @@ class PolicyModule(nn.Module):
         16-bit root computes with its float32 weights.
         """
         # The float8 state's gradients combine by max where a layer runs more than once.
-        variables = fp8_state.max_combined_collection(variables)
+        variables = fp8_state.max_combined_collection(variables, self._scales_delayed())
         if "capture_intermediates" in kwargs:
             kwargs["capture_intermediates"] = _without_policy_modules(
                 kwargs["capture_intermediates"]
