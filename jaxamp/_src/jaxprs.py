@@ -75,21 +75,22 @@ def varying_axes(aval: Any) -> frozenset[str] | None:
     return None if vma is None else frozenset(vma)
 
 
+def _name_stack(eqn: Any) -> str:
+    source_info = getattr(eqn, "source_info", None)
+    return "" if source_info is None else str(source_info.name_stack)
+
+
 def in_float32_scope(eqn: Any) -> bool:
     """Whether ``eqn`` was traced in a scope autocast evaluates exactly as traced (code kept
     in float32, or a float8 GEMM with its scaling)."""
-    source_info = getattr(eqn, "source_info", None)
-    if source_info is None:
-        return False
-    stack = str(source_info.name_stack)
+    stack = _name_stack(eqn)
     return FLOAT32_SCOPE in stack or FP8_SCOPE in stack
 
 
 def in_no_fp8_scope(eqn: Any) -> bool:
     """Whether ``eqn`` was traced in a layer an override takes out of the root's float8
     (its matmuls under the 16-bit rule instead)."""
-    source_info = getattr(eqn, "source_info", None)
-    return source_info is not None and NO_FP8_SCOPE in str(source_info.name_stack)
+    return NO_FP8_SCOPE in _name_stack(eqn)
 
 
 def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:

@@ -23,6 +23,8 @@ from jaxamp._src.ops.fp8 import (
     as_float32,
     checked_meta,
     max_combined,
+    path_names,
+    state_paths,
     warn_if_state_is_not_differentiated,
 )
 from jaxamp._src.policy import Fp8Recipe
@@ -101,13 +103,9 @@ def max_combined_collection(variables: Any, delayed: bool) -> Any:
     if not delayed or not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
         return variables
     collection = variables[STATE_COLLECTION]
-    flat, treedef = jax.tree_util.tree_flatten_with_path(collection)
-    names = [tuple(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
-    parents: dict[tuple[str, ...], set[str]] = {}
-    for name in names:
-        parents.setdefault(name[:-1], set()).add(name[-1])
-    ours = {parent for parent, fields in parents.items() if set(Fp8Meta._fields) <= fields}
-    flax_ops = sorted("/".join(p) for p in ours if p and p[-1].startswith("Fp8"))
+    ours = set(state_paths(collection))  # full sets of the six names, per layer
+    layers = {path.rpartition("/")[0] for path in ours}
+    flax_ops = sorted(layer for layer in layers if layer.rpartition("/")[2].startswith("Fp8"))
     if flax_ops:
         raise ValueError(
             f"Flax's own float8 ops ({flax_ops[:3]}) in a model under a jaxamp policy with "
@@ -115,18 +113,21 @@ def max_combined_collection(variables: Any, delayed: bool) -> Any:
             "same names. Use one or the other: jaxamp's policy on plain layers, or Flax's "
             "ops under a policy without fp8=delayed."
         )
+    flat, treedef = jax.tree_util.tree_flatten_with_path(collection)
     leaves = [leaf for _, leaf in flat]
-    picked = {n: i for i, n in enumerate(names) if n[:-1] in ours and n[-1] in Fp8Meta._fields}
-    # By layer and name, for max_combined to pair each scale with its history.
-    state: dict[tuple[str, ...], dict[str, Any]] = {}
-    for name, i in picked.items():
-        state.setdefault(name[:-1], {})[name[-1]] = leaves[i]
+    # By layer, then name, for max_combined to pair each scale with its history.
+    picked: dict[int, tuple[str, str]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for i, (path, leaf) in enumerate(flat):
+        name = "/".join(path_names(path))
+        if name in ours:
+            layer, _, field = name.rpartition("/")
+            picked[i] = (layer, field)
+            state.setdefault(layer, {})[field] = leaf
     warn_if_state_is_not_differentiated(variables.get("params"), state)
-    converted = max_combined(list(state.values()))
-    for layer, values in zip(state, converted, strict=True):
-        for field, value in values.items():
-            key = (*layer, field)
-            leaves[picked[key]] = value
+    converted = max_combined(state)
+    for i, (layer, field) in picked.items():
+        leaves[i] = converted[layer][field]
     return {**variables, STATE_COLLECTION: jax.tree_util.tree_unflatten(treedef, leaves)}
 
 

@@ -129,7 +129,7 @@ def _unused_kept(old: list[jax.Array], new: list[jax.Array], paths: list[tuple])
     return new
 
 
-def _path_names(path: tuple) -> tuple:
+def path_names(path: tuple) -> tuple:
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
@@ -150,7 +150,7 @@ def max_combined(tree: Any) -> Any:
       fp8_max32
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [_path_names(p) for p, _ in flat]
+    paths = [path_names(p) for p, _ in flat]
     for path, (_, x) in zip(paths, flat, strict=True):
         if hasattr(x, "dtype"):
             _check_state_dtype(x.dtype, f"the float8 state at {'/'.join(path) or 'the root'}")
@@ -190,7 +190,7 @@ def state_paths(tree: Any) -> list[str]:
     """Paths of ``tree`` that hold delayed-scaling state: under the ``_overwrite_with_gradient``
     collection (Linen), or a layer's full set of ``Fp8Meta`` fields (NNX)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    keys = [tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path) for path, _ in flat]
+    keys = [path_names(path) for path, _ in flat]
     # An NNX State's leaves sit under their Variable's value: input_scale/value.
     keys = [k[:-1] if len(k) > 1 and k[-1] in ("value", "raw_value") else k for k in keys]
     by_parent: dict[tuple[str, ...], set[str]] = {}
