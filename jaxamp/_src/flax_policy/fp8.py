@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,11 +96,18 @@ class LinenDelayed:
         return self._rule().einsum(*args, **kwargs)
 
 
-def max_combined_collection(variables: Any, delayed: bool) -> Any:
+def max_combined_collection(
+    variables: Any, delayed: bool, combined: dict | None = None, prefix: tuple = ()
+) -> Any:
     """``variables`` with jaxamp's float8 state (``delayed``: a policy of the model scales
     by it) as values whose gradients combine by max. Other variables of the collection (a
     model's own, by Flax's convention) are left as they are; Flax's own float8 ops, whose
-    state has the same names, are refused beside a delayed policy."""
+    state has the same names, are refused beside a delayed policy.
+
+    ``combined`` (layer path, under ``prefix``, to its values and their conversion) makes
+    every call of one apply that reads the same values share one conversion, so that a
+    layer run by several calls (a policy module used twice by a plain parent) combines by
+    max across them too."""
     if not delayed or not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
         return variables
     collection = variables[STATE_COLLECTION]
@@ -124,11 +132,89 @@ def max_combined_collection(variables: Any, delayed: bool) -> Any:
             layer, _, field = name.rpartition("/")
             picked[i] = (layer, field)
             state.setdefault(layer, {})[field] = leaf
-    warn_if_state_is_not_differentiated(variables.get("params"), state)
-    converted = max_combined(state)
+    cache = {} if combined is None else combined
+    keys = {layer: (*prefix, layer) for layer in state}
+    todo = {layer: v for layer, v in state.items() if not _cached(cache, keys[layer], v)}
+    warn_if_state_is_not_differentiated(variables.get("params"), todo)
+    for layer, values in max_combined(todo).items():
+        cache[keys[layer]] = (todo[layer], values)
     for i, (layer, field) in picked.items():
-        leaves[i] = converted[layer][field]
+        leaves[i] = cache[keys[layer]][1][field]
     return {**variables, STATE_COLLECTION: jax.tree_util.tree_unflatten(treedef, leaves)}
+
+
+def _cached(cache: dict, key: tuple, values: dict[str, Any]) -> bool:
+    """Whether ``cache`` holds the conversion of these very values (not of others that
+    were at the layer's path: a mutable state written between two calls)."""
+    entry = cache.get(key)
+    return (
+        entry is not None
+        and entry[0].keys() == values.keys()
+        and all(entry[0][name] is value for name, value in values.items())
+    )
+
+
+# Per apply (its root scope): layer path to the values read and their max-combined form.
+_BY_APPLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_combined_groups(groups: Any, delayed: bool, scope: Any) -> Any:
+    """The variable groups a lifted policy call gets (Flax's ``lift.pack``: per filter, per
+    scope, collections) with the float8 state max-combined, one conversion per apply for
+    each layer's values, however many calls read them."""
+    scopes = _outermost(jax.tree.leaves(scope))  # as lift.pack groups the variables
+    if not delayed or not all(isinstance(s, flax.core.Scope) for s in scopes):
+        return groups
+
+    def combined(group: Any, scope: Any) -> Any:
+        cache = _BY_APPLY.setdefault(scope.root, {})
+        prefix = tuple(str(p) for p in scope.path)
+        return max_combined_collection(group, delayed, cache, prefix)
+
+    return tuple(
+        tuple(combined(g, s) for g, s in zip(per_scope, scopes, strict=True))
+        for per_scope in groups
+    )
+
+
+def _outermost(scopes: list[Any]) -> list[Any]:
+    """``scopes`` without repeats and without those inside another of them, in order."""
+    unique = list(dict.fromkeys(scopes))
+
+    def inside(scope: Any) -> bool:
+        parent = getattr(scope, "parent", None)
+        while parent is not None:
+            if parent in unique:
+                return True
+            parent = parent.parent
+        return False
+
+    return [s for s in unique if not inside(s)]
+
+
+def as_given_groups(out_groups: Any, given_groups: Any) -> Any:
+    """The mutable variables a lifted policy call gives back (grouped as it was given them),
+    with the state values it was given (float32, not their max-combined form) where it left
+    them as they were."""
+
+    def as_given(out: Any, given: Any) -> Any:
+        if not hasattr(out, "get") or out.get(STATE_COLLECTION) is None:
+            return out
+        before = {
+            path_names(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(given.get(STATE_COLLECTION))[0]
+        }
+
+        def restore(path: tuple, leaf: Any) -> Any:
+            return before.get(path_names(path), leaf) if _is_max32(leaf) else leaf
+
+        state = jax.tree_util.tree_map_with_path(restore, out[STATE_COLLECTION])
+        return type(out)({**out, STATE_COLLECTION: state})
+
+    return tuple(
+        tuple(as_given(o, g) for o, g in zip(outs, givens, strict=True))
+        for outs, givens in zip(out_groups, given_groups, strict=True)
+    )
 
 
 def as_float32_collection(variables: Any) -> Any:

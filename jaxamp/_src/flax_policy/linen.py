@@ -6,7 +6,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -141,9 +140,11 @@ def _cast_cache(module: nn.Module) -> None:
             scope.put_variable("cache", name, cast)
 
 
-def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
+def _lifted_policy(fn, scope, *args, config, residuals, delayed, **kwargs):
     """A Flax core transformation (like ``flax.core.lift.checkpoint``): ``fn`` evaluated by
-    the autocast interpreter with ``config``, its variables and RNGs lifted through it."""
+    the autocast interpreter with ``config``, its variables and RNGs lifted through it.
+    Under delayed float8 scaling (``delayed``), the layers' state goes in max-combined, one
+    conversion per apply, so a layer run by several calls combines its state by max."""
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
         def pure(variable_groups, rng_groups, *args, **kwargs):
@@ -151,9 +152,11 @@ def _lifted_policy(fn, scope, *args, config, residuals, **kwargs):
             return fn(scope, *args, **kwargs), repack_fn(scope)
 
         as_written = lambda _: layer_plan.layers_as_written()
-        return interpreted(pure, config, residuals, as_written)(
-            variable_groups, rng_groups, *args, **kwargs
+        combined = fp8_state.max_combined_groups(variable_groups, delayed, scope)
+        out, repacked = interpreted(pure, config, residuals, as_written)(
+            combined, rng_groups, *args, **kwargs
         )
+        return out, fp8_state.as_given_groups(repacked, variable_groups)
 
     lifted = lift.pack(inner, (True,), (True,), (True,), name="jaxamp_policy", enable_kwargs=True)
     return lifted(scope, *args, **kwargs)
@@ -297,23 +300,18 @@ class PolicyModule(nn.Module):
 
         target.__name__ = _TARGET
 
-        if self._is_submodule() and not self.is_initializing() and self._scales_delayed():
-            warnings.warn(
-                "A Linen model under a delayed float8 policy runs as a submodule of another "
-                "module: its layers' state is combined by max only when the policy module is "
-                "the one applied (jaxamp.linen.apply_policy(...).apply). Here a layer, or the "
-                "model, run more than once in a step sums its state (amax histories too "
-                "large). Apply the policy to the outermost module, or pass the state through "
-                "jaxamp.ops.max_combined before apply (guides/fp8.md).",
-                stacklevel=3,
-            )
         with layer_plan.explaining_carry_errors(self.policy):
             if self.is_initializing():  # creating params: the layers' settings are all it needs
                 out = target(self, *args, **kwargs)
             else:
                 config = AutocastConfig(self.policy, policy_rules(self.rules))
                 out = nn.transforms.lift_direct_transform(
-                    functools.partial(_lifted_policy, config=config, residuals=self.residuals),
+                    functools.partial(
+                        _lifted_policy,
+                        config=config,
+                        residuals=self.residuals,
+                        delayed=self._scales_delayed(),
+                    ),
                     (target,),
                     self,
                     *args,
@@ -325,10 +323,6 @@ class PolicyModule(nn.Module):
         if self.overrides and call.seen and method == "__call__":
             layer_plan.warn_unmatched(self.overrides, call.seen, type(self.module).__name__)
         return out
-
-    @nn.nowrap
-    def _is_submodule(self) -> bool:
-        return self.scope is not None and self.scope.parent is not None
 
     @nn.nowrap
     def _scales_delayed(self) -> bool:
@@ -371,8 +365,6 @@ class PolicyModule(nn.Module):
         each layer casts them to its compute dtype, so a float32 layer under a
         16-bit root computes with its float32 weights.
         """
-        # The float8 state's gradients combine by max where a layer runs more than once.
-        variables = fp8_state.max_combined_collection(variables, self._scales_delayed())
         if "capture_intermediates" in kwargs:
             kwargs["capture_intermediates"] = _without_policy_modules(
                 kwargs["capture_intermediates"]
