@@ -652,3 +652,24 @@ def test_init_under_a_policy_draws_a_field_submodules_values_as_the_model_alone(
     got = jaxamp.linen.apply_policy(WithField(Tower()), "float32").init(jax.random.key(0), x)
     for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("how", ["clone", "copy"])
+def test_a_policy_module_cloned_with_a_field_of_the_wrapped_module_is_that_module(policy, how):
+    """``clone``/``copy`` with a field of the wrapped module (read through the policy
+    module) gives the policy module of the wrapped module with that field: same params and
+    outputs, same policy. It raised TypeError. A name neither has is refused by name."""
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    cloned = getattr(jaxamp.linen.apply_policy(nn.Dense(4), policy), how)(features=16)
+    want = jaxamp.linen.apply_policy(nn.Dense(16), policy)
+    assert cloned.policy == want.policy and cloned.features == 16
+    variables = cloned.init(jax.random.key(0), x)
+    want_variables = want.init(jax.random.key(0), x)
+    for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(want_variables), strict=True):
+        np.testing.assert_array_equal(a, b)
+    out = jax.jit(cloned.apply)(variables, x)
+    np.testing.assert_array_equal(out, jax.jit(want.apply)(variables, x))
+    assert out.dtype == want.policy.output_dtype
+    with pytest.raises(TypeError, match="featurez"):
+        getattr(cloned, how)(featurez=3)

@@ -282,6 +282,18 @@ class PolicyModule(nn.Module):
         return self._run("__call__", *args, **kwargs)
 
     @nn.nowrap
+    def clone(self, *, parent=None, _deep_clone=False, _reset_names=False, **updates):
+        """Like ``nn.Module.clone``; a field of the wrapped module (``features=``, as read
+        through) goes to a clone of the wrapped module (``copy`` passes here too)."""
+        own = {field.name for field in dataclasses.fields(self)}
+        wrapped = {k: updates.pop(k) for k in list(updates) if k not in own}
+        if wrapped:
+            updates["module"] = updates.get("module", self.module).clone(**wrapped)
+        return super().clone(
+            parent=parent, _deep_clone=_deep_clone, _reset_names=_reset_names, **updates
+        )
+
+    @nn.nowrap
     def _run(self, method: Any, *args, **kwargs):
         """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
         self._try_setup()  # shares the scope first, when ``init``/``apply`` call ``method`` bare
