@@ -630,28 +630,54 @@ def test_an_override_on_nn_rnn_reaches_its_cell(key):
     np.testing.assert_array_equal(jax.jit(policed.apply)(variables, x), model.apply(variables, x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect, not yet fixed: a submodule held as a dataclass field draws other "
-    "initial values under apply_policy (same structure); guides/policies.md says so",
-)
-def test_init_under_a_policy_draws_a_field_submodules_values_as_the_model_alone():
-    class Tower(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(8)(x)
+class _Tower(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8)(x) * self.param("gain", nn.initializers.normal(), (8,))
 
-    class WithField(nn.Module):
-        tower: nn.Module
 
-        def __call__(self, x):
-            return self.tower(x)
+class _WithField(nn.Module):
+    """Holds its submodules as dataclass fields, one of them holding another."""
 
-    x = jnp.ones((2, 16))
-    want = WithField(Tower()).init(jax.random.key(0), x)["params"]
-    got = jaxamp.linen.apply_policy(WithField(Tower()), "float32").init(jax.random.key(0), x)
-    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want), strict=True):
+    tower: nn.Module
+    head: nn.Module
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.tower(x)))
+
+
+class _Head(nn.Module):
+    inner: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3)(self.inner(x))
+
+
+def _field_model():
+    return _WithField(_Tower(), _Head(_Tower()))
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("placement", ["root", "submodule"])
+def test_init_under_a_policy_draws_field_submodules_values_as_the_model_alone(policy, placement):
+    """Submodules held as dataclass fields (one inside another) get the values the model
+    alone draws: Flax's share_scope kept the RNGs they derived before it moved them, so
+    they drew other values (same structure). Also with the policy module as a field of a
+    plain module."""
+    x = jax.random.normal(jax.random.key(1), (2, 16))
+    if placement == "root":
+        bare, model = _field_model(), jaxamp.linen.apply_policy(_field_model(), policy)
+    else:
+        bare = _WithField(_field_model(), _Head(_Tower()))
+        model = _WithField(jaxamp.linen.apply_policy(_field_model(), policy), _Head(_Tower()))
+    want = jax.jit(bare.init)(jax.random.key(0), x)
+    got = jax.jit(model.init)(jax.random.key(0), x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(a, b)
+    if policy == "float32":  # the identity: the model alone's outputs too
+        np.testing.assert_array_equal(jax.jit(model.apply)(got, x), jax.jit(bare.apply)(want, x))
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])

@@ -11,6 +11,7 @@ from typing import Any
 
 import flax.linen as nn
 from flax.core import lift
+from flax.core.scope import LazyRng
 
 from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
@@ -238,6 +239,24 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
     return intercept
 
 
+def _rederive_child_scopes(module: nn.Module, scope: Any) -> None:
+    """Works around Flax's ``share_scope``: it moves the scopes of ``module``'s children
+    bound before it ran (a submodule held as a dataclass field) under ``scope``, but keeps
+    the path and RNGs they derived from the scope they left, so such a submodule drew
+    other initial values than in the model alone. Derives them again, as ``Scope.push``
+    would have under ``scope`` (and below them, for children already bound)."""
+    for child in module._state.children.values():
+        inner = getattr(child, "scope", None) if isinstance(child, nn.Module) else None
+        if inner is None or inner.parent is not scope or not isinstance(inner.name, str):
+            continue
+        if inner.path == (*scope.path, inner.name):
+            continue
+        inner.path = (*scope.path, inner.name)
+        inner.debug_path = (*scope.debug_path, inner.name)
+        inner.rngs = {key: LazyRng.create(rng, inner.name) for key, rng in scope.rngs.items()}
+        _rederive_child_scopes(child, inner)
+
+
 class PolicyModule(nn.Module):
     """A Linen module under a precision policy; itself a Linen module.
 
@@ -266,6 +285,7 @@ class PolicyModule(nn.Module):
 
     def setup(self):
         nn.share_scope(self, self.module)
+        _rederive_child_scopes(self.module, self.scope)
 
     def __getattr__(self, name: str) -> Any:
         try:
