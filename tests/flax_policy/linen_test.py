@@ -680,6 +680,42 @@ def test_init_under_a_policy_draws_field_submodules_values_as_the_model_alone(po
         np.testing.assert_array_equal(jax.jit(model.apply)(got, x), jax.jit(bare.apply)(want, x))
 
 
+class _Mid(nn.Module):
+    tower: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return self.tower(x) + self.tower(2 * x)
+
+
+def _lifted_outer(lift, tower):
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return lift(_Mid)(tower, name="mid")(x)
+
+    return Outer()
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "p=f32,c=f32,fp8=delayed"])
+@pytest.mark.parametrize("lift", [lambda m: m, nn.remat, nn.jit], ids=["none", "remat", "jit"])
+def test_a_policy_module_held_by_a_lifted_module_keeps_the_variables_where_they_were(policy, lift):
+    """A policy module held as a field by a module a Flax transformation lifts: its
+    variables sit where the module alone's do (they sat under an extra 'module' level, so
+    a checkpoint of the model alone was refused), with the same initial values."""
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    bare = _lifted_outer(lift, _Tower())
+    model = _lifted_outer(lift, jaxamp.linen.apply_policy(_Tower(), policy))
+    want = jax.jit(bare.init)(jax.random.key(0), x)
+    got = jax.jit(model.init)(jax.random.key(0), x)
+    assert jax.tree.structure(got["params"]) == jax.tree.structure(want["params"])
+    for a, b in zip(jax.tree.leaves(got["params"]), jax.tree.leaves(want["params"]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    out = jax.jit(model.apply)({**got, "params": want["params"]}, x)  # the model alone's
+    if policy == "float32":
+        np.testing.assert_array_equal(out, jax.jit(bare.apply)(want, x))
+
+
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 @pytest.mark.parametrize("how", ["clone", "copy"])
 def test_a_policy_module_cloned_with_a_field_of_the_wrapped_module_is_that_module(policy, how):
@@ -699,3 +735,31 @@ def test_a_policy_module_cloned_with_a_field_of_the_wrapped_module_is_that_modul
     assert out.dtype == want.policy.output_dtype
     with pytest.raises(TypeError, match="featurez"):
         getattr(cloned, how)(featurez=3)
+
+
+@pytest.mark.parametrize("how", ["clone", "copy"])
+def test_a_policy_module_cloned_with_settings_takes_them_as_apply_policy_does(how):
+    """``clone``/``copy`` with ``policy="mixed_bfloat16"`` (a name) or ``overrides={...}``
+    (a mapping) give what ``apply_policy`` gives with them; a name was kept as a string
+    and failed at ``apply``. Bad settings are refused by name at once."""
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    model = jaxamp.linen.apply_policy(nn.Dense(4), "float32")
+    for updates in (
+        {"policy": "mixed_bfloat16"},
+        {"policy": "mixed_float16", "overrides": {nn.Dense: "float32"}, "residuals": "dots"},
+    ):
+        cloned = getattr(model, how)(**updates)
+        want = jaxamp.linen.apply_policy(nn.Dense(4), **updates)
+        assert (cloned.policy, cloned.overrides, cloned.residuals) == (
+            want.policy,
+            want.overrides,
+            want.residuals,
+        )
+        variables = want.init(jax.random.key(0), x)
+        np.testing.assert_array_equal(
+            jax.jit(cloned.apply)(variables, x), jax.jit(want.apply)(variables, x)
+        )
+    with pytest.raises(ValueError, match="mixed_bfloat17"):
+        getattr(model, how)(policy="mixed_bfloat17")
+    with pytest.raises(ValueError, match="nope"):
+        getattr(model, how)(residuals="nope")

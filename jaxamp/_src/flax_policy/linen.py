@@ -239,22 +239,46 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
     return intercept
 
 
-def _rederive_child_scopes(module: nn.Module, scope: Any) -> None:
-    """Works around Flax's ``share_scope``: it moves the scopes of ``module``'s children
-    bound before it ran (a submodule held as a dataclass field) under ``scope``, but keeps
-    the path and RNGs they derived from the scope they left, so such a submodule drew
-    other initial values than in the model alone. Derives them again, as ``Scope.push``
-    would have under ``scope`` (and below them, for children already bound)."""
+def _share_scope(policy_module: nn.Module) -> None:
+    """Makes the policy module and the module it wraps share one scope, so that the
+    variables sit where the module alone's would, as Flax's ``share_scope`` does, with two
+    defects of it worked around. It picks which of the two moves by whether one scope is
+    the other's child; but a module the policy module bound itself (a field, in a scope
+    named ``module`` below it) is not its scope's child under a Flax transformation that
+    lifts a parent, so the policy module moved and the variables sat under an extra
+    ``module`` level. And it keeps the path and RNGs of the children it moves (submodules
+    held as dataclass fields) derived from the scope they left, so they drew other
+    initial values. A module bound elsewhere (made in a parent's compact method, with
+    its own name) keeps its scope, and the policy module takes it, as in Flax."""
+    module, scope = policy_module.module, policy_module.scope
+    old = module.scope
+    if old is None or (old.parent is not scope and old.path != (*scope.path, "module")):
+        nn.share_scope(policy_module, module)
+        return
+    object.__setattr__(module, "scope", scope)
     for child in module._state.children.values():
         inner = getattr(child, "scope", None) if isinstance(child, nn.Module) else None
-        if inner is None or inner.parent is not scope or not isinstance(inner.name, str):
+        if inner is None or inner.parent is not old:
             continue
-        if inner.path == (*scope.path, inner.name):
-            continue
-        inner.path = (*scope.path, inner.name)
-        inner.debug_path = (*scope.debug_path, inner.name)
-        inner.rngs = {key: LazyRng.create(rng, inner.name) for key, rng in scope.rngs.items()}
-        _rederive_child_scopes(child, inner)
+        if isinstance(inner.name, str):
+            scope.reserve(inner.name)
+        inner.parent = scope
+        _rederive(child, inner)
+
+
+def _rederive(module: nn.Module, scope: Any) -> None:
+    """``scope`` (``module``'s, just moved) and those of its children already bound with
+    the path and RNGs ``Scope.push`` would have given them under their parent."""
+    if not isinstance(scope.name, str):
+        return
+    parent = scope.parent
+    scope.path = (*parent.path, scope.name)
+    scope.debug_path = (*parent.debug_path, scope.name)
+    scope.rngs = {key: LazyRng.create(rng, scope.name) for key, rng in parent.rngs.items()}
+    for child in module._state.children.values():
+        inner = getattr(child, "scope", None) if isinstance(child, nn.Module) else None
+        if inner is not None and inner.parent is scope:
+            _rederive(child, inner)
 
 
 class PolicyModule(nn.Module):
@@ -284,8 +308,7 @@ class PolicyModule(nn.Module):
     rules: AutocastRules | None = None
 
     def setup(self):
-        nn.share_scope(self, self.module)
-        _rederive_child_scopes(self.module, self.scope)
+        _share_scope(self)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -303,12 +326,28 @@ class PolicyModule(nn.Module):
 
     @nn.nowrap
     def clone(self, *, parent=None, _deep_clone=False, _reset_names=False, **updates):
-        """Like ``nn.Module.clone``; a field of the wrapped module (``features=``, as read
-        through) goes to a clone of the wrapped module (``copy`` passes here too)."""
+        """Like ``nn.Module.clone`` (``copy`` passes here too); a field of the wrapped module
+        (``features=``, as read through) goes to a clone of the wrapped module, and the
+        policy's settings are taken as ``apply_policy`` takes them."""
         own = {field.name for field in dataclasses.fields(self)}
         wrapped = {k: updates.pop(k) for k in list(updates) if k not in own}
         if wrapped:
             updates["module"] = updates.get("module", self.module).clone(**wrapped)
+        # The settings as apply_policy takes them (a policy's name, a mapping), checked.
+        if "policy" in updates:
+            updates["policy"] = get_policy(updates["policy"] or auto_policy())
+        if "overrides" in updates:
+            updates["overrides"] = layer_plan.normalize_overrides(updates["overrides"])
+        if "residuals" in updates:
+            validate_residuals(updates["residuals"])
+        if "rules" in updates:
+            policy_rules(updates["rules"])
+        if "policy" in updates or "overrides" in updates:  # the model's class overridden
+            updates["policy"] = layer_plan.resolve_policy(
+                updates.get("policy", self.policy),
+                updates.get("overrides", self.overrides),
+                [((), updates.get("module", self.module))],
+            )
         return super().clone(
             parent=parent, _deep_clone=_deep_clone, _reset_names=_reset_names, **updates
         )
