@@ -1205,3 +1205,40 @@ def test_a_policy_module_run_as_a_submodule_gives_back_its_state_as_given():
     for x, y in pairs:
         assert x.dtype == jnp.float32
         np.testing.assert_array_equal(x, y)
+
+
+def test_a_delayed_policy_module_a_flax_transformation_lifts_warns_and_max_combined_fixes_it():
+    """``nn.remat(PolicyModule)`` called twice by a plain module: each lifted call converts
+    the state for itself, so the calls add (scales of 2). It was silent; it warns now, and
+    the state passed through max_combined before apply gives the policy on the root's
+    gradients (the reference), without the warning."""
+
+    class Twice(nn.Module):
+        tower: nn.Module
+
+        @nn.compact
+        def __call__(self, a):
+            return self.tower(a) * self.tower(3 * a)
+
+    policy = jaxamp.get_policy(_SUBMODULE_POLICY)
+    a = jax.random.normal(jax.random.key(1), (2, 8))
+    model = Twice(nn.remat(jaxamp.linen.PolicyModule)(module=nn.Dense(4), policy=policy))
+    plain = Twice(jaxamp.linen.apply_policy(nn.Dense(4), policy))
+    variables = model.init(jax.random.key(0), a)
+
+    def grads(apply, combine=lambda s: s):
+        def loss(s):
+            return jnp.sum(jnp.sin(apply({"params": variables["params"], STATE: combine(s)}, a)))
+
+        return jax.jit(jax.grad(loss))(variables[STATE])
+
+    with pytest.warns(UserWarning, match=r"inside remat\(tower\)"):
+        summed = grads(model.apply)
+    assert float(summed["tower"]["input_scale"][0]) == 2.0  # the sum the warning names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        maxed = grads(model.apply, jaxamp.ops.max_combined)
+        want = grads(plain.apply)
+    for x, y in zip(jax.tree.leaves(maxed), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert float(want["tower"]["input_scale"][0]) == 1.0

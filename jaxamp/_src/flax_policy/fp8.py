@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -158,23 +159,43 @@ def _cached(cache: dict, key: tuple, values: dict[str, Any]) -> bool:
 _BY_APPLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def max_combined_groups(groups: Any, delayed: bool, scope: Any) -> Any:
+def max_combined_groups(groups: Any, delayed: bool, scope: Any, own: str) -> Any:
     """The variable groups a lifted policy call gets (Flax's ``lift.pack``: per filter, per
     scope, collections) with the float8 state max-combined, one conversion per apply for
-    each layer's values, however many calls read them."""
+    each layer's values, however many calls read them. Warns where the call runs inside
+    a Flax transformation of a plain module (other than ``own``, the policy's), whose
+    calls each convert their own."""
     scopes = _outermost(jax.tree.leaves(scope))  # as lift.pack groups the variables
     if not delayed or not all(isinstance(s, flax.core.Scope) for s in scopes):
         return groups
+    converted = False
 
     def combined(group: Any, scope: Any) -> Any:
+        nonlocal converted
         cache = _BY_APPLY.setdefault(scope.root, {})
+        before = set(cache)
         prefix = tuple(str(p) for p in scope.path)
-        return max_combined_collection(group, delayed, cache, prefix)
+        out = max_combined_collection(group, delayed, cache, prefix)
+        new = [cache[key][0] for key in set(cache) - before]  # the values converted here
+        converted |= any(not _is_max32(v) for values in new for v in values.values())
+        return out
 
-    return tuple(
+    out = tuple(
         tuple(combined(g, s) for g, s in zip(per_scope, scopes, strict=True))
         for per_scope in groups
     )
+    lifts = [p for p in scopes[0].root.debug_path if "(" in p and not p.startswith(own + "(")]
+    if converted and lifts:
+        warnings.warn(
+            f"A delayed float8 policy module runs inside {lifts[-1]}, a Flax transformation "
+            "of a plain module: each call of it converts the layers' state for itself, so a "
+            "layer it runs in more than one call in a step (the transformed module called "
+            "twice, the steps of an nn.scan with the state broadcast) adds its state there "
+            "instead of taking the max. Apply the policy to the outermost module, or pass "
+            "the state through jaxamp.ops.max_combined before apply (guides/fp8.md).",
+            stacklevel=2,
+        )
+    return out
 
 
 def _outermost(scopes: list[Any]) -> list[Any]:

@@ -153,7 +153,7 @@ def _lifted_policy(fn, scope, *args, config, residuals, delayed, **kwargs):
             return fn(scope, *args, **kwargs), repack_fn(scope)
 
         as_written = lambda _: layer_plan.layers_as_written()
-        combined = fp8_state.max_combined_groups(variable_groups, delayed, scope)
+        combined = fp8_state.max_combined_groups(variable_groups, delayed, scope, _TARGET)
         out, repacked = interpreted(pure, config, residuals, as_written)(
             combined, rng_groups, *args, **kwargs
         )
