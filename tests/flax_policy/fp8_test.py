@@ -1242,3 +1242,58 @@ def test_a_delayed_policy_module_a_flax_transformation_lifts_warns_and_max_combi
     for x, y in zip(jax.tree.leaves(maxed), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(x, y)
     assert float(want["tower"]["input_scale"][0]) == 1.0
+
+
+class _Towered(nn.Module):
+    tower: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return self.tower(nn.Dense(5, name="head")(x))
+
+
+class _TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(5)(nn.relu(nn.Dense(8)(x)))
+
+
+def _tower():
+    return _TwoDense()
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        ("mixed_bfloat16", "mixed_float8_delayed"),
+        ("mixed_float8_delayed", "mixed_bfloat16"),
+        ("mixed_float8_delayed", "float32"),
+        ("mixed_float8", "mixed_bfloat16"),
+        ("mixed_float8_delayed", "p=f32,c=bf16,fp8=delayed,fp8_history=16"),
+    ],
+)
+def test_a_policy_module_nested_in_another_policy_with_other_float8_is_refused(outer, inner):
+    """A policy module inside a model under another policy: its dtypes applied but its
+    float8 setting did not (the outer policy's decided: float8 GEMMs and state where it
+    asked for none, none where it asked for them), silently. Refused now, naming the
+    override that does it; the override gives the inner policy's float8 GEMMs."""
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    nested = jaxamp.linen.apply_policy(_Towered(jaxamp.linen.apply_policy(_tower(), inner)), outer)
+    with pytest.raises(ValueError, match="overrides=\\{'tower'"):
+        nested.init(jax.random.key(0), x)
+    model = jaxamp.linen.apply_policy(_Towered(_tower()), outer, overrides={"tower": inner})
+    variables = model.init(jax.random.key(0), x)
+    forward, _ = jaxamp.precision_report(lambda v: model.apply(v, x))(variables).float8_gemms()
+    want = 2 * bool(jaxamp.get_policy(inner).fp8) + bool(jaxamp.get_policy(outer).fp8)
+    assert forward == want
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"), [("mixed_float8_delayed",) * 2, ("mixed_bfloat16", "float32")]
+)
+def test_a_policy_module_nested_in_the_same_float8_policy_runs_as_before(outer, inner):
+    """Nesting that agrees on float8 (the same policy; no float8 at all) still runs."""
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    nested = jaxamp.linen.apply_policy(_Towered(jaxamp.linen.apply_policy(_tower(), inner)), outer)
+    variables = nested.init(jax.random.key(0), x)
+    assert jnp.all(jnp.isfinite(jax.jit(nested.apply)(variables, x)))

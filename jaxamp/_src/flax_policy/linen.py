@@ -43,6 +43,12 @@ _RUNNING: contextvars.ContextVar[tuple[tuple[tuple[str, ...], nn.Module], ...]] 
 )
 
 
+# The policy, overrides and call of the policy module whose model is running, if any.
+_OUTER: contextvars.ContextVar[tuple[Policy, tuple, Any] | None] = contextvars.ContextVar(
+    "jaxamp_outer_policy", default=None
+)
+
+
 @dataclasses.dataclass
 class _Call:
     """One call of a ``PolicyModule``: where its wrapped module sits, and the layers that ran.
@@ -356,6 +362,7 @@ class PolicyModule(nn.Module):
     def _run(self, method: Any, *args, **kwargs):
         """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
         self._try_setup()  # shares the scope first, when ``init``/``apply`` call ``method`` bare
+        self._check_nested()
         args, kwargs = self.policy.cast_to_compute((args, kwargs))
         call = _Call(tuple(self.scope.path) if self.scope is not None else ())
         interceptor = _interceptor(self.policy, self.overrides, call)
@@ -363,8 +370,12 @@ class PolicyModule(nn.Module):
         def target(mdl, *args, **kwargs):
             inner = call.inner = mdl.module
             fn = getattr(type(inner), method) if isinstance(method, str) else method
-            with nn.intercept_methods(interceptor):
-                out = fn(inner, *args, **kwargs)
+            token = _OUTER.set((self.policy, self.overrides, call))
+            try:
+                with nn.intercept_methods(interceptor):
+                    out = fn(inner, *args, **kwargs)
+            finally:
+                _OUTER.reset(token)
             # Cast in the program, where a value the policy kept wider than traced (a
             # constant float16 cannot hold) reaches the output dtype without the traced one.
             return self.policy.cast_to_output(out)
@@ -394,6 +405,28 @@ class PolicyModule(nn.Module):
         if self.overrides and call.seen and method == "__call__":
             layer_plan.warn_unmatched(self.overrides, call.seen, type(self.module).__name__)
         return out
+
+    @nn.nowrap
+    def _check_nested(self) -> None:
+        """Refuses to run inside another policy's model where float8 would not follow this
+        policy: the outer policy's settings decide its layers' float8 (a nested policy
+        module's dtypes apply, its float8 setting did not, silently)."""
+        outer = _OUTER.get()
+        if outer is None:
+            return
+        root, overrides, call = outer
+        there = layer_plan.resolve_policy(root, overrides, _module_chain(self, call))
+        fp8 = [p.fp8 for p in (self.policy, there, *(p for _, p in self.overrides))]
+        if any(fp8) and (self.policy, self.overrides) != (there, ()):
+            path = "/".join(str(p) for p in self.scope.path) if self.scope else "it"
+            raise ValueError(
+                f"A policy module ('{self.policy}' on {type(self.module).__name__}) runs "
+                f"inside a model under another policy ('{there}' at {path}): its float8 "
+                "setting would not apply there, the outer policy's would. Give it as an "
+                f"override of the outer policy instead: apply_policy(model, ..., "
+                f"overrides={{'{path}': '{self.policy}'}}) on the bare module "
+                "(guides/fp8.md)."
+            )
 
     @nn.nowrap
     def _scales_delayed(self) -> bool:
