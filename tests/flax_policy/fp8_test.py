@@ -1297,3 +1297,22 @@ def test_a_policy_module_nested_in_the_same_float8_policy_runs_as_before(outer, 
     nested = jaxamp.linen.apply_policy(_Towered(jaxamp.linen.apply_policy(_tower(), inner)), outer)
     variables = nested.init(jax.random.key(0), x)
     assert jnp.all(jnp.isfinite(jax.jit(nested.apply)(variables, x)))
+
+
+@pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell])
+def test_nn_rnn_under_delayed_scaling_is_refused_with_the_way_round(cell):
+    """nn.RNN under a delayed policy: its scan broadcasts only the params, so the cell
+    finds no state. The error advised variable_axes={state: 0} (a state per time step,
+    for weights shared across time); it names the recurrent case and the override now,
+    and the override runs (current scaling: float8 GEMMs, no state)."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, 4))
+    model = jaxamp.linen.apply_policy(nn.RNN(cell(4)), "mixed_float8_delayed")
+    with pytest.raises(ValueError, match=r"nn\.RNN .*overrides=\{nn\.RNN: 'mixed_float8'\}"):
+        model.init(jax.random.key(0), x)
+    model = jaxamp.linen.apply_policy(
+        nn.RNN(cell(4)), "mixed_float8_delayed", overrides={nn.RNN: "mixed_float8"}
+    )
+    variables = model.init(jax.random.key(0), x)
+    assert STATE not in variables
+    report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
+    assert report.float8_gemms()[0] > 0

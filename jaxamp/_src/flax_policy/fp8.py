@@ -59,9 +59,14 @@ def _missing_state(module: Any, flax_message: str) -> str:
     if lifted:
         return (
             f"the float8 layer {path} found no '{STATE_COLLECTION}' collection: a lifted "
-            "transformation (nn.scan, nn.vmap, ...) around it does not carry it. Add "
-            f"'{STATE_COLLECTION}': 0 to its variable_axes, beside 'params', so each layer "
-            "has its own state (guides/fp8.md)."
+            "transformation (nn.scan, nn.vmap, ...) around it does not carry it. For a "
+            f"stack of layers, add '{STATE_COLLECTION}': 0 to its variable_axes, beside "
+            "'params', so each layer has its own state; for a loop over one layer whose "
+            f"params it broadcasts (a recurrent cell), add '{STATE_COLLECTION}' to its "
+            "variable_broadcast. nn.RNN (and nn.Bidirectional) broadcasts only the params "
+            "and cannot take it: keep it out of delayed scaling with an override, "
+            "overrides={nn.RNN: 'mixed_float8'} (current scaling) or a 16-bit policy "
+            "(guides/fp8.md)."
         )
     return (
         f"the float8 layer {path} found no '{STATE_COLLECTION}' collection in the "
