@@ -764,3 +764,37 @@ def test_a_policy_module_cloned_with_settings_takes_them_as_apply_policy_does(ho
         getattr(model, how)(policy="mixed_bfloat17")
     with pytest.raises(ValueError, match="nope"):
         getattr(model, how)(residuals="nope")
+
+
+def test_a_clone_starts_from_the_policy_given_not_the_one_a_class_override_chose():
+    """An override of the model's own class replaces the root policy; a clone that drops
+    the override, or swaps the module for one the override matches, is what apply_policy
+    gives with the same arguments (it kept the replaced policy, or missed the override:
+    inputs cast to bfloat16 before a float32 layer)."""
+    x = jax.random.normal(jax.random.key(3), (2, 4))
+    pol = "mixed_float8_delayed"
+    dense = lambda: nn.Dense(4)
+    cases = [
+        (
+            jaxamp.linen.apply_policy(dense(), pol, overrides={nn.Dense: "float32"}),
+            {"overrides": {}},
+            jaxamp.linen.apply_policy(dense(), pol, overrides={}),
+        ),
+        (
+            jaxamp.linen.apply_policy(
+                nn.Sequential([dense()]), pol, overrides={nn.Dense: "float32"}
+            ),
+            {"module": dense()},
+            jaxamp.linen.apply_policy(dense(), pol, overrides={nn.Dense: "float32"}),
+        ),
+    ]
+    for model, updates, want in cases:
+        cloned = model.clone(**updates)
+        assert cloned.policy == want.policy
+        variables = want.init(jax.random.key(0), x)
+        assert jax.tree.structure(cloned.init(jax.random.key(0), x)) == jax.tree.structure(
+            variables
+        )
+        np.testing.assert_array_equal(
+            jax.jit(cloned.apply)(variables, x), jax.jit(want.apply)(variables, x)
+        )

@@ -305,6 +305,8 @@ class PolicyModule(nn.Module):
       overrides: ``(key, Policy)`` pairs, as given to ``apply_policy``.
       residuals: what the backward pass may save (see ``apply_policy``).
       rules: the rule table ``apply`` evaluates the model with (see ``apply_policy``).
+      given_policy: the policy as given to ``apply_policy``, before an override of the
+        model's own class replaced it (``clone`` starts from it).
     """
 
     module: nn.Module
@@ -312,6 +314,7 @@ class PolicyModule(nn.Module):
     overrides: tuple[tuple[Any, Policy], ...] = ()
     residuals: str = "compute_dtype"
     rules: AutocastRules | None = None
+    given_policy: Policy | None = None
 
     def setup(self):
         _share_scope(self)
@@ -341,16 +344,20 @@ class PolicyModule(nn.Module):
             updates["module"] = updates.get("module", self.module).clone(**wrapped)
         # The settings as apply_policy takes them (a policy's name, a mapping), checked.
         if "policy" in updates:
-            updates["policy"] = get_policy(updates["policy"] or auto_policy())
+            updates["policy"] = updates["given_policy"] = get_policy(
+                updates["policy"] or auto_policy()
+            )
         if "overrides" in updates:
             updates["overrides"] = layer_plan.normalize_overrides(updates["overrides"])
         if "residuals" in updates:
             validate_residuals(updates["residuals"])
         if "rules" in updates:
             policy_rules(updates["rules"])
-        if "policy" in updates or "overrides" in updates:  # the model's class overridden
+        if {"policy", "overrides", "module"} & updates.keys():  # the model's class overridden
+            given = updates.get("given_policy", self.given_policy or self.policy)
+            updates["given_policy"] = given
             updates["policy"] = layer_plan.resolve_policy(
-                updates.get("policy", self.policy),
+                given,
                 updates.get("overrides", self.overrides),
                 [((), updates.get("module", self.module))],
             )
@@ -560,13 +567,15 @@ def apply_policy(
     # in its program read as the bare model's (``precision_report`` drops the wrapper's).
     name = type(module).__name__ if module.parent is None else None
     overrides = layer_plan.normalize_overrides(overrides)
+    given = get_policy(policy)
     # An override of the model's own class is the model's policy (its inputs are cast to it).
-    policy = layer_plan.resolve_policy(get_policy(policy), overrides, [((), module)])
+    policy = layer_plan.resolve_policy(given, overrides, [((), module)])
     return PolicyModule(
         module,
         policy,
         overrides,
         validate_residuals(residuals),
         rules,
+        given,
         name=name,
     )
