@@ -1232,7 +1232,7 @@ def test_a_delayed_policy_module_a_flax_transformation_lifts_warns_and_max_combi
 
         return jax.jit(jax.grad(loss))(variables[STATE])
 
-    with pytest.warns(UserWarning, match=r"inside remat\(tower\)"):
+    with pytest.warns(UserWarning, match=r"\(remat\(tower\) in its scope"):
         summed = grads(model.apply)
     assert float(summed["tower"]["input_scale"][0]) == 2.0  # the sum the warning names
     with warnings.catch_warnings():

@@ -697,7 +697,9 @@ def _lifted_outer(lift, tower):
     return Outer()
 
 
-@pytest.mark.filterwarnings("ignore:A delayed float8 policy module runs inside")  # fp8_test's
+@pytest.mark.filterwarnings(
+    "ignore:A delayed float8 policy module runs inside a Flax"
+)  # fp8_test's
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "p=f32,c=f32,fp8=delayed"])
 @pytest.mark.parametrize("lift", [lambda m: m, nn.remat, nn.jit], ids=["none", "remat", "jit"])
 def test_a_policy_module_held_by_a_lifted_module_keeps_the_variables_where_they_were(policy, lift):

@@ -192,12 +192,14 @@ def max_combined_groups(groups: Any, delayed: bool, scope: Any, own: str) -> Any
     lifts = [p for p in scopes[0].root.debug_path if "(" in p and not p.startswith(own + "(")]
     if converted and lifts:
         warnings.warn(
-            f"A delayed float8 policy module runs inside {lifts[-1]}, a Flax transformation "
-            "of a plain module: each call of it converts the layers' state for itself, so a "
-            "layer it runs in more than one call in a step (the transformed module called "
-            "twice, the steps of an nn.scan with the state broadcast) adds its state there "
-            "instead of taking the max. Apply the policy to the outermost module, or pass "
-            "the state through jaxamp.ops.max_combined before apply (guides/fp8.md).",
+            f"A delayed float8 policy module runs inside a Flax transformation of a plain "
+            f"module ({lifts[-1]} in its scope's path): each call of that transformation "
+            "converts the layers' state for itself. Where a layer runs in more than one "
+            "such call in a step (the transformed module called twice, the steps of an "
+            "nn.scan with the state broadcast) its state adds instead of taking the max; "
+            "one call, or a state on the scanned or mapped axis, is right as it is. Apply "
+            "the policy to the outermost module, or pass the state through "
+            "jaxamp.ops.max_combined before apply, which also silences this (guides/fp8.md).",
             stacklevel=2,
         )
     return out
