@@ -800,3 +800,22 @@ def test_a_clone_starts_from_the_policy_given_not_the_one_a_class_override_chose
         np.testing.assert_array_equal(
             jax.jit(cloned.apply)(variables, x), jax.jit(want.apply)(variables, x)
         )
+
+
+@pytest.mark.parametrize("placement", ["root", "submodule"])
+def test_capture_intermediates_under_a_float32_policy_are_the_model_alones(placement):
+    """A float32 policy is the identity for capture_intermediates too: a policy module
+    used as a submodule recorded each call twice (its own and the wrapped module's)."""
+    x = jax.random.normal(jax.random.key(1), (2, 16))
+    bare = _WithField(_Tower(), _Head(_Tower()))
+    if placement == "root":
+        model = jaxamp.linen.apply_policy(_WithField(_Tower(), _Head(_Tower())), "float32")
+    else:
+        model = _WithField(jaxamp.linen.apply_policy(_Tower(), "float32"), _Head(_Tower()))
+    variables = jax.jit(bare.init)(jax.random.key(0), x)
+    run = lambda m: jax.jit(lambda v: m.apply(v, x, capture_intermediates=True, mutable=True))
+    _, want = run(bare)(variables)
+    _, got = run(model)(variables)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -334,6 +334,14 @@ class PolicyModule(nn.Module):
         return self._run("__call__", *args, **kwargs)
 
     @nn.nowrap
+    def sow(self, col, name, value, *args, **kwargs):
+        """Flax's ``capture_intermediates`` records the wrapped module's calls; the policy
+        module's own, at the same scope with the same values, are not recorded twice."""
+        if col == "intermediates":
+            return False
+        return super().sow(col, name, value, *args, **kwargs)
+
+    @nn.nowrap
     def clone(self, *, parent=None, _deep_clone=False, _reset_names=False, **updates):
         """Like ``nn.Module.clone`` (``copy`` passes here too); a field of the wrapped module
         (``features=``, as read through) goes to a clone of the wrapped module, and the
