@@ -1270,13 +1270,15 @@ def _tower():
         ("mixed_float8_delayed", "float32"),
         ("mixed_float8", "mixed_bfloat16"),
         ("mixed_float8_delayed", "p=f32,c=bf16,fp8=delayed,fp8_history=16"),
+        ("mixed_bfloat16", "float32"),
+        ("float32", "mixed_bfloat16"),
     ],
 )
-def test_a_policy_module_nested_in_another_policy_with_other_float8_is_refused(outer, inner):
-    """A policy module inside a model under another policy: its dtypes applied but its
-    float8 setting did not (the outer policy's decided: float8 GEMMs and state where it
-    asked for none, none where it asked for them), silently. Refused now, naming the
-    override that does it; the override gives the inner policy's float8 GEMMs."""
+def test_a_policy_module_nested_in_another_policy_is_refused(outer, inner):
+    """A policy module inside a model under another policy: the outer policy decided its
+    layers (float8 GEMMs and state where it asked for none, none where it asked for them;
+    bfloat16 where it asked for float32), silently. Refused now, naming the override that
+    does it; the override gives the inner policy's float8 GEMMs."""
     x = jax.random.normal(jax.random.key(1), (3, 5))
     nested = jaxamp.linen.apply_policy(_Towered(jaxamp.linen.apply_policy(_tower(), inner)), outer)
     with pytest.raises(ValueError, match="overrides=\\{'tower'"):
@@ -1288,15 +1290,31 @@ def test_a_policy_module_nested_in_another_policy_with_other_float8_is_refused(o
     assert forward == want
 
 
-@pytest.mark.parametrize(
-    ("outer", "inner"), [("mixed_float8_delayed",) * 2, ("mixed_bfloat16", "float32")]
-)
-def test_a_policy_module_nested_in_the_same_float8_policy_runs_as_before(outer, inner):
-    """Nesting that agrees on float8 (the same policy; no float8 at all) still runs."""
+@pytest.mark.parametrize("policy", ["mixed_float8_delayed", "mixed_bfloat16"])
+def test_a_policy_module_nested_in_the_same_policy_runs_as_the_model_without_it(policy):
+    """Nesting that changes nothing (the policy the outer one gives there) runs as the
+    model without the inner wrapper."""
     x = jax.random.normal(jax.random.key(1), (3, 5))
-    nested = jaxamp.linen.apply_policy(_Towered(jaxamp.linen.apply_policy(_tower(), inner)), outer)
-    variables = nested.init(jax.random.key(0), x)
-    assert jnp.all(jnp.isfinite(jax.jit(nested.apply)(variables, x)))
+    nested = jaxamp.linen.apply_policy(
+        _Towered(jaxamp.linen.apply_policy(_tower(), policy)), policy
+    )
+    flat = jaxamp.linen.apply_policy(_Towered(_tower()), policy)
+    variables = flat.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(
+        jax.jit(nested.apply)(variables, x), jax.jit(flat.apply)(variables, x)
+    )
+
+
+def test_a_refused_nested_policy_module_names_its_overrides_under_its_path():
+    """The refusal names the nested module's own overrides too, under its path (the
+    advice had dropped them, putting a layer it kept out of float8 back in)."""
+    x = jax.random.normal(jax.random.key(1), (3, 5))
+    inner = jaxamp.linen.apply_policy(
+        _tower(), "mixed_float8", overrides={"Dense_1": "mixed_bfloat16"}
+    )
+    nested = jaxamp.linen.apply_policy(_Towered(inner), "mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"'tower': '.*fp8=current', 'tower/Dense_1': '"):
+        nested.init(jax.random.key(0), x)
 
 
 @pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell])

@@ -351,6 +351,8 @@ class PolicyModule(nn.Module):
         if wrapped:
             updates["module"] = updates.get("module", self.module).clone(**wrapped)
         # The settings as apply_policy takes them (a policy's name, a mapping), checked.
+        if "given_policy" in updates and updates["given_policy"] is not None:
+            updates["given_policy"] = get_policy(updates["given_policy"])
         if "policy" in updates:
             updates["policy"] = updates["given_policy"] = get_policy(
                 updates["policy"] or auto_policy()
@@ -423,25 +425,30 @@ class PolicyModule(nn.Module):
 
     @nn.nowrap
     def _check_nested(self) -> None:
-        """Refuses to run inside another policy's model where float8 would not follow this
-        policy: the outer policy's settings decide its layers' float8 (a nested policy
-        module's dtypes apply, its float8 setting did not, silently)."""
+        """Refuses to run inside another policy's model with other settings than the outer
+        policy gives it there: the outer policy's settings decide its layers (a nested
+        policy module's dtypes, float8 and overrides did not apply, silently)."""
         outer = _OUTER.get()
         if outer is None:
             return
         root, overrides, call = outer
         there = layer_plan.resolve_policy(root, overrides, _module_chain(self, call))
-        fp8 = [p.fp8 for p in (self.policy, there, *(p for _, p in self.overrides))]
-        if any(fp8) and (self.policy, self.overrides) != (there, ()):
-            path = "/".join(str(p) for p in self.scope.path) if self.scope else "it"
-            raise ValueError(
-                f"A policy module ('{self.policy}' on {type(self.module).__name__}) runs "
-                f"inside a model under another policy ('{there}' at {path}): its float8 "
-                "setting would not apply there, the outer policy's would. Give it as an "
-                f"override of the outer policy instead: apply_policy(model, ..., "
-                f"overrides={{'{path}': '{self.policy}'}}) on the bare module "
-                "(guides/fp8.md)."
-            )
+        if (self.policy, self.overrides) == (there, ()):
+            return
+        path = "/".join(str(p) for p in self.scope.path) if self.scope else ""
+        given = [f"'{path}': '{self.given_policy or self.policy}'"]
+        for key, policy in self.overrides:
+            name = key.__name__ if isinstance(key, type) else f"'{path}/{key}'"
+            given.append(f"{name}: '{policy}'")
+        given_text = ", ".join(given)
+        raise ValueError(
+            f"A policy module ('{self.policy}' on {type(self.module).__name__}) runs inside "
+            f"a model under another policy, which gives it '{there}' at '{path}': the outer "
+            "policy decides its layers, so its own dtypes, float8 setting and overrides "
+            "would not apply. Give them as overrides of the outer policy, on the bare "
+            f"module: overrides={{{given_text}}} (a class key applies to every instance in the "
+            "model; guides/policies.md)."
+        )
 
     @nn.nowrap
     def _scales_delayed(self) -> bool:
