@@ -102,19 +102,17 @@ class LinenDelayed:
         return self._rule().einsum(*args, **kwargs)
 
 
-def max_combined_collection(
-    variables: Any, delayed: bool, combined: dict | None = None, prefix: tuple = ()
-) -> Any:
-    """``variables`` with jaxamp's float8 state (``delayed``: a policy of the model scales
-    by it) as values whose gradients combine by max. Other variables of the collection (a
-    model's own, by Flax's convention) are left as they are; Flax's own float8 ops, whose
-    state has the same names, are refused beside a delayed policy.
+def max_combined_collection(variables: Any, combined: dict, prefix: tuple) -> Any:
+    """``variables`` (of a model under a delayed float8 policy) with jaxamp's float8 state
+    as values whose gradients combine by max. Other variables of the collection (a model's
+    own, by Flax's convention) are left as they are; Flax's own float8 ops, whose state has
+    the same names, are refused beside a delayed policy.
 
     ``combined`` (layer path, under ``prefix``, to its values and their conversion) makes
     every call of one apply that reads the same values share one conversion, so that a
     layer run by several calls (a policy module used twice by a plain parent) combines by
     max across them too."""
-    if not delayed or not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
+    if not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
         return variables
     collection = variables[STATE_COLLECTION]
     ours = set(state_paths(collection))  # full sets of the six names, per layer
@@ -138,14 +136,13 @@ def max_combined_collection(
             layer, _, field = name.rpartition("/")
             picked[i] = (layer, field)
             state.setdefault(layer, {})[field] = leaf
-    cache = {} if combined is None else combined
     keys = {layer: (*prefix, layer) for layer in state}
-    todo = {layer: v for layer, v in state.items() if not _cached(cache, keys[layer], v)}
+    todo = {layer: v for layer, v in state.items() if not _cached(combined, keys[layer], v)}
     warn_if_state_is_not_differentiated(variables.get("params"), todo)
     for layer, values in max_combined(todo).items():
-        cache[keys[layer]] = (todo[layer], values)
+        combined[keys[layer]] = (todo[layer], values)
     for i, (layer, field) in picked.items():
-        leaves[i] = cache[keys[layer]][1][field]
+        leaves[i] = combined[keys[layer]][1][field]
     return {**variables, STATE_COLLECTION: jax.tree_util.tree_unflatten(treedef, leaves)}
 
 
@@ -180,7 +177,7 @@ def max_combined_groups(groups: Any, delayed: bool, scope: Any, own: str) -> Any
         cache = _BY_APPLY.setdefault(scope.root, {})
         before = set(cache)
         prefix = tuple(str(p) for p in scope.path)
-        out = max_combined_collection(group, delayed, cache, prefix)
+        out = max_combined_collection(group, cache, prefix)
         new = [cache[key][0] for key in set(cache) - before]  # the values converted here
         converted |= any(not _is_max32(v) for values in new for v in values.values())
         return out

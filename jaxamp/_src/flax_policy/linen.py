@@ -245,6 +245,12 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
     return intercept
 
 
+def _root_policy(given: Policy, overrides: Any, module: nn.Module) -> Policy:
+    """The policy of the wrapped model: an override of its own class is its policy (its
+    inputs are cast to it), else the policy given."""
+    return layer_plan.resolve_policy(given, overrides, [((), module)])
+
+
 def _share_scope(policy_module: nn.Module) -> None:
     """Makes the policy module and the module it wraps share one scope, so that the
     variables sit where the module alone's would, as Flax's ``share_scope`` does, with two
@@ -366,10 +372,8 @@ class PolicyModule(nn.Module):
         if {"policy", "overrides", "module"} & updates.keys():  # the model's class overridden
             given = updates.get("given_policy", self.given_policy or self.policy)
             updates["given_policy"] = given
-            updates["policy"] = layer_plan.resolve_policy(
-                given,
-                updates.get("overrides", self.overrides),
-                [((), updates.get("module", self.module))],
+            updates["policy"] = _root_policy(
+                given, updates.get("overrides", self.overrides), updates.get("module", self.module)
             )
         return super().clone(
             parent=parent, _deep_clone=_deep_clone, _reset_names=_reset_names, **updates
@@ -583,8 +587,7 @@ def apply_policy(
     name = type(module).__name__ if module.parent is None else None
     overrides = layer_plan.normalize_overrides(overrides)
     given = get_policy(policy)
-    # An override of the model's own class is the model's policy (its inputs are cast to it).
-    policy = layer_plan.resolve_policy(given, overrides, [((), module)])
+    policy = _root_policy(given, overrides, module)
     return PolicyModule(
         module,
         policy,
