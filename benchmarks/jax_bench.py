@@ -38,6 +38,7 @@ class Step:
     flops: float | None
     sync: Callable[[Any], Any] = jax.block_until_ready
     hlo_text: str | None = None  # the compiled program, for the profile's per-thunk table
+    error: str | None = None  # why the step could not be built (then ``run`` is None)
 
 
 def _loss_fn(spec: ModelSpec, model: Any, batch_stats: Any, x, y, rng):
@@ -67,19 +68,9 @@ def count_host_syncs(hlo_text: str) -> int:
     return len(_HOST_SYNC_OPS.findall(hlo_text))
 
 
-def build(
-    spec: ModelSpec,
-    variant_name: str,
-    batch_size: int,
-    framework: str = "jaxamp",
-    measure_activations: bool = True,
-) -> Step:
-    """Compiles ``spec``'s Adam training step under ``variant_name``.
-
-    ``framework="flax"`` is the same model with ``dtype=bfloat16`` set on every layer
-    by hand and plain ``optax.adam`` (bf16 only): the baseline jaxamp's policy is
-    measured against.
-    """
+def _setup(spec: ModelSpec, variant_name: str, batch_size: int, framework: str):
+    """The model, optimizer, loss scaling, initial params and batch statistics, the fixed
+    inputs and the dropout key of ``build``'s step."""
     variant = get_variant(variant_name)
     if framework == "flax":
         if variant_name != "bf16":
@@ -96,8 +87,54 @@ def build(
         variables = jax.jit(spec.flax_module().init)(jax.random.key(0), x[:1])
     params = variant.policy.cast_to_param(variables["params"])
     batch_stats = variables.get("batch_stats", {})
+    return model, tx, scaled, params, batch_stats, x, y, jax.random.key(1)
+
+
+def loss_and_grads(
+    spec: ModelSpec, variant_name: str, batch_size: int, framework: str = "jaxamp"
+) -> tuple[Any, Any]:
+    """The loss and gradients of ``build``'s first step: same params, inputs and dropout
+    key, compiled on its own (``value_and_grad`` without the optimizer update).
+
+    For a loss-scaled variant the gradients are jaxamp's, unscaled.
+    """
+    variant = get_variant(variant_name)
+    model, tx, scaled, params, batch_stats, x, y, rng = _setup(
+        spec, variant_name, batch_size, framework
+    )
+    loss = _loss_fn(spec, model, batch_stats, x, y, rng)
+
+    def value_and_grads(params, opt_state):
+        if scaled:
+            (value, _), grads = jaxamp.value_and_grad(loss, has_aux=True)(
+                params, opt_state=opt_state
+            )
+        else:
+            (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, grads
+
+    with variant.tracing():
+        return jax.block_until_ready(jax.jit(value_and_grads)(params, tx.init(params)))
+
+
+def build(
+    spec: ModelSpec,
+    variant_name: str,
+    batch_size: int,
+    framework: str = "jaxamp",
+    measure_activations: bool = True,
+) -> Step:
+    """Compiles ``spec``'s Adam training step under ``variant_name``.
+
+    ``framework="flax"`` is the same model with ``dtype=bfloat16`` set on every layer
+    by hand and plain ``optax.adam`` (bf16 only): the baseline jaxamp's policy is
+    measured against.
+    """
+    variant = get_variant(variant_name)
+    model, tx, scaled, params, batch_stats, x, y, rng = _setup(
+        spec, variant_name, batch_size, framework
+    )
     opt_state = tx.init(params)
-    rng = jax.random.key(1)
 
     def step(params, batch_stats, opt_state, x, y):
         loss = _loss_fn(spec, model, batch_stats, x, y, rng)
