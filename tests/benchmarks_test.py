@@ -407,3 +407,152 @@ def test_fp8_gemm_reads_float8_gemms_from_hlo_text():
 }
 """
     assert hlo_facts(named) == {"f8_gemms": 1, "cublaslt_f8": 0, "gemms": 2, "f8_instructions": 3}
+
+
+def test_xla_cpu_paths_counts_where_each_dot_runs():
+    from benchmarks.xla_cpu_paths import hlo_paths
+
+    hlo = """%inner (p0: bf16[4,4]) -> f32[4,4] {
+  %p0 = bf16[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%onednn_body (p0: bf16[4,4]) -> f32[4,4] {
+  %p0 = bf16[4,4]{1,0} parameter(0)
+  ROOT %f = f32[4,4]{1,0} fusion(%p0), kind=kLoop, calls=%inner
+}
+
+%ynn_body (p0: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %d = f32[4,4]{1,0} dot(%p0, %p0), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%xnn_body (p0: f32[4,4]) -> f32[4,4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  ROOT %e = f32[4,4]{1,0} exponential(%p0)
+}
+
+ENTRY %main (a: bf16[4,4], b: f32[4,4]) -> (f32[4,4], f32[4,4]) {
+  %a = bf16[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %o = f32[4,4]{1,0} fusion(%a), kind=kCustom, calls=%onednn_body, backend_config={"fusion_config":{"kind":"__onednn_fusion"},"outer_dimension_partitions":[]}
+  %y = f32[4,4]{1,0} fusion(%b), kind=kCustom, calls=%ynn_body, backend_config={"fusion_config":{"kind":"__ynn_fusion"},"outer_dimension_partitions":[]}
+  %x = f32[4,4]{1,0} fusion(%y), kind=kCustom, calls=%xnn_body, backend_config={"fusion_config":{"kind":"__xnn_fusion"}}
+  %c = f32[4,4]{1,0} custom-call(%x, %x), custom_call_target="__onednn$matmul"
+  %d = f32[4,4]{1,0} dot(bf16[4,4]{1,0} %a, bf16[4,4]{1,0} %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (f32[4,4]{1,0}, f32[4,4]{1,0}) tuple(%c, %d)
+}
+"""
+    facts = hlo_paths(hlo)
+    assert facts == {
+        "dots_xla": 1,  # the entry's own dot
+        "bf16_dots_xla": 1,  # typed operands, as in HLO before compilation
+        "dots_onednn": 1,  # a dot nested one fusion deeper still runs in oneDNN's
+        "bf16_dots_onednn": 1,
+        "dots_ynn": 1,
+        "bf16_dots_ynn": 0,
+        "dots_xnn": 0,
+        "bf16_dots_xnn": 0,
+        "fusions_onednn": 1,
+        "fusions_ynn": 1,
+        "fusions_xnn": 1,  # a fusion without a dot is still a library fusion
+        "onednn_custom_calls": 1,
+    }
+
+
+def test_xla_cpu_paths_records_a_setting_xla_refuses():
+    """A flag this jaxlib does not know makes XLA abort: recorded, not raised."""
+    from benchmarks import xla_cpu_paths
+
+    config = dict(model="bert-tiny", batch=2, flags="--xla_cpu_no_such_flag=true")
+    result = xla_cpu_paths.run_one(config, timeout=120)
+    assert [(r["framework"], r["variant"]) for r in result["records"]] == [
+        ("jaxamp", "fp32"),
+        ("jaxamp", "bf16"),
+        ("torch", "bf16"),
+    ]
+    for r in result["records"]:
+        assert "Unknown flag" in r["error"] and "--xla_cpu_no_such_flag" in r["error"]
+        assert r["xla_flags"] == "--xla_cpu_no_such_flag=true"
+
+
+def test_xla_cpu_paths_compares_each_setting_with_the_default_path(tmp_path, monkeypatch):
+    """The parent's side, with the subprocesses replaced: the default path runs first, each
+    setting's loss and gradients are compared with its, a failed setting keeps its rows."""
+    import numpy as np
+
+    from benchmarks import xla_cpu_paths
+
+    grads = {"grad/dense/kernel": np.array([1.0, -2.0]), "grad/key/bias": np.array([1e-9])}
+    noise = {"": 0.0, "--a=1": 1e-3}
+    seen = []
+
+    def fake_run_one(config, timeout):
+        seen.append(config["flags"])
+        if config["flags"] == "--bad=1":
+            return xla_cpu_paths.failed(config, "exit 1: Unknown flag")
+        records = []
+        for variant in xla_cpu_paths.VARIANTS:
+            shift = noise[config["flags"]] + (0.01 if variant == "bf16" else 0.0)
+            arrays = {k: v * (1 + shift) for k, v in grads.items()}
+            np.savez(f"{config['numerics_dir']}/{variant}.npz", loss=np.float32(2.0), **arrays)
+            record = xla_cpu_paths._base(config, "jaxamp", variant)
+            record.update(step_time_median_s=0.2, step_time_min_s=0.1, step_time_max_s=0.3)
+            record.update(xla_cpu_paths.hlo_paths(""))
+            records.append(record)
+        records.append(dict(xla_cpu_paths._base(config, "torch", "bf16"), error="not run"))
+        return {"environment": {"cpu_model": "test", "jax": "0"}, "records": records}
+
+    monkeypatch.setattr(xla_cpu_paths, "run_one", fake_run_one)
+    argv = ["--models", "bert-tiny:2", "--flags=--a=1", "--flags=--bad=1", "--out", str(tmp_path)]
+    records = xla_cpu_paths.main(argv)
+    assert seen == ["", "--a=1", "--bad=1"]  # the default path first, added when not given
+    rows = {(r["xla_flags"], r["framework"], r["variant"]): r for r in records}
+    assert len(rows) == len(records) == 9
+    assert rows[("", "jaxamp", "fp32")]["grad_max_rel_err"] == 0.0
+    assert rows[("", "jaxamp", "bf16")]["loss_rel_err"] == 0.0
+    assert rows[("", "jaxamp", "bf16")]["grad_rel_err_vs_default_fp32"] > 0
+    other = rows[("--a=1", "jaxamp", "fp32")]
+    assert other["grad_rel_err_global"] == pytest.approx(1e-3)
+    assert other["grad_max_rel_err"] == pytest.approx(1e-3)
+    assert other["grad_worst_leaf"] in ("dense/kernel", "key/bias")
+    assert all(r["error"] for r in records if r["xla_flags"] == "--bad=1")
+    saved = json.loads((tmp_path / "xla_cpu_paths.json").read_text())
+    assert len(saved["records"]) == 9 and saved["environment"]["cpu_model"] == "test"
+    table = (tmp_path / "xla_cpu_paths.md").read_text()
+    assert "| bert-tiny | (default) | jaxamp fp32 |" in table and "`--bad=1`" in table
+
+
+@pytest.mark.slow  # two fresh JAX processes at tiny size: about 2 minutes on 2 busy cores
+def test_xla_cpu_paths_at_tiny_size(tmp_path):
+    from benchmarks import xla_cpu_paths
+
+    argv = ["--tiny", "--models", "bert-tiny:2", "--warmup", "1", "--repeats", "2"]
+    argv += ["--flags", "", "--flags=--xla_cpu_use_onednn=true", "--out", str(tmp_path)]
+    records = xla_cpu_paths.main(argv)
+    keys = {(r["xla_flags"], r["model"], r["framework"], r["variant"]) for r in records}
+    assert keys == {
+        (flags, "bert-tiny", framework, variant)
+        for flags in ("", "--xla_cpu_use_onednn=true")
+        for framework, variant in (("jaxamp", "fp32"), ("jaxamp", "bf16"), ("torch", "bf16"))
+    }
+    for r in records:
+        if r["framework"] == "torch" and r["error"]:
+            continue  # PyTorch is optional: its row says why it is missing
+        assert r["error"] is None, r
+        assert r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"]
+        assert r["timed_steps"] == 2 and r["compile_s"] > 0
+        if r["framework"] != "jaxamp":
+            continue
+        errors = [r[k] for k in ("loss_rel_err", "grad_max_rel_err", "grad_rel_err_global")]
+        assert all(math.isfinite(e) for e in errors)
+        assert math.isfinite(r["grad_rel_err_vs_default_fp32"])
+        if r["xla_flags"] == "":
+            assert errors == [0.0, 0.0, 0.0]
+        dots = [r[f"dots_{k}"] for k in ("xla", *xla_cpu_paths.LIBRARIES)]
+        assert sum(dots) > 0 and all(isinstance(d, int) for d in dots)
+        bf16_dots = sum(r[f"bf16_dots_{k}"] for k in ("xla", *xla_cpu_paths.LIBRARIES))
+        assert (bf16_dots > 0) == (r["variant"] == "bf16"), r
+    saved = json.loads((tmp_path / "xla_cpu_paths.json").read_text())
+    assert saved["environment"]["cpu_model"] and "cpu_bf16_flags" in saved["environment"]
+    assert "| bert-tiny |" in (tmp_path / "xla_cpu_paths.md").read_text()
