@@ -51,8 +51,13 @@ class Suite:
 
 
 SUITES = {
+    # torch.compile (inductor, C++ through the host compiler) beside eager autocast for bf16:
+    # its first step compiles, for minutes on a small CPU; --no-torch-compile leaves it out.
     "cpu-smoke": Suite(
-        models=(("resnet-tiny", 8), ("bert-tiny", 4), ("gpt2-tiny", 2)), warmup=2, repeats=3
+        models=(("resnet-tiny", 8), ("bert-tiny", 4), ("gpt2-tiny", 2)),
+        warmup=2,
+        repeats=3,
+        torch_compile=("bf16",),
     ),
     "cpu": Suite(
         alternate_frameworks=False,
@@ -64,6 +69,7 @@ SUITES = {
         ),
         warmup=3,
         repeats=5,
+        torch_compile=("bf16",),
     ),
     # The 16-bit GEMM shapes on a CPU: 4 x 768 BERT and GPT-2 (see benchmarks/specs.py).
     "cpu-transformers": Suite(
@@ -71,6 +77,7 @@ SUITES = {
         models=(("bert4-128", 8), ("gpt2-4-128", 4)),
         warmup=3,
         repeats=7,
+        torch_compile=("bf16",),
     ),
     # One H200 in about 8 minutes: three models, every variant, torch.compile for bf16 only
     # (its compilation takes minutes), largest-batch estimates for fp32 and bf16.
@@ -111,12 +118,26 @@ def step_groups(model: str, batch: int, suite: Suite):
     return [g for g in (jax_group, torch_group) if g]
 
 
-def _compiled_torch(torch_bench, spec, variant: str, batch: int):
+def _compiled_torch(torch_bench, spec, variant: str, batch: int) -> jax_bench.Step:
+    """The ``torch.compile`` step, or, where inductor fails here, a step holding the error
+    (its row is written with the error and no times)."""
     try:
         return torch_bench.build(spec, variant, batch, compile=True)
-    except Exception as e:  # torch.compile is not available everywhere
-        print(f"torch.compile {spec.name} {variant}: skipped ({type(e).__name__}: {e})"[:300])
-        return None
+    except Exception as e:  # torch.compile does not run everywhere (a C++ compiler, the CPU)
+        error = f"{type(e).__name__}: {e}"[:500]
+        print(f"torch.compile {spec.name} {variant}: failed ({error})"[:300])
+        return jax_bench.Step(
+            framework="torch.compile",
+            variant=variant,
+            run=None,
+            compile_s=None,
+            memory={},
+            activation_bytes=None,
+            converts=None,
+            host_syncs=None,
+            flops=None,
+            error=error,
+        )
 
 
 def records_for(
@@ -128,13 +149,19 @@ def records_for(
 ) -> list[dict[str, Any]]:
     """One record per step, with the ratios taken side by side."""
     spec = get_spec(model)
-    by_key = {(s.framework, s.variant): statistics.median(times[_key(s)]) for s in steps}
+    by_key = {
+        (s.framework, s.variant): statistics.median(times[_key(s)]) for s in steps if not s.error
+    }
     records = []
     for s in steps:
+        if s.error:
+            records.append(_failed_record(model, batch, s))
+            continue
         t = summarize(times[_key(s)])
         fp32 = by_key.get((s.framework, "fp32"))
         tf32 = by_key.get((s.framework, "tf32"))
         torch_eager = by_key.get(("torch", s.variant))
+        torch_compiled = by_key.get(("torch.compile", s.variant))
         record = {
             "framework": s.framework,
             "model": model,
@@ -152,6 +179,11 @@ def records_for(
             "jaxamp_over_torch": (
                 t["median_s"] / torch_eager if s.framework == "jaxamp" and torch_eager else None
             ),
+            "jaxamp_over_torch_compile": (
+                t["median_s"] / torch_compiled
+                if s.framework == "jaxamp" and torch_compiled
+                else None
+            ),
             "temp_bytes": s.memory.get("temp"),
             "argument_bytes": s.memory.get("argument"),
             "peak_device_bytes": s.memory.get("peak_allocated"),
@@ -159,6 +191,7 @@ def records_for(
             "converts": s.converts,
             "control_flow_ops": s.host_syncs,
             "flops_per_step": s.flops,
+            "error": None,
         }
         record.update(extras.get((s.framework, s.variant), {}))
         if record.get("flops_per_step") and extras.get("matmul_tflops"):
@@ -169,11 +202,13 @@ def records_for(
     # Host syncs a precision recipe adds: its step's conditionals, loops and callbacks beyond
     # those of the same framework's fp32 step (the model's own, e.g. dropout's RNG loop on CPU).
     baseline_ops = {
-        r["framework"]: r["control_flow_ops"] for r in records if r["variant"] == "fp32"
+        r["framework"]: r["control_flow_ops"]
+        for r in records
+        if r["variant"] == "fp32" and "control_flow_ops" in r
     }
     for r in records:
         if r["framework"].startswith("torch"):  # not measured: eager PyTorch has no program
-            r.pop("control_flow_ops")
+            r.pop("control_flow_ops", None)
             r["host_syncs_per_step"] = None
             continue
         base = baseline_ops.get(r["framework"], baseline_ops.get("jaxamp", 0))
@@ -183,6 +218,26 @@ def records_for(
         if r["framework"] == "jaxamp" and r["variant"] == "bf16" and handwritten:
             r["jaxamp_over_handwritten_flax"] = r["step_time_median_s"] / handwritten
     return records
+
+
+def _failed_record(model: str, batch: int, step: jax_bench.Step) -> dict[str, Any]:
+    """The row of a step that could not be built: its error, no times."""
+    return {
+        "framework": step.framework,
+        "model": model,
+        "variant": step.variant,
+        "batch_size": batch,
+        "step_time_median_s": None,
+        "step_time_min_s": None,
+        "step_time_max_s": None,
+        "timed_steps": 0,
+        "examples_per_s": None,
+        "compile_s": None,
+        "speedup_vs_fp32": None,
+        "speedup_vs_tf32": None,
+        "host_syncs_per_step": None,
+        "error": step.error,
+    }
 
 
 def _key(step: jax_bench.Step) -> str:
@@ -227,13 +282,14 @@ def run_suite(
         steps, times = [], {}
         for group in step_groups(model, batch, suite):
             built = [s for s in (build() for build in group) if s is not None]
+            timed = [s for s in built if not s.error]
             with tqdm(
                 total=suite.repeats, desc=f"{model} x{batch}", unit="round", leave=False
             ) as bar:
                 # each step waits for its own device work: block_until_ready / cuda.synchronize
                 times.update(
                     time_alternating(
-                        {_key(s): (lambda s=s: s.sync(s.run())) for s in built},
+                        {_key(s): (lambda s=s: s.sync(s.run())) for s in timed},
                         suite.warmup,
                         suite.repeats,
                         sync=lambda out: out,
@@ -277,6 +333,7 @@ COLUMNS = [
     ("speedup_vs_fp32", "x fp32 speed"),
     ("speedup_vs_tf32", "x tf32 speed"),
     ("jaxamp_over_torch", "jaxamp/torch time"),
+    ("jaxamp_over_torch_compile", "jaxamp/torch.compile time"),
     ("compile_s", "compile s"),
     ("temp_mb", "compiled temp MB"),
     ("activation_mb", "activations MB"),
@@ -284,12 +341,17 @@ COLUMNS = [
     ("host_syncs_per_step", "host syncs"),
     ("mfu", "MFU"),
     ("largest_batch_estimate", "largest batch"),
+    ("error", "error"),
 ]
+_OPTIONAL = {"jaxamp_over_torch_compile", "error"}
 
 
 def markdown(records: list[dict[str, Any]], env: dict[str, Any]) -> str:
     rows = []
     for r in records:
+        if r.get("error"):  # a step that could not be built: its error, no times
+            rows.append(dict(r, error=r["error"][:160].replace("|", "/").replace("\n", " ")))
+            continue
         rows.append(
             dict(
                 r,
@@ -317,9 +379,15 @@ def markdown(records: list[dict[str, Any]], env: dict[str, Any]) -> str:
         "step has beyond the same framework's fp32 step (the model's own, such as dropout's "
         "random-number loop on CPU, are not the recipe's), counted in the compiled program; "
         "not measured for PyTorch (eager PyTorch has no program to read). For PyTorch "
-        "eager, compile s is the first step.\n"
+        "eager, compile s is the first step; for `torch.compile`, the first step with "
+        "inductor's compilation (the model's forward and backward are compiled, the "
+        "optimizer step is eager), and a row with an error where it failed here.\n"
     )
-    return head + markdown_table(rows, COLUMNS) + note
+    # columns only some runs fill: torch.compile's ratio, the error of a step not built
+    columns = [
+        c for c in COLUMNS if c[0] not in _OPTIONAL or any(r.get(c[0]) is not None for r in rows)
+    ]
+    return head + markdown_table(rows, columns) + note
 
 
 def _alternation(records: list[dict[str, Any]]) -> str:
@@ -339,6 +407,7 @@ def chart(records: list[dict[str, Any]], env: dict[str, Any], path: Path) -> Non
     import matplotlib.pyplot as plt
     import numpy as np
 
+    records = [r for r in records if r.get("step_time_median_s") is not None]
     models = list(dict.fromkeys(f"{r['model']} x{r['batch_size']}" for r in records))
     series = list(dict.fromkeys((r["framework"], r["variant"]) for r in records))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 4), squeeze=False)

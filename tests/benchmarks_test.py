@@ -28,6 +28,9 @@ def _check(records):
     assert records
     for r in records:
         assert all(k in r for k in REQUIRED), set(REQUIRED) - set(r)
+        if r.get("error"):  # only torch.compile may fail to build here: a row saying why
+            assert r["framework"] == "torch.compile" and r["step_time_median_s"] is None
+            continue
         assert r["step_time_min_s"] <= r["step_time_median_s"] <= r["step_time_max_s"]
         assert r["examples_per_s"] > 0 and math.isfinite(r["examples_per_s"])
         if r["framework"] == "jaxamp":
@@ -44,8 +47,10 @@ def _check(records):
 
 
 def test_cpu_smoke_suite_on_one_model(tmp_path):
-    """The smoke suite's small twin: one model, every variant and framework, one repeat."""
+    """The smoke suite's small twin: one model, every variant and framework, one repeat
+    (torch.compile, minutes of inductor compilation, is tested on its own)."""
     argv = ["--suite", "cpu-smoke", "--models", "bert-tiny:2", "--warmup", "1", "--repeats", "1"]
+    argv += ["--no-torch-compile"]
     records = run.main([*argv, "--out", str(tmp_path)])
     _check(records)
     assert {r["model"] for r in records} == {"bert-tiny"}
@@ -87,6 +92,47 @@ def test_cpu_smoke_suite(tmp_path):
     assert data["records"] == json.loads(json.dumps(records, default=str))
     assert "jax" in data["environment"]
     assert "| model |" in (tmp_path / "benchmarks.md").read_text()
+    assert (tmp_path / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow  # inductor compiles the model's forward and backward: minutes on 2 cores
+def test_cpu_smoke_suite_times_torch_compile_beside_eager_autocast(tmp_path):
+    pytest.importorskip("torch")
+    argv = ["--suite", "cpu-smoke", "--models", "bert-tiny:2", "--variants", "fp32,bf16"]
+    argv += ["--frameworks", "jaxamp,torch", "--warmup", "1", "--repeats", "2"]
+    records = run.main([*argv, "--out", str(tmp_path)])
+    _check(records)
+    rows = {(r["framework"], r["variant"]): r for r in records}
+    compiled = rows[("torch.compile", "bf16")]  # bf16 only, beside eager's
+    assert ("torch.compile", "fp32") not in rows and ("torch", "bf16") in rows
+    if compiled["error"] is None:  # inductor ran here
+        assert compiled["step_time_median_s"] > 0 and compiled["compile_s"] > 0
+        assert rows[("jaxamp", "bf16")]["jaxamp_over_torch_compile"] > 0
+        assert "jaxamp/torch.compile time" in (tmp_path / "benchmarks.md").read_text()
+    else:  # recorded, not raised
+        assert "error" in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_torch_compile_failure_is_a_row_not_a_crash(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from benchmarks import torch_bench
+
+    real_build = torch_bench.build
+
+    def build(spec, variant, batch_size, compile=False, **kwargs):
+        if compile:
+            raise RuntimeError("no C++ compiler here")
+        return real_build(spec, variant, batch_size, compile=compile, **kwargs)
+
+    monkeypatch.setattr(torch_bench, "build", build)
+    argv = ["--suite", "cpu-smoke", "--models", "bert-tiny:2", "--variants", "fp32,bf16"]
+    argv += ["--frameworks", "jaxamp,torch", "--warmup", "1", "--repeats", "1"]
+    records = run.main([*argv, "--out", str(tmp_path)])
+    _check(records)
+    failed = [r for r in records if r["error"]]
+    assert [(r["framework"], r["variant"]) for r in failed] == [("torch.compile", "bf16")]
+    assert "no C++ compiler here" in failed[0]["error"]
+    assert "no C++ compiler here" in (tmp_path / "benchmarks.md").read_text()
     assert (tmp_path / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
 
 
