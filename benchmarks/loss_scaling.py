@@ -17,7 +17,12 @@ step also runs under jaxamp's ``float32`` policy) and ``mlp`` (4 dense layers of
 update-heavy step where the optimizer is a large share of the time). For the
 MLP, analysis variants (``ANALYSIS_CHECKS``) split the extra time into the wait
 for the finiteness check and the check's own read of the gradients, and
-``loss_scaled(record_nonfinite=True)`` is timed beside the default. With
+``loss_scaled(record_nonfinite=True)`` is timed beside the default, and the update of
+the same MLP with float16 params and a float32 master (``loss_scaled``'s default
+recipe for 16-bit params) beside plain optax's float32 one. Every update row also
+gives the bytes its compiled program reads and writes (XLA's cost analysis) in units
+of the float32 gradients' size: plain Adam reads and writes 10 (the gradient twice;
+params, mu and nu read and written). With
 ``--torch``, the same MLP in PyTorch is timed too, a plain ``torch.optim.Adam`` step
 against the same step with ``torch.amp.GradScaler`` (float32, as PyTorch's loss
 scaling runs it on a CPU: unscale and check in place, then skip or step), the two
@@ -84,7 +89,7 @@ def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
 
     plain_tx = optax.adam(1e-3)
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-    txs = {"plain": plain_tx}
+    txs: dict[str, Any] = {"plain": plain_tx}
     txs.update({name: jaxamp.loss_scaled(optax.adam(1e-3)) for name in ANALYSIS_CHECKS})
     # the opt-in record of which gradient leaves were non-finite (a variant users run)
     txs[RECORDING] = jaxamp.loss_scaled(optax.adam(1e-3), record_nonfinite=True)
@@ -95,10 +100,29 @@ def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
         with _finiteness_check(ANALYSIS_CHECKS.get(name)):  # traced and compiled here
             jax.block_until_ready((step(params, states[name]), update(params, grads, states[name])))
         steps[name], updates[name] = step, update
+    # float16 params with a float32 master (the update alone: its own params and gradients)
+    half = jax.tree.map(lambda x: x.astype(jnp.float16), (params, grads))
+    master_tx = jaxamp.loss_scaled(optax.adam(1e-3))
+    update = _make_update(master_tx)
+    states[FP16_MASTER] = master_tx.init(half[0])
+    jax.block_until_ready(update(*half, states[FP16_MASTER]))
+    updates[FP16_MASTER] = (update, half)
     return params, grads, states, steps, updates
 
 
 RECORDING = "loss_scaled, record_nonfinite"
+FP16_MASTER = "loss_scaled, float16 params + float32 master"
+
+
+def passes_over_gradients(update, params, grads, state) -> float:
+    """Bytes the compiled update reads and writes (XLA's cost analysis), in units of the
+    float32 gradients' size: plain Adam reads the gradient twice and each of params, mu
+    and nu once, and writes the three (10)."""
+    cost = update.lower(params, grads, state).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    size = sum(x.size * 4 for x in jax.tree.leaves(grads))
+    return float(cost["bytes accessed"]) / size
+
 
 # Where the loss-scaled step's extra time goes (mlp only): the same step traced with
 # loss_scaled's finiteness check replaced. "elementwise check" is the check before it
@@ -245,16 +269,15 @@ def main(argv=None):
         parser.error("--torch is for --model mlp")
     rounds = (3 if torch_steps else 2) * args.repeats
     with tqdm(total=rounds, desc=f"loss scaling ({args.model})") as bar:
+        calls = {name: _update_call(f, params, grads, states[name]) for name, f in updates.items()}
         times = time_alternating(
-            {
-                name: (lambda f=f, s=states[name]: f(params, grads, s))
-                for name, f in updates.items()
-            },
+            {name: (lambda c=c: c[0](*c[1])) for name, c in calls.items()},
             args.warmup,
             args.repeats,
             progress=bar,
         )
-        records += _records("update", times)
+        passes = {name: passes_over_gradients(c[0], *c[1]) for name, c in calls.items()}
+        records += _records("update", times, passes=passes)
         times = time_alternating(
             {name: (lambda f=f, s=states[name]: f(*step_args(s))) for name, f in steps.items()},
             args.warmup,
@@ -278,6 +301,7 @@ def main(argv=None):
             ("max_s", "max s"),
             ("ratio_to_plain", "x plain (medians)"),
             ("paired_ratio_median", "x plain (median of paired rounds)"),
+            ("passes", "bytes / gradient bytes"),
         ],
     )
     print(table)
@@ -290,7 +314,19 @@ def main(argv=None):
         )
 
 
-def _records(scope: str, times: dict[str, list[float]], plain: str = "plain") -> list[dict]:
+def _update_call(update, params, grads, state):
+    """``(jitted update, its arguments)``: a variant with params of its own carries them."""
+    if isinstance(update, tuple):
+        update, (params, grads) = update
+    return update, (params, grads, state)
+
+
+def _records(
+    scope: str,
+    times: dict[str, list[float]],
+    plain: str = "plain",
+    passes: dict[str, float] | None = None,
+) -> list[dict]:
     baseline = times[plain]
     plain = summarize(baseline)["median_s"]
     rows = []
@@ -310,6 +346,8 @@ def _records(scope: str, times: dict[str, list[float]], plain: str = "plain") ->
                 "paired_ratio_median": statistics.median(
                     v / p for v, p in zip(values, baseline, strict=True)
                 ),
+                # the compiled update's bytes read and written, in gradient sizes
+                "passes": (passes or {}).get(name, ""),
             }
         )
     return rows
