@@ -74,8 +74,10 @@ class _Env:
         entry = self.wide.get(id(value))
         return entry[1] if entry is not None and entry[0] is value else None
 
-    def remember_made(self, eqn: Any, outs: Sequence[Any]) -> None:
-        if eqn.effects or is_higher_order(eqn):
+    def remember_made(self, eqn: Any, outs: Sequence[Any], higher_order: bool) -> None:
+        """Records each output of a first-order equation without effects
+        (``higher_order``: ``is_higher_order(eqn)``, computed once per equation)."""
+        if eqn.effects or higher_order:
             return
         inputs = [a if isinstance(a, jex.core.Literal) else self.values[a] for a in eqn.invars]
         for index, out in enumerate(outs):
@@ -601,10 +603,11 @@ def eval_jaxpr(
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
+        higher_order = is_higher_order(eqn)
         with eqn_context(eqn):
-            outs = _eval_eqn(eqn, env)
+            outs = _eval_eqn(eqn, env, higher_order)
         env.values.update(zip(eqn.outvars, outs, strict=True))
-        env.remember_made(eqn, outs)
+        env.remember_made(eqn, outs, higher_order)
     return [env.read(v) for v in jaxpr.outvars]
 
 
@@ -659,13 +662,13 @@ def _is_float32_form(eqn: Any) -> bool:
     return False
 
 
-def _eval_eqn(eqn: Any, env: _Env) -> list[Any]:
+def _eval_eqn(eqn: Any, env: _Env, higher_order: bool) -> list[Any]:
     if in_float32_scope(eqn):
         return _as_traced(eqn, env)
     name = eqn.primitive.name
     if name in _HIGHER_ORDER:
         return _HIGHER_ORDER[name](eqn, env)
-    if is_higher_order(eqn):
+    if higher_order:
         raise NotImplementedError(
             f"jaxamp cannot evaluate the higher-order primitive {name!r} (jax "
             f"{jax.__version__}) with its rules: it does not enter it, and passing it "

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -215,7 +216,8 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
                 chain = chain + caller[top + 1 :]
         # Flax calls an nn.scan body (a clone of the scanned class) after the Scan<Body>
         # layer at the same path; the running layer is not always that one.
-        scan_body = _in_scan(call.seen[-2::-1][:64], chain[0][0], module)
+        earlier = itertools.islice(reversed(call.seen), 1, 65)  # the 64 before, latest first
+        scan_body = _in_scan(earlier, chain[0][0], module)
         token = _RUNNING.set(chain)
         try:
             out = run(chain, module, next_fun, args, kwargs, context)
