@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import statistics
 from typing import Any
 
@@ -75,8 +76,8 @@ def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
             h = jax.nn.relu(h) if i < depth - 1 else h
         return jnp.mean((h - targets) ** 2)
 
-    def make_step(tx, scaled: bool):
-        @jax.jit
+    def make_step(tx, scaled: bool, donate: bool = False):
+        @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
         def step(params, opt_state):
             if scaled:
                 loss, grads = jaxamp.value_and_grad(loss_fn)(params, opt_state=opt_state)
@@ -107,7 +108,36 @@ def build_mlp(batch_size: int, width: int = 1024, depth: int = 4):
     states[FP16_MASTER] = master_tx.init(half[0])
     jax.block_until_ready(update(*half, states[FP16_MASTER]))
     updates[FP16_MASTER] = (update, half)
+    for name, tx in DONATED.items():  # buffers donated, as a training loop does
+        step = make_step(tx, name.startswith("loss_scaled"), donate=True)
+        holder = [jax.tree.map(jnp.copy, params), tx.init(params)]
+        steps[name] = _threaded(step, holder)
+        jax.block_until_ready(steps[name]())
     return params, grads, states, steps, updates
+
+
+def _threaded(step, holder):
+    """A donating step as a callable of no arguments: each call passes the params and
+    state the last one returned (a donated buffer cannot be passed twice)."""
+
+    def run():
+        holder[0], holder[1], loss = step(*holder)
+        return loss
+
+    return run
+
+
+# The whole step with params and optimizer state donated (``donate_argnums``), as
+# training loops write it: XLA then updates the moments in place, and the select of
+# a skipped step must not overwrite a moment the params' update still reads.
+DONATED = {
+    "plain, donated": optax.adam(1e-3),
+    "loss_scaled, donated": jaxamp.loss_scaled(optax.adam(1e-3)),
+    "loss_scaled(skip_with='cond'), donated": jaxamp.loss_scaled(
+        optax.adam(1e-3), skip_with="cond"
+    ),
+    "optax.apply_if_finite, donated": optax.apply_if_finite(optax.adam(1e-3), 10**9),
+}
 
 
 RECORDING = "loss_scaled, record_nonfinite"
@@ -126,7 +156,8 @@ def passes_over_gradients(update, params, grads, state) -> float:
 
 # Where the loss-scaled step's extra time goes (mlp only): the same step traced with
 # loss_scaled's finiteness check replaced. "elementwise check" is the check before it
-# read reductions of the gradients (all(isfinite(g * inv_scale))). "check one leaf"
+# read reductions of the gradients (all(isfinite(g * inv_scale))); "three-reduction
+# check" the one before the one-read form (max, min and sum of each gradient). "check one leaf"
 # keeps the barrier (every
 # update waits for a reduction over the gradient computed last, the first layer's
 # bias) without reading the other gradients; "no check" has neither, and XLA drops
@@ -136,11 +167,26 @@ ANALYSIS_CHECKS = {
     "loss_scaled, elementwise check": lambda grads, inv_scale: jaxamp.optim.all_finite(
         jax.tree.map(lambda g: g.astype(jnp.float32) * inv_scale, grads)
     ),
+    "loss_scaled, three-reduction check": lambda grads, inv_scale: _three_reductions(
+        grads, inv_scale
+    ),
     "loss_scaled, check one leaf": lambda grads, inv_scale: jaxamp.optim.all_finite(
         jax.tree.leaves(grads)[0]
     ),
     "loss_scaled, no check": lambda grads, inv_scale: jnp.asarray(True),
 }
+
+
+def _three_reductions(grads, inv_scale):
+    """The check before the one-read form: per leaf, the max and the min unscaled (an
+    overflow) and the sum (a NaN), three reads of each gradient."""
+    ok = [
+        jnp.isfinite(jnp.max(g) * inv_scale)
+        & jnp.isfinite(jnp.min(g) * inv_scale)
+        & ~jnp.isnan(jnp.sum(g))
+        for g in jax.tree.leaves(grads)
+    ]
+    return jnp.stack(ok).all()
 
 
 def torch_mlp_steps(batch_size: int, width: int = 1024, depth: int = 4) -> dict[str, Any]:
@@ -279,12 +325,18 @@ def main(argv=None):
         passes = {name: passes_over_gradients(c[0], *c[1]) for name, c in calls.items()}
         records += _records("update", times, passes=passes)
         times = time_alternating(
-            {name: (lambda f=f, s=states[name]: f(*step_args(s))) for name, f in steps.items()},
+            {
+                name: (f if name in DONATED else lambda f=f, s=states[name]: f(*step_args(s)))
+                for name, f in steps.items()
+            },
             args.warmup,
             args.repeats,
             progress=bar,
         )
+        donated = {name: times.pop(name) for name in list(times) if name in DONATED}
         records += _records("train_step", times)
+        if donated:
+            records += _records("train_step", donated, plain="plain, donated")
         if torch_steps:  # eager PyTorch on the CPU returns when the step is done
             times = time_alternating(
                 torch_steps, args.warmup, args.repeats, sync=lambda _: None, progress=bar

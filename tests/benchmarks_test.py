@@ -247,6 +247,7 @@ def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
     expected = {(scope, variant) for scope in ("update", "train_step") for variant in variants}
     if model == "mlp":  # float16 params with a float32 master: the update alone
         expected.add(("update", loss_scaling.FP16_MASTER))
+        expected |= {("train_step", name) for name in loss_scaling.DONATED}
     assert {(r["scope"], r["variant"]) for r in records} == expected
     for r in records:
         assert r["min_s"] <= r["step_time_median_s"] <= r["max_s"] and r["n"] == 2
