@@ -207,15 +207,18 @@ def loss_scaled(
         non-finite gradient. Not needed under ``jit`` with sharded arrays.
       history_length: how many recent scales the state keeps for diagnostics.
       skip_with: how a non-finite step is skipped. ``"select"`` (default)
-        computes the inner update and keeps the old state with ``jnp.where``;
-        XLA fuses the select into the update's own kernels, so it costs no
-        extra pass over the optimizer state, and the program has no
-        conditional (XLA:GPU reads a conditional's predicate on the host).
+        computes the inner update and keeps the old state with ``jnp.where``,
+        fused into the update's own kernels; the program has no conditional
+        (XLA:GPU reads a conditional's predicate on the host). On XLA:CPU the
+        params' update then reads the old moments again (Adam: 12 gradient
+        sizes read and written against plain optax's 10), and with donated
+        buffers XLA copies the moments before updating them in place.
         ``"cond"`` runs the inner update under ``lax.cond`` and does no inner
         work on a skipped step, for inner transformations whose work is
-        large or data-dependent (line searches, matrix roots). What the
-        wrapper costs over a plain optax step is measured by
-        ``benchmarks/loss_scaling.py`` (``"select"`` mode).
+        large or data-dependent (line searches, matrix roots); on a CPU with
+        donated buffers it can cost less. The Loss scaling guide
+        (guides/loss-scaling.md) gives what each costs over a plain optax
+        step, measured by ``benchmarks/loss_scaling.py``.
 
       master_weights: how updates reach 16-bit params (float32 params are updated
         as they are): ``"float32"`` (default) keeps a float32 master copy;
