@@ -93,18 +93,6 @@ def test_any_non_finite_value_skips(bad):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_finiteness_check_reads_each_gradient_once(dtype):
-    """The check reduces each gradient as it is (max, min, sum): ``is_finite`` only
-    sees scalars, so no boolean array of a gradient's size is written and reduced."""
-    params = {"w": jnp.ones((64, 32), dtype), "b": jnp.ones(32, dtype)}
-    tx = jaxamp.loss_scaled(optax.adam(1e-3))
-    state = tx.init(params)
-    text = jax.jit(tx.update).lower(params, state, params).as_text()
-    checks = [line for line in text.splitlines() if "stablehlo.is_finite" in line]
-    assert checks and all("tensor<i1>" in line for line in checks), checks
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("position", [0, 1, 4095])
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
 def test_a_non_finite_element_anywhere_in_a_large_leaf_skips(dtype, position, bad):
@@ -133,29 +121,60 @@ def test_finiteness_is_that_of_the_unscaled_gradients(values, scale, skipped):
     assert int(state.skipped_steps) == int(skipped)
 
 
-def test_fast_min_max_flag_takes_the_elementwise_check(monkeypatch):
-    """XLA's fast min/max may drop NaNs; with the flag set the check is elementwise."""
-    params = {"w": jnp.ones((8, 8))}
-    tx = jaxamp.loss_scaled(optax.sgd(0.1))
-    state = tx.init(params)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_min_max=true")
-    text = jax.jit(tx.update).lower(params, state, params).as_text()
-    assert "stablehlo.is_finite %" in text and "tensor<8x8xf32>" in text.split("is_finite")[1]
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_min_max=false")
-    assert not loss_scaled_module._fast_min_max()
+@pytest.mark.parametrize(
+    "options", [{"xla_cpu_enable_fast_math": True}, {"xla_cpu_enable_fast_min_max": True}]
+)
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_a_non_finite_step_is_skipped_under_xla_fast_math(options, bad):
+    """Compiled with fast math (here through the jit's compiler options, which no check of
+    XLA_FLAGS sees), XLA folded the check ``sum(u - u)`` to 0 and let the inf into the
+    params. optax.apply_if_finite skips the same step under the same options."""
+    params = {"w": jnp.ones(3)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), StaticLossScale(2.0**15))
+    step = jax.jit(tx.update, compiler_options=options)
+    grads = {"w": jnp.array([1.0, bad, 2.0])}
+    updates, state = step(grads, tx.init(params), params)
+    assert not bool(state.last_finite) and int(state.skipped_steps) == 1
+    np.testing.assert_array_equal(updates["w"], jnp.zeros(3))
+    reference = optax.apply_if_finite(optax.sgd(0.1), 10)
+    _, ref_state = jax.jit(reference.update, compiler_options=options)(
+        grads, reference.init(params), params
+    )
+    assert int(ref_state.notfinite_count) == 1
 
 
-def test_fast_math_flag_takes_the_elementwise_check(monkeypatch):
-    """XLA's fast math may fold ``x * 0`` and ``x - x`` to 0, which the one-read check
-    relies on not happening; with the flag set the check is elementwise."""
-    params = {"w": jnp.ones((8, 8))}
-    tx = jaxamp.loss_scaled(optax.sgd(0.1))
-    state = tx.init(params)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
-    text = jax.jit(tx.update).lower(params, state, params).as_text()
-    assert "stablehlo.is_finite %" in text and "tensor<8x8xf32>" in text.split("is_finite")[1]
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
-    assert not loss_scaled_module._fast_min_max()
+@pytest.mark.parametrize("skip_with", ["select", "cond"])
+def test_an_inf_gradient_is_skipped_quietly_under_debug_nans(skip_with):
+    """The check made a NaN of an inf gradient (``u - u``), which jax_debug_nans raised on,
+    eagerly, on the very step loss scaling exists to skip."""
+    params = {"w": jnp.ones(3)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), skip_with=skip_with)
+    with jax.debug_nans(True):
+        updates, state = tx.update({"w": jnp.array([1.0, jnp.inf, 2.0])}, tx.init(params), params)
+    assert int(state.skipped_steps) == 1
+    np.testing.assert_array_equal(updates["w"], jnp.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_narrow_gradients_under_strict_promotion_and_float8_leaves(dtype):
+    """``jnp.promote_types(g.dtype, float32)`` was refused under strict dtype promotion
+    (every 16-bit gradient) and for float8 leaves; the updates are optax's on the
+    unscaled gradients, in float32."""
+    params = {"w": jnp.ones(4, jnp.float32), "q": jnp.ones(4, dtype)}
+    grads = {"w": jnp.full(4, 2.0, jnp.float32), "q": jnp.full(4, 2.0, dtype)}
+    tx = jaxamp.loss_scaled(optax.sgd(0.5), StaticLossScale(2.0), master_weights="none")
+    with jax.numpy_dtype_promotion("strict"):
+        updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert bool(state.last_finite)
+    np.testing.assert_array_equal(updates["w"], jnp.full(4, -0.5))
+    np.testing.assert_array_equal(np.asarray(updates["q"], np.float32), np.full(4, -0.5))
+
+
+def test_all_finite_checks_python_float_leaves():
+    """A Python float leaf was skipped (``all_finite({"w": inf})`` was True)."""
+    assert not bool(jaxamp.optim.all_finite({"w": float("inf"), "b": jnp.ones(2)}))
+    assert not bool(jax.jit(jaxamp.optim.all_finite)({"w": complex(0.0, float("nan"))}))
+    assert bool(jaxamp.optim.all_finite({"w": 1.5, "n": 3, "b": jnp.ones(2)}))
 
 
 def _bytes_accessed(fn, *args) -> float:
@@ -164,10 +183,10 @@ def _bytes_accessed(fn, *args) -> float:
 
 
 def test_the_check_reads_each_gradient_once_more_than_plain_optax():
-    """The compiled loss-scaled Adam update reads and writes at most two gradient sizes
-    more than plain optax's (the check's one read, and the update that cannot read the
-    new moments it selects); the check of three reductions per leaf read each gradient
-    three times (four more in all)."""
+    """The compiled loss-scaled Adam update reads and writes at most 2.5 gradient sizes
+    more than plain optax's (the check's one read and its booleans, and the update that
+    cannot read the new moments it selects); the check of three reductions per leaf read
+    each gradient three times (four more in all)."""
     params = {"w": jnp.ones((256, 256)), "b": jnp.ones((256, 256))}
     grads = jax.tree.map(lambda p: p * 1e-3, params)
     size = sum(g.nbytes for g in grads.values())
@@ -182,7 +201,7 @@ def test_the_check_reads_each_gradient_once_more_than_plain_optax():
     plain, scaled = optax.adam(1e-3), jaxamp.loss_scaled(optax.adam(1e-3))
     plain_bytes = _bytes_accessed(update(plain), params, grads, plain.init(params))
     scaled_bytes = _bytes_accessed(update(scaled), params, grads, scaled.init(params))
-    assert scaled_bytes <= plain_bytes + 2.1 * size, (plain_bytes / size, scaled_bytes / size)
+    assert scaled_bytes <= plain_bytes + 2.6 * size, (plain_bytes / size, scaled_bytes / size)
 
 
 def test_clipping_sees_unscaled_gradients():
@@ -565,7 +584,7 @@ def _gradient_trees(draw):
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(grads=_gradient_trees(), inv_scale=st.sampled_from([2.0**-16, 1.0, 2.0**10]))
 def test_finiteness_check_equals_isfinite_of_the_unscaled_gradients(grads, inv_scale):
-    """The check (one reduction per leaf) against the elementwise definition."""
+    """The check against the elementwise definition, computed in numpy."""
     with np.errstate(over="ignore", invalid="ignore"):
         expected = all(
             bool(np.isfinite(np.asarray(g, np.float32) * np.float32(inv_scale)).all())
