@@ -447,7 +447,7 @@ def test_default_variants_and_config_errors():
         ({"seed": 10**20}, "are run), got 100000000000000000000."),
         ({"seed": 2**31 - 2, "seeds": 3}, "seed must be from 0 to 2147483644"),
         ({"vocab_size": 3}, "vocab_size must be >= 4"),
-        ({"seq_len": 1}, "and seq_len >= 2, got 30522 and 1"),
+        ({"seq_len": 1}, "seq_len must be >= 2 (a [CLS] token and a word), got 1"),
     ],
 )
 def test_options_that_cannot_run_are_refused_when_given(options, message):

@@ -73,12 +73,17 @@ class CompareConfig:
         the first non-finite layer of a variant whose loss stops being finite
         (``jaxamp.find_nonfinite``). Each is evaluated one primitive at a time, outside
         the timed steps.
-      width: channels of a ResNet's first stage (64 as published).
+      width: channels of a ResNet's first stage.
       layers: BERT layers.
       hidden: BERT hidden size.
       heads: BERT attention heads.
       seq_len: BERT sequence length.
       vocab_size: BERT vocabulary (hashing tokenizer) size.
+
+    A shape field left ``None`` takes the model's own value (``choice.MODEL_SHAPES``:
+    BERT-base, a ResNet of width 64), or under ``model="auto"`` the shape picked for
+    this machine; one given is kept. ``heads`` left ``None`` with ``hidden`` given is
+    ``hidden // 64`` (BERT's heads of 64) where 64 divides it.
     """
 
     model: str = "auto"
@@ -94,20 +99,24 @@ class CompareConfig:
     data_dir: str | None = None
     bn_recalibration: int = 20
     numerics: bool = True
-    width: int = 64
-    layers: int = 12
-    hidden: int = 768
-    heads: int = 12
-    seq_len: int = 128
-    vocab_size: int = 30522
+    width: int | None = None
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    seq_len: int | None = None
+    vocab_size: int | None = None
 
     def __post_init__(self):
         if self.model not in MODELS:
             raise OptionError(str(invalid_choice("model", self.model, MODELS)))
-        names = ("epochs", "batch_size", "width", "layers", "hidden", "heads", "seq_len", "seeds")
-        for name in names:
+        for name in ("epochs", "batch_size", "seeds"):
             if getattr(self, name) < 1:
                 raise OptionError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("width", "layers", "hidden", "heads", "seq_len", "vocab_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise OptionError(
+                    f"{name} must be >= 1 or None (the model's own), got {getattr(self, name)}."
+                )
         for name in ("train_examples", "test_examples"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise OptionError(f"{name} must be >= 1 or None (all), got {getattr(self, name)}.")
@@ -124,12 +133,15 @@ class CompareConfig:
                 f"seed must be from 0 to {_MAX_SEED - self.seeds} (seeds seed to seed + "
                 f"seeds - 1 are run), got {self.seed}."
             )
-        if self.vocab_size < 4 or self.seq_len < 2:
+        if self.vocab_size is not None and self.vocab_size < 4:
             raise OptionError(
-                "vocab_size must be >= 4 (the tokenizer's special ids) and seq_len >= 2, "
-                f"got {self.vocab_size} and {self.seq_len}."
+                f"vocab_size must be >= 4 (the tokenizer's special ids), got {self.vocab_size}."
             )
-        if self.model == "bert":
+        if self.seq_len is not None and self.seq_len < 2:
+            raise OptionError(
+                f"seq_len must be >= 2 (a [CLS] token and a word), got {self.seq_len}."
+            )
+        if self.model == "bert" and self.hidden is not None and self.heads is not None:
             _check_heads(self)
         if self.variants is not None:
             _check_variants(self.variants)
@@ -147,8 +159,13 @@ _MAX_SEED = 2**31 - 1
 
 
 def _check_heads(config: CompareConfig) -> None:
-    if config.hidden % config.heads:
-        raise OptionError(f"hidden ({config.hidden}) must be divisible by heads ({config.heads}).")
+    hidden, heads = config.hidden, config.heads
+    if hidden is not None and heads is not None and hidden % heads:
+        valid = [h for h in range(1, hidden + 1) if hidden % h == 0]
+        raise OptionError(
+            f"hidden ({hidden}) must be divisible by heads ({heads}); heads that divide "
+            f"{hidden}: {', '.join(map(str, valid))}."
+        )
 
 
 class OptionError(ValueError):
@@ -620,7 +637,9 @@ def compare(
     note = None
     if dataset is None:
         kind = "text" if config.model == "bert" else "images"
-        tokenizer = data_lib.HashingTokenizer(config.vocab_size, config.seq_len)
+        tokenizer = None
+        if config.vocab_size is not None and config.seq_len is not None:  # BERT's shape
+            tokenizer = data_lib.HashingTokenizer(config.vocab_size, config.seq_len)
         try:
             dataset, note = data_lib.load_dataset(kind, config.data, config.data_dir, tokenizer)
         except data_lib.DatasetUnavailable as e:

@@ -21,10 +21,21 @@ CPU_TRANSFORMER = {"layers": 2, "hidden": 384, "heads": 6, "seq_len": 64, "vocab
 CPU_CONVNET = {"model": "resnet18", "width": 32}
 
 
+# Each model's own shape, for the shape fields a config leaves ``None``: BERT-base and a
+# ResNet of the published width.
+MODEL_SHAPES = {
+    "bert": {"layers": 12, "hidden": 768, "heads": 12, "seq_len": 128, "vocab_size": 30522},
+    "resnet50": {"width": 64},
+    "resnet18": {"width": 64},
+}
+HEAD_SIZE = 64  # BERT's: ``heads`` left out is ``hidden // 64`` where 64 divides it
+
+
 def choose_model(config: Any) -> tuple[Any, str]:
-    """Resolves ``model="auto"``; returns the config to run and the reason, for the report."""
+    """Resolves ``model="auto"`` and the shape fields left ``None``; returns the config to
+    run and the reason, for the report."""
     if config.model != "auto":
-        return config, f"model {config.model!r} as asked"
+        return _filled(config, MODEL_SHAPES[config.model]), f"model {config.model!r} as asked"
     if jax.default_backend() == "cpu" and cpu_16bit_units("bfloat16"):
         reason = (
             "auto: this CPU has bf16 GEMM units (/proc/cpuinfo), which speed up matmuls but "
@@ -44,14 +55,22 @@ def choose_model(config: Any) -> tuple[Any, str]:
 
 
 def _auto_shape(config: Any, shape: dict[str, Any], reason: str) -> tuple[Any, str]:
-    """``config`` with ``shape``'s values for the options left at their defaults.
-
-    A shape option the user set (``--width 16``) is kept, and the reason says so; one
-    set to its default value is not told apart from one left alone.
-    """
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    kept = {k: getattr(config, k) for k in shape if getattr(config, k) != defaults[k]}
-    config = dataclasses.replace(config, **{k: v for k, v in shape.items() if k not in kept})
+    """``config`` as ``shape`` makes it (its ``model`` among them) where a field is left
+    ``None``; a shape option the user gave (``--width 16``, ``--hidden 768``) is kept,
+    and the reason says so."""
+    kept = {k: getattr(config, k) for k in shape if k != "model" and getattr(config, k) is not None}
+    model = shape.get("model", config.model)
+    config = dataclasses.replace(config, model=model)
+    config = _filled(config, {**MODEL_SHAPES[model], **shape})
     if kept:
         reason += "; kept as given: " + ", ".join(f"{k}={v}" for k, v in kept.items())
     return config, reason
+
+
+def _filled(config: Any, shape: dict[str, Any]) -> Any:
+    """``config`` with ``shape``'s values for the shape fields it leaves ``None``; heads
+    left out beside a given ``hidden`` are ``hidden // HEAD_SIZE`` where that divides."""
+    values = {k: v for k, v in shape.items() if k != "model" and getattr(config, k) is None}
+    if "heads" in values and config.hidden is not None and config.hidden % HEAD_SIZE == 0:
+        values["heads"] = config.hidden // HEAD_SIZE
+    return dataclasses.replace(config, **values)  # app.check_options checks the heads

@@ -14,7 +14,7 @@ from jaxamp._src.errors import valid_choices
 COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "scipy", "PIL")
 try:
     from jaxamp._src.compare.app import MODELS, CompareConfig, OptionError, compare
-    from jaxamp._src.compare.choice import CPU_CONVNET
+    from jaxamp._src.compare.choice import CPU_CONVNET, MODEL_SHAPES
     from jaxamp._src.compare.data import DATA_SOURCES
     from jaxamp._src.compare.report import check_writable, format_table, write_report
     from jaxamp._src.compare.variants import VARIANTS
@@ -156,18 +156,21 @@ def _what_to_check(compare: argparse.ArgumentParser, defaults: CompareConfig) ->
 
 def _model_shape(compare: argparse.ArgumentParser, defaults: CompareConfig) -> None:
     """The shapes of the ResNet and of the BERT."""
+    auto = "; --model auto picks the shape for this machine, keeping what you give"
     compare.add_argument(
         "--width",
         type=_positive,
         default=defaults.width,
-        help="ResNet first-stage channels (default %(default)s)",
+        help=f"ResNet first-stage channels (default {MODEL_SHAPES['resnet50']['width']}{auto})",
     )
     for name in ("layers", "hidden", "heads", "seq-len", "vocab-size"):
+        own = MODEL_SHAPES["bert"][name.replace("-", "_")]
+        extra = "; left out with --hidden given: hidden / 64" if name == "heads" else ""
         compare.add_argument(
             f"--{name}",
             type=_positive,
             default=getattr(defaults, name.replace("-", "_")),
-            help=f"BERT {name} (default %(default)s)",
+            help=f"BERT {name} (default {own}{extra}{auto})",
         )
 
 
