@@ -200,7 +200,7 @@ def loss_scaled(
         computes the inner update and keeps the old state with ``jnp.where``,
         fused into the update's own kernels; the program has no conditional
         (XLA:GPU reads a conditional's predicate on the host). On XLA:CPU the
-        params' update then reads the old moments again (Adam: 12 gradient
+        params' update then reads the old moments again (Adam: 12.5 gradient
         sizes read and written against plain optax's 10), and with donated
         buffers XLA copies the moments before updating them in place.
         ``"cond"`` runs the inner update under ``lax.cond`` and does no inner
