@@ -45,6 +45,7 @@ from typing import Any
 import jax
 
 from benchmarks.common import write_results
+from benchmarks.hlo_text import computations as hlo_computations
 
 CATEGORIES = (
     "gemm",
@@ -58,8 +59,6 @@ CATEGORIES = (
 )
 
 _SHOWN = {"convert": "convert or copy"}  # the category's name in the table
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MOVES = {
@@ -94,24 +93,17 @@ class _Instruction:
     calls: list[str]
 
 
-def parse_hlo(hlo_text: str) -> dict[str, list[_Instruction]]:
+def parse_hlo(text: str) -> dict[str, list[_Instruction]]:
     """The compiled program's computations, each a list of its instructions."""
     computations: dict[str, list[_Instruction]] = {}
-    current: list[_Instruction] | None = None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and "=" not in line.split("(")[0]:
-            current = computations.setdefault(header.group(1), [])
-            continue
-        match = _INSTRUCTION.match(line)
-        if match is None or current is None:
-            continue
-        name, _, opcode, rest = match.groups()
-        calls = [
-            c.strip().lstrip("%") for m in _CALLS.finditer(rest) for c in m.group(1).split(",")
-        ]
-        op_name = _OP_NAME.search(rest)
-        current.append(_Instruction(name, opcode, op_name.group(1) if op_name else "", calls))
+    for computation, instructions in hlo_computations(text).items():
+        current = computations.setdefault(computation, [])
+        for name, _, opcode, rest in instructions:
+            calls = [
+                c.strip().lstrip("%") for m in _CALLS.finditer(rest) for c in m.group(1).split(",")
+            ]
+            op_name = _OP_NAME.search(rest)
+            current.append(_Instruction(name, opcode, op_name.group(1) if op_name else "", calls))
     return computations
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.hlo_text import computations as hlo_computations
 from benchmarks.specs import get_spec
 
 DEFAULT_FLAGS = (
@@ -62,8 +63,6 @@ LIBRARIES = ("onednn", "xnn", "ynn")
 _RECORD = "XLA_CPU_PATHS_RECORD "  # the prefix of the worker's one line of results
 _ROOT = Path(__file__).resolve().parent.parent
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _FUSION_KIND = re.compile(r'"fusion_config":\{"kind":"__(\w+?)_fusion"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
@@ -93,16 +92,7 @@ def hlo_paths(hlo_text: str) -> dict[str, int]:
       >>> facts["dots_xla"], facts["dots_ynn"], facts["bf16_dots_ynn"], facts["fusions_ynn"]
       (1, 1, 1, 1)
     """
-    computations: dict[str, list[tuple[str, str, str, str]]] = {}
-    body: list[tuple[str, str, str, str]] = []
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and "=" not in line.split("(")[0]:
-            body = computations.setdefault(header.group(1), [])
-            continue
-        match = _INSTRUCTION.match(line)
-        if match:
-            body.append(match.groups())
+    computations = hlo_computations(hlo_text)
     library: dict[str, str] = {}  # fused computation -> the library that runs it
     calls: dict[str, list[str]] = {}
     facts = Counter(
