@@ -122,6 +122,53 @@ def test_a_written_inf_is_left_as_written():
     assert constants.written_values(traced, wide) == {}
 
 
+@pytest.mark.parametrize(
+    "fn, rounded",
+    [
+        (jax.nn.softmax, False),  # initial=-inf, written by JAX
+        (jax.nn.log_softmax, False),
+        (jax.nn.logsumexp, False),
+        (lambda x: jnp.max(x, initial=-1e5), True),  # the caller's initial, rounded
+        (lambda x: jnp.maximum(x, -1e5), True),
+        (lambda x: jax.nn.softmax(x + 1e5), True),
+        (lambda x: jax.nn.softmax(x * -1e9), True),
+    ],
+)
+def test_only_the_identities_jax_writes_are_exempt(fn, rounded):
+    """The -inf that JAX's own softmax and logsumexp reduce with is the same in every
+    trace; any other non-finite 16-bit constant may have been rounded, and is looked up."""
+    with np.errstate(over="ignore"):
+        traced = jax.make_jaxpr(fn)(jnp.ones((2, 3), jnp.float16)).jaxpr
+    assert constants.rounded_to_inf(traced) == rounded
+
+
+class _Scores(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jax.nn.log_softmax(nn.Dense(8)(x)), jax.nn.logsumexp(nn.Dense(8)(x), -1)
+
+
+def test_softmax_under_a_policy_is_traced_once(monkeypatch):
+    """A layer's softmax in float16 (its -inf identity) needs no float32 trace to find
+    written values: the policy traces the model once."""
+    traces = []
+    make_jaxpr = jax.make_jaxpr
+
+    def counting(fun, *args, **kwargs):
+        traces.append(fun)
+        return make_jaxpr(fun, *args, **kwargs)
+
+    x = jnp.linspace(-2, 2, 24).reshape(3, 8)
+    model = jaxamp.linen.apply_policy(_Scores(), "mixed_float16")
+    variables = model.init(jax.random.key(0), x)
+    monkeypatch.setattr(jax, "make_jaxpr", counting)
+    out = jax.jit(model.apply)(variables, x)
+    assert len(traces) == 1
+    expected = _Scores().apply(variables, x)
+    for got, want in zip(out, expected, strict=True):
+        np.testing.assert_allclose(got, want, atol=3e-2)
+
+
 def test_a_constant_with_two_values_at_one_place_is_left_as_traced():
     """One source line that adds 1e5 in one trace and 1e6 in the other: no value is
     guessed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,13 +51,54 @@ def _literals(jaxpr: Any) -> Iterator[tuple[tuple[str, str, int], Any]]:
                 yield (summarize(eqn.source_info), eqn.primitive.name, index), atom
 
 
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+# JAX's own library code that writes reduction identities itself (jax.nn, jax.scipy's
+# logsumexp): a call it makes to jax.numpy is not the caller's.
+_JAX_LIBRARIES = tuple(
+    os.path.join(_JAX_DIR, "_src", name) + os.sep for name in ("nn", "ops", "scipy")
+)
+# A reduction's identity: ``max(-inf, x)`` and ``min(inf, x)``.
+_IDENTITY = {"max": -np.inf, "min": np.inf}
+
+
+def _identity_written_by_jax(eqn: Any, value: np.ndarray) -> bool:
+    """Whether ``value`` is the identity of ``eqn``'s reduction and JAX's own library
+    wrote it: ``jax.nn.softmax`` and ``logsumexp`` reduce with ``initial=-inf``, which
+    every trace holds as ``-inf``, so a float32 trace would find no other value.
+
+    Read from the equation's traceback, innermost frame first, past JAX's machinery and
+    ``jax.numpy`` (whose reductions take the caller's ``initial``): the first frame in
+    ``jax.nn``, ``jax.scipy`` or ``jax.ops`` exempts it; one outside JAX
+    (``jnp.max(x, initial=-1e5)``, ``-inf`` in float16), or none (the traceback holds
+    a few frames only), does not.
+    """
+    identity = _IDENTITY.get(eqn.primitive.name)
+    if identity is None or not np.all(value == identity):
+        return False
+    traceback = eqn.source_info.traceback
+    for frame in traceback.frames if traceback is not None else ():
+        if frame.file_name.startswith(_JAX_LIBRARIES):
+            return True
+        if not frame.file_name.startswith(_JAX_DIR):
+            return False
+    return False
+
+
 def rounded_to_inf(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` holds a non-finite 16-bit constant (``x + 1e5`` traced in float16
-    holds ``inf``: JAX rounds a Python scalar to the other operand's dtype)."""
-    return any(
-        is_16bit(atom.aval.dtype) and not np.all(np.isfinite(np.asarray(atom.val, np.float32)))
-        for _, atom in _literals(jaxpr)
-    )
+    holds ``inf``: JAX rounds a Python scalar to the other operand's dtype), other than
+    the ``-inf`` identities JAX's own reductions write (see
+    ``_identity_written_by_jax``)."""
+    for eqn in _equations(jaxpr):
+        for atom in eqn.invars:
+            if not isinstance(atom, jex.core.Literal) or not is_16bit(
+                getattr(atom.aval, "dtype", None)
+            ):
+                continue
+            value = np.asarray(atom.val, np.float32)
+            if not np.all(np.isfinite(value)) and not _identity_written_by_jax(eqn, value):
+                return True
+    return False
 
 
 def _written_for(written: np.ndarray, traced: np.ndarray) -> bool:
