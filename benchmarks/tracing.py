@@ -10,6 +10,9 @@ model loss, in four ways:
 * ``flax_bf16``: the model built with transformers' ``dtype=jnp.bfloat16`` (Flax's
   own 16-bit layers, float32 params);
 * ``apply_policy``: ``jaxamp.linen.apply_policy(module, "mixed_bfloat16")``;
+* ``apply_policy_saving_all``: the same with ``residuals="all"``: no ``jax.checkpoint``
+  around the interpreted program (the backward pass saves float32 temporaries too), which
+  shows what choosing the residuals costs;
 * ``autocast``: ``jaxamp.autocast(loss_fn, "mixed_bfloat16")``.
 
 Each repetition clears JAX's caches (``jax.clear_caches()``) and builds a fresh step
@@ -36,7 +39,7 @@ from tqdm import tqdm
 import jaxamp
 from benchmarks.common import environment, markdown_table, summarize, write_results
 
-VARIANTS = ("fp32", "flax_bf16", "apply_policy", "autocast")
+VARIANTS = ("fp32", "flax_bf16", "apply_policy", "apply_policy_saving_all", "autocast")
 POLICY = "mixed_bfloat16"
 PHASES = ("trace", "lower", "compile")
 
@@ -76,6 +79,8 @@ def step_factory(config: Any, batch: int, seq_len: int) -> tuple[Callable[[str],
         apply = module.apply
         if variant == "apply_policy":
             apply = jaxamp.linen.apply_policy(module, POLICY).apply
+        elif variant == "apply_policy_saving_all":
+            apply = jaxamp.linen.apply_policy(module, POLICY, residuals="all").apply
 
         def loss_fn(variables, ids, mask, positions):
             logits = apply(variables, ids, mask, positions, deterministic=True).logits
