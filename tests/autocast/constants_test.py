@@ -411,3 +411,37 @@ def test_a_mask_bias_inside_a_loop_widens_the_carry():
 
     reference, out = _policy_pair(Loop(), None, "linen", x, _MASK)
     np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3, atol=1e-3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    fill=st.sampled_from([-1e9, float(np.finfo(np.float32).min), -1e5, -7e4]),
+    masked_rows=st.integers(1, 3),
+    policy=st.sampled_from(["mixed_float16", "mixed_bfloat16"]),
+    simplified=st.booleans(),
+)
+@example(fill=-1e9, masked_rows=1, policy="mixed_float16", simplified=True)
+def test_a_closed_over_mask_bias_keeps_its_value_under_simplified_constants(
+    fill, masked_rows, policy, simplified
+):
+    """Under ``jax_use_simplified_jaxpr_constants`` (a temporary flag: JAX will flip it)
+    an array the function closes over is written inline as a literal, not as a constant
+    argument. A float32 mask bias must keep its value as it does without the flag: a
+    fully masked row gives the uniform distribution float32 gives, not NaN."""
+    if not hasattr(jax.config, "jax_use_simplified_jaxpr_constants"):
+        pytest.skip("this jax has no jax_use_simplified_jaxpr_constants")
+    mask = np.arange(4)[None, :] < np.arange(1, 5)[:, None] - masked_rows
+    bias = jnp.asarray(np.where(mask, 0.0, fill), jnp.float32)
+
+    def f(x, w):
+        return jax.nn.softmax(x @ w + bias)
+
+    x = jnp.linspace(-1, 1, 16).reshape(4, 4)
+    w = jnp.eye(4)
+    previous = jax.config.jax_use_simplified_jaxpr_constants
+    jax.config.update("jax_use_simplified_jaxpr_constants", simplified)
+    try:
+        got = jax.jit(jaxamp.autocast(f, policy))(x, w)
+    finally:
+        jax.config.update("jax_use_simplified_jaxpr_constants", previous)
+    np.testing.assert_allclose(got, f(x, w), atol=1e-2)

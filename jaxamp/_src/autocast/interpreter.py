@@ -230,8 +230,13 @@ def _may_overflow(env: _Env, value: Any, dtype: Any) -> bool:
 
 
 def _is_weak(atom: Any) -> bool:
-    """Literals and weakly typed values (Python scalars) follow the other inputs' dtype."""
-    return isinstance(atom, jex.core.Literal) or bool(getattr(atom.aval, "weak_type", False))
+    """Scalar literals and weakly typed values (Python scalars) follow the other inputs'
+    dtype. An array literal is a constant the function closed over (under
+    ``jax_use_simplified_jaxpr_constants`` JAX writes those inline, not as ``constvars``):
+    like a constant, it keeps its dtype."""
+    if isinstance(atom, jex.core.Literal) and np.ndim(atom.val) == 0:
+        return True
+    return bool(getattr(atom.aval, "weak_type", False))
 
 
 def _as_traced(eqn: Any, env: _Env) -> list[Any]:
