@@ -6,8 +6,11 @@ Each case is a value that 16-bit arithmetic gets wrong, checked through ``jax.ji
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -176,3 +179,22 @@ def test_relu_lets_a_16_bit_value_through_without_a_cast():
     report = jaxamp.precision_report(jaxamp.autocast(fun))(w, x)
     plain = jaxamp.precision_report(jaxamp.autocast(lambda w, x: jnp.maximum(x @ w, 0) @ w))(w, x)
     assert report.converts == plain.converts
+
+
+@pytest.mark.parametrize("field", ["compute", "float32", "promote"])
+def test_a_misspelt_primitive_name_is_refused_with_the_close_ones(field):
+    rules = jaxamp.AUTOCAST_RULES
+    with pytest.raises(ValueError, match=r"'tanhh'.*Valid choices: 'tanh'"):
+        dataclasses.replace(rules, **{field: getattr(rules, field) | {"tanhh"}})
+    with pytest.raises(ValueError, match="No primitive has a close name"):
+        dataclasses.replace(rules, **{field: getattr(rules, field) | {"zzqqxx"}})
+
+
+def test_known_names_and_primitives_of_ones_own_are_taken():
+    """A name JAX defines (``jax.lax.tanh_p``'s), and a primitive object of the caller's
+    own whose name JAX does not know."""
+    own = jex.core.Primitive("my_own_op")
+    rules = dataclasses.replace(
+        jaxamp.AUTOCAST_RULES, float32=jaxamp.AUTOCAST_RULES.float32 | {"tanh", own}
+    )
+    assert rules.rule_for("tanh") == rules.rule_for("my_own_op") == "float32"

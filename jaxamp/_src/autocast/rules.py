@@ -4,11 +4,15 @@ in the widest dtype that arrives, or as traced."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import sys
 from collections.abc import Iterable
 from typing import Any
 
+import jax.extend as jex
 from jax import lax
 
+from jaxamp._src.errors import invalid_choice
 from jaxamp._src.policy import Policy
 
 
@@ -113,6 +117,37 @@ PROMOTE_PRIMITIVES = primitive_names(
 ) | {"add_any"}  # the sum of two cotangents, when ``fun`` takes gradients itself
 
 
+def _known_primitive_names() -> frozenset[str]:
+    """The names of the primitives the imported JAX, Flax and jaxamp modules define."""
+    names = set()
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").partition(".")[0] not in _DEFINING_PACKAGES:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, jex.core.Primitive):
+                names.add(value.name)
+    return frozenset(names)
+
+
+_DEFINING_PACKAGES = frozenset({"jax", "jaxlib", "flax", "jaxamp"})
+
+
+def _check_known(name: str, field: str) -> None:
+    """Refuses a primitive name no imported module defines (``"tanhh"``), listing close
+    ones; a primitive of the caller's own is given as the object, which is taken as is."""
+    known = _known_primitive_names()
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
+    why = (
+        f"AutocastRules.{field} names {name!r}, but no primitive of JAX, Flax or jaxamp has "
+        "that name (for a primitive of your own, give the primitive object, not its name)."
+    )
+    if not close:
+        raise ValueError(f"{why} No primitive has a close name.")
+    raise invalid_choice("primitive", name, close, quote=True, why=why)
+
+
 def _primitive_names(value: Iterable[Any], field: str) -> frozenset[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise TypeError(
@@ -127,8 +162,13 @@ def _primitive_names(value: Iterable[Any], field: str) -> frozenset[str]:
                 f"AutocastRules.{field} holds {item!r}; expected primitive names such as "
                 f"{lax.exp_p.name!r} or primitives such as jax.lax.exp_p."
             )
+        if isinstance(item, str) and item not in _DEFAULT_NAMES:
+            _check_known(item, field)
         names.append(name)
     return frozenset(names)
+
+
+_DEFAULT_NAMES = COMPUTE_PRIMITIVES | FLOAT32_PRIMITIVES | PROMOTE_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +185,10 @@ class AutocastRules:
         (``dot_general``, ``conv_general_dilated``).
       float32: primitives whose floating inputs are cast up to float32.
       promote: primitives that run in the dtype their inputs arrive in.
+
+    Raises:
+      ValueError: for a name no primitive of JAX, Flax or jaxamp has (``"tanhh"``),
+        listing the close ones.
 
     Examples:
       >>> import dataclasses, jax
