@@ -93,3 +93,41 @@ def test_raise_if_stuck_points_to_the_leaves_and_to_find_nonfinite():
         message = str(error.value)
         assert "jaxamp.find_nonfinite" in message
         assert ("['w']" in message) == record
+
+
+@pytest.mark.parametrize("holder", ["train_state", "nnx"])
+def test_applied_steps_count_as_the_inner_optimizer_does(holder):
+    """A TrainState and an nnx.Optimizer count every call; the inner optax state (the
+    reference: optax's own count) and ``applied_steps`` count the applied updates."""
+    from flax import nnx
+    from flax.training import train_state
+
+    skips = [False, True, False, True, True, False]
+    tx = jaxamp.loss_scaled(optax.adam(1e-2))
+    grads_of = lambda skip: {"w": jnp.full(3, jnp.inf if skip else 1.0)}
+    if holder == "train_state":
+        state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=tx)
+        step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+        for skip in skips:
+            state = step(state, grads_of(skip))
+        calls, opt_state = state.step, state.opt_state
+    else:
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        for skip in skips:
+            grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 3)))))(model)
+            if skip:
+                grads = jax.tree.map(lambda g: jnp.full_like(g, jnp.inf), grads)
+            optimizer.update(model, grads)
+        calls, opt_state, inner = optimizer.step[...], optimizer, optimizer.opt_state
+    if holder == "train_state":
+        inner = opt_state
+    (inner_count,) = {
+        int(leaf.count[...])
+        for leaf in jax.tree.leaves(inner, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+        if isinstance(leaf, optax.ScaleByAdamState)
+    }
+    metrics = jax.jit(jaxamp.optim.loss_scale_metrics)(opt_state)
+    assert int(calls) == len(skips)
+    assert int(metrics["applied_steps"]) == inner_count == skips.count(False)
+    assert int(metrics["skipped_steps"]) == skips.count(True)

@@ -43,15 +43,21 @@ def underflow_fraction(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
 
 
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
-    """The loss scale and skip counters of a loss-scaled optimizer state; jittable.
+    """The loss scale and step counters of a loss-scaled optimizer state; jittable.
+
+    ``applied_steps`` counts the updates applied (the inner optimizer's own step count,
+    which schedules read); ``nnx.Optimizer.step`` and Flax's ``TrainState.step`` count
+    every call, skipped steps included.
 
     Returns:
-      ``{"loss_scale", "skipped_steps", "consecutive_skips", "last_finite"}``,
-      arrays on device: log them without forcing a host sync every step.
+      ``{"loss_scale", "applied_steps", "skipped_steps", "consecutive_skips",
+      "last_finite"}``, arrays on device: log them without forcing a host sync every
+      step.
     """
     state = find_loss_scaled_state(opt_state)
     return {
         "loss_scale": state.loss_scale.scale,
+        "applied_steps": state.step - state.skipped_steps,
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
         "last_finite": state.last_finite,
