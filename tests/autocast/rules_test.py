@@ -198,3 +198,41 @@ def test_known_names_and_primitives_of_ones_own_are_taken():
         jaxamp.AUTOCAST_RULES, float32=jaxamp.AUTOCAST_RULES.float32 | {"tanh", own}
     )
     assert rules.rule_for("tanh") == rules.rule_for("my_own_op") == "float32"
+
+
+@jax.custom_jvp
+def _centred_softmax(x):
+    e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+    return e / jnp.sum(e, -1, keepdims=True)
+
+
+@_centred_softmax.defjvp
+def _centred_softmax_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    y = _centred_softmax(x)
+    return y, y * (t - jnp.sum(y * t, -1, keepdims=True))  # softmax's own rule
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("fun", ["own_rule", "jax_softmax_custom_jvp"])
+def test_a_custom_jvp_rule_sums_its_tangents_in_float32(fun, dtype):
+    """A JVP rule that sums its tangent (softmax's, which jax.nn.softmax uses under the
+    next JAX's jax_softmax_custom_jvp) gets its 16-bit tangents in float32: no sum of
+    the backward pass runs in 16 bits. Reference: the gradient of the float32 function."""
+    if fun == "jax_softmax_custom_jvp" and not hasattr(jax.config, fun):
+        pytest.skip(f"this jax has no {fun}")
+    softmax = _centred_softmax if fun == "own_rule" else jax.nn.softmax
+    loss = lambda x: jnp.sum(softmax(x) ** 2 * jnp.arange(16.0))
+    x = jax.random.normal(jax.random.key(0), (4, 16)) * 3
+    previous = getattr(jax.config, "jax_softmax_custom_jvp", False)
+    if fun != "own_rule":
+        jax.config.update(fun, True)
+    try:
+        grad = jax.grad(jaxamp.autocast(loss))
+        jaxamp.precision_report(grad)(x.astype(dtype)).check()
+        got = jax.jit(grad)(x.astype(dtype))
+    finally:
+        if fun != "own_rule":
+            jax.config.update(fun, previous)
+    want = jax.grad(loss)(x.astype(dtype).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05)
