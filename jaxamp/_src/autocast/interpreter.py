@@ -17,7 +17,14 @@ from jax import lax
 
 from jaxamp._src.autocast import constants, fp8_state
 from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
-from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating, is_narrow, is_narrower
+from jaxamp._src.dtypes import (
+    FLOAT32,
+    is_16bit,
+    is_floating,
+    is_narrow,
+    is_narrower,
+    upcast,
+)
 from jaxamp._src.jaxprs import (
     bind,
     eqn_context,
@@ -1082,7 +1089,7 @@ def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
         consts, args = primals
         dtypes = [y.dtype for y in jax.eval_shape(primal, consts, args)]
         jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
-        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], config)
+        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *map(upcast, tangents[1])], config)
         n = len(out_zeros)
         primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
         nonzero = iter(outs[n:])
