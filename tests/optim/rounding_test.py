@@ -1,16 +1,22 @@
 """Tests for jaxamp/_src/optim/rounding.py: stochastic rounding is unbiased and reproducible."""
 
 import functools
+import re
+import sys
 
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from jax import lax
+from jax.extend import core as jex
 
 import jaxamp
+from jaxamp._src.dtypes import JMP_DTYPE_NAMES
 from jaxamp._src.optim.rounding import (
     round_in_float32,
     round_to,
@@ -230,24 +236,282 @@ def test_unsupported_dtypes_are_a_clear_error(dtype):
         stochastic_round(x, dtype, jax.random.key(0))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+# A compiler allowed excess precision (XLA's default on GPU and TPU) simplifies a chain of
+# float converts to one convert (XLA's SimplifyFPConversions): x.astype(float16).astype(float32)
+# becomes x. XLA:CPU never does, even with --xla_allow_excess_precision=true (on by default), so
+# the tests do it on purpose: they run the jaxpr with every such chain folded.
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call")
+
+
+class _FoldingCompiler:
+    """Evaluates a jaxpr (nested calls inlined) as a compiler allowed excess precision would
+    run it: a float convert of the result of a float convert is one convert from the first
+    operand, so a float32 -> 16 bits -> float32 pair is the identity. ``folded`` counts the
+    pairs that returned a value to its own dtype."""
+
+    def __init__(self):
+        self.sources = {}  # id(result of a float convert) -> (that result, the chain's operand)
+        self.folded = 0
+
+    def convert(self, eqn, x):
+        new_dtype = eqn.params["new_dtype"]
+        floats = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(new_dtype, jnp.floating)
+        entry = self.sources.get(id(x))
+        if floats and entry is not None and entry[0] is x:
+            source = entry[1]
+            if source.dtype == new_dtype:
+                self.folded += 1
+                return source
+            out = lax.convert_element_type(source, new_dtype)
+        else:
+            source = x
+            out = eqn.primitive.bind(x, **eqn.params)
+        if floats and out is not source:
+            self.sources[id(out)] = (out, source)
+        return out
+
+    def run(self, jaxpr, consts, args):
+        env = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(v):
+            return v.val if isinstance(v, jex.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if eqn.primitive.name in _CALLS and isinstance(inner, jex.ClosedJaxpr):
+                outs = self.run(inner.jaxpr, inner.consts, invals)
+            elif eqn.primitive.name == "convert_element_type":
+                outs = [self.convert(eqn, invals[0])]
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) in older jax
+                subfuns, params = params if isinstance(params, tuple) else ((), params)
+                outs = eqn.primitive.bind(*subfuns, *invals, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            for v, out in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(v, jex.DropVar):
+                    env[v] = out
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _folded(fn, compiler=None):
+    """``fn`` run with every float convert chain folded (see ``_FoldingCompiler``)."""
+
+    def run(*args):
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = (compiler or _FoldingCompiler()).run(
+            closed.jaxpr, closed.consts, jax.tree.leaves(args)
+        )
+        return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+    return run
+
+
+def _pairs_folded(fn, *args):
+    """How many float32 -> narrower -> float32 convert pairs a folding compiler removes from
+    ``fn``'s program (traced for ``args``)."""
+    compiler = _FoldingCompiler()
+    jax.eval_shape(_folded(fn, compiler), *args)
+    return compiler.folded
+
+
+def test_the_folding_compiler_folds_a_convert_pair():
+    """The simulated compiler does what the GPU one may: the pair, inside a nested jit,
+    returns x unrounded (a quarter of a float16 ulp above 1)."""
+    x = jnp.float32(1 + 2.0**-12)
+    fn = jax.jit(lambda x: jax.jit(lambda y: y.astype(jnp.float16))(x).astype(jnp.float32) * 2)
+    assert float(fn(x)) == 2.0
+    assert float(jax.jit(_folded(fn))(x)) == 2 * (1 + 2.0**-12)
+    assert _pairs_folded(fn, x) == 1
+    assert _pairs_folded(lambda x: x.astype(jnp.float16), x) == 0
+
+
+# Each 16-bit grid case: float32 values x = lo + f * (hi - lo) for the neighbours lo < hi of
+# dtype and f in FRACTIONS, both signs, built in float64 (exactly) from numpy and ml_dtypes.
+FRACTIONS = np.arange(8) / 8  # 0, 1/8, ..., 7/8 of a unit in the last place
+GRID_DRAWS = 1024
+
+
+def _planted_bases(dtype):
+    """Lower neighbours every grid case holds: 0, subnormals, 1 (1 + 3/4 ulp is the issue's
+    value), and the value just below the max (rounding up lands on the max)."""
+    info = jnp.finfo(dtype)
+    tiny, big = float(info.smallest_subnormal), np.asarray(info.max, dtype)
+    below_max = float(np.nextafter(big, np.asarray(0, dtype)))
+    largest_subnormal = float(info.smallest_normal) - tiny
+    return [0.0, tiny, 5 * tiny, largest_subnormal, 1.0, 3.0, below_max]
+
+
+def _grid_case(dtype, bases):
+    """``(x, lo, hi, p)``: float32 inputs and, in float64, the two values each may round to and
+    the probability of ``hi`` (``lo == hi``, ``p == 0`` where the rounding is determined). Past
+    the max, at inf and at NaN the result is numpy's (ml_dtypes') round to nearest."""
+    dtype = np.dtype(dtype)
+    big = np.asarray(jnp.finfo(dtype).max, dtype)
+    lo = np.asarray(bases, np.float32).astype(dtype)
+    hi = np.nextafter(lo, np.asarray(np.inf, dtype))
+    f = np.tile(FRACTIONS, len(lo))
+    lo, hi = np.repeat(lo.astype(np.float64), 8), np.repeat(hi.astype(np.float64), 8)
+    x = lo + f * (hi - lo)  # exact: three bits more than dtype's significand
+    big64 = float(big)
+    ulp_at_max = big64 - float(np.nextafter(big, np.asarray(0, dtype)))
+    beyond = np.concatenate([big64 + FRACTIONS * ulp_at_max, [2 * big64]])
+    beyond = np.minimum(beyond, float(np.finfo(np.float32).max))
+    x = np.concatenate([x, beyond])
+    p = np.concatenate([f, np.zeros(len(beyond))])
+    determined = p == 0
+    x = np.concatenate([x, -x, [np.inf, -np.inf, np.nan]])
+    x32 = x.astype(np.float32)
+    np.testing.assert_array_equal(x32.astype(np.float64), x)  # the grid is exact in float32
+    with np.errstate(over="ignore"):  # past the max, to inf
+        near = x32.astype(dtype).astype(np.float64)
+    lo, hi = np.concatenate([lo, beyond, -lo, -beyond]), np.concatenate([hi, beyond, -hi, -beyond])
+    determined = np.concatenate([determined, determined, [True] * 3])
+    lo = np.where(determined, near, np.concatenate([lo, [np.nan] * 3]))
+    hi = np.where(determined, near, np.concatenate([hi, [np.nan] * 3]))
+    return x32, lo, hi, np.concatenate([p, p, [0.0] * 3])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _grid_draws(x, dtype, n, fold, key):
+    """``n`` stochastic roundings of each element of ``x``, the convert pairs folded if ``fold``."""
+
+    def round_once(x, k):
+        return stochastic_round(x, dtype, k)
+
+    fn = _folded(round_once) if fold else round_once
+    return jax.vmap(lambda k: fn(x, k))(jax.random.split(key, n))
+
+
+def _bits_of(values, dtype):
+    return _bits(np.asarray(values, np.float64).astype(dtype))
+
+
+# Drawn lower neighbours: a float32 (rounded to the dtype, kept below its max), or an int k
+# for the k-th subnormal of the dtype (modulo their count).
+_bases = st.lists(
+    st.one_of(
+        st.floats(min_value=0.0, max_value=float(np.float32(3.3e38)), width=32),
+        st.integers(0, 1023),
+    ),
+    min_size=3,
+    max_size=3,
+)
+
+
+def _lower_neighbours(dtype, drawn):
+    """The planted lower neighbours and the drawn ones (see ``_bases``), values of ``dtype``."""
+    info = jnp.finfo(dtype)
+    planted = _planted_bases(dtype)
+    out = []
+    for b in drawn:
+        if isinstance(b, int):
+            b = b % 2 ** int(info.nmant) * float(info.smallest_subnormal)
+        with np.errstate(over="ignore"):
+            b = float(np.asarray(b, np.float32).astype(dtype))
+        out.append(min(b, planted[-1]))  # below the max (inf included)
+    return planted + out
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["as_compiled_on_cpu", "pair_folded"])
+@pytest.mark.parametrize("dtype", SIXTEEN)
+@settings(max_examples=6, deadline=None)
+@given(bases=_bases, seed=_seeds)
+@example(bases=[1.0, 1.0, 1.0], seed=0)  # issue 46: float16 1 + 3/4 ulp, folded, always up
+def test_grid_of_fractions_unbiased_with_the_convert_pair_folded(dtype, fold, bases, seed):
+    """Over a grid of fractions of a unit in the last place (0, 1/8, ..., 7/8) above drawn and
+    planted values (0, subnormals, 1, below the max), both signs, each rounding is one of the two
+    neighbours and the upper one comes in a share of the draws within 5 standard errors of the
+    fraction; values that are exact, past the max (to the max or inf), inf and NaN give numpy's
+    round to nearest, bit for bit. The same when a compiler folds every float32 -> 16 bits ->
+    float32 convert pair (the issue: float16 1 + 3/4 ulp then always rounded up). Compared, in
+    float64, with values built from numpy alone."""
+    _check_grid(dtype, fold, bases, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", SIXTEEN)
+@settings(max_examples=100, deadline=None)
+@given(bases=_bases, seed=_seeds)
+def test_grid_of_fractions_with_the_convert_pair_folded_larger_budget(dtype, bases, seed):
+    """The grid test above, folded, with a larger budget of drawn values and keys."""
+    _check_grid(dtype, True, bases, seed)
+
+
+def _check_grid(dtype, fold, bases, seed):
+    """The grid test's checks for one draw of lower neighbours and one key."""
+    x, lo, hi, p = _grid_case(dtype, _lower_neighbours(dtype, bases))
+    draws = np.asarray(_grid_draws(jnp.asarray(x), dtype, GRID_DRAWS, fold, jax.random.key(seed)))
+    assert draws.dtype == np.dtype(dtype)
+    determined = p == 0
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(np.isnan(draws), np.broadcast_to(nan, draws.shape))
+    exact = determined & ~nan
+    np.testing.assert_array_equal(
+        _bits(draws[:, exact]), np.broadcast_to(_bits_of(lo[exact], dtype), draws[:, exact].shape)
+    )
+    d = draws[:, ~determined].astype(np.float64)
+    lo, hi, p, x = lo[~determined], hi[~determined], p[~determined], x[~determined]
+    outside = ~((d == lo) | (d == hi))
+    assert not outside.any(), x[outside.any(axis=0)][:4]
+    share = np.mean(d == hi, axis=0)
+    bound = 5 * np.sqrt(p * (1 - p) / GRID_DRAWS) + 2 / GRID_DRAWS
+    worst = int(np.argmax(np.abs(share - p) - bound))
+    mean = d.mean(axis=0)  # float64, from the two neighbours
+    assert np.all(np.abs(share - p) <= bound), (
+        f"{float(x[worst])!r}: fraction {p[worst]}, mean {mean[worst]!r} "
+        f"(lo {lo[worst]!r}, hi {hi[worst]!r}), share up {share[worst]}"
+    )
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+@settings(max_examples=10, deadline=None)
+@given(bases=_bases)
+def test_round_in_float32_with_the_convert_pair_folded(dtype, bases):
+    """Kahan's rounding (``round_in_float32``) is numpy's round to nearest over the grid,
+    subnormals included, also when a compiler folds convert pairs (its subnormal branch was a
+    pair: folded, it returned x unrounded)."""
+    tiny = np.float32(jnp.finfo(dtype).smallest_subnormal)
+    x = _grid_case(dtype, _lower_neighbours(dtype, bases))[0]
+    x = np.concatenate([x, x + tiny / 2]).astype(np.float32)  # subnormal ties among them
+    with np.errstate(over="ignore"):
+        want = x.astype(dtype).astype(np.float32)
+    fn = functools.partial(round_in_float32, dtype=dtype)
+    for run in (jax.jit(fn), jax.jit(_folded(fn))):
+        got = np.asarray(run(jnp.asarray(x)))
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+_WIDENING = re.compile(
+    r"stablehlo\.convert [^\n]*\(tensor<(?:[\d?]+x)*(?:bf16|f16)>\) -> tensor<(?:[\d?]+x)*f32>"
+)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
 def test_the_rounding_is_in_the_compiled_program(dtype):
     """x.astype(16 bits).astype(float32) may be folded to x by a compiler allowed excess
-    precision (XLA's default on GPU and TPU): stochastic rounding's exactness test and
-    Kahan's compensation rely on that rounding, so it is lax.reduce_precision, which
-    survives compilation. XLA:CPU keeps both forms; the compiled text shows which."""
-    text = (
-        jax.jit(lambda x, key: stochastic_round(x, dtype, key))
-        .lower(jnp.ones(8), jax.random.key(0))
-        .compile()
-        .as_text()
-    )
-    assert text.count("reduce-precision") >= 1
+    precision (XLA's default on GPU and TPU). Stochastic rounding takes no such pair: its
+    program converts nothing from 16 bits back to float32, and it rounds on the bits
+    (integer and, add). Kahan's and the float32 master's roundings are lax.reduce_precision,
+    which survives compilation, with no pair a compiler could fold."""
+    fn = jax.jit(lambda x, key: stochastic_round(x, dtype, key))
+    args = (jnp.ones(8), jax.random.key(0))
+    text = fn.lower(*args).as_text()
+    assert not _WIDENING.findall(text), _WIDENING.findall(text)
+    assert _pairs_folded(fn, *args) == 0
+    assert re.search(r"stablehlo\.and [^\n]*: tensor<8xui32>", text)
+    assert re.search(r"stablehlo\.add [^\n]*: tensor<8xui32>", text)
+    assert _pairs_folded(functools.partial(round_in_float32, dtype=dtype), jnp.ones(8)) == 0
     params = {"w": jnp.ones(16, dtype)}
-    for recipe in ("kahan", "float32"):
+    for recipe in ("kahan", "float32", "stochastic"):
         tx = jaxamp.loss_scaled(optax.sgd(1e-3), jaxamp.NoOpLossScale(), master_weights=recipe)
-        text = jax.jit(tx.update).lower(params, tx.init(params), params).compile().as_text()
-        assert text.count("reduce-precision") >= 1, recipe
+        args = (params, tx.init(params), params)
+        assert _pairs_folded(tx.update, *args) == 0, recipe
+        if recipe != "stochastic":
+            text = jax.jit(tx.update).lower(*args).compile().as_text()
+            assert text.count("reduce-precision") >= 1, recipe
 
 
 @settings(max_examples=40, deadline=None)
@@ -261,3 +525,65 @@ def test_round_in_float32_is_the_convert_pair(values, dtype):
     x = jnp.asarray([*values, 1e-6, 3e-7, 65519.0, 65520.0, -1e-45], jnp.float32)
     got = jax.jit(functools.partial(round_in_float32, dtype=dtype))(x)
     np.testing.assert_array_equal(got, x.astype(dtype).astype(jnp.float32))
+
+
+# One dtype vocabulary: stochastic_round takes the names cast_floating and with_state_dtype take.
+_NAMED = {
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "full": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "half": jmp.half_dtype(),  # jmp's: float16, or bfloat16 on TPU
+    "f64": None,  # stochastic_round rounds float32 values: nothing wider
+    "float64": None,
+}
+
+
+@pytest.mark.parametrize("name", [*JMP_DTYPE_NAMES, " BF16 ", "Float16"])
+def test_the_dtype_names_policies_accept(name):
+    """Every dtype name of the library's vocabulary (jmp's grammar, which cast_floating and
+    with_state_dtype accept) names the same dtype for stochastic_round, through jax.jit, and
+    rounds as that dtype does; float64 is refused by name."""
+    wanted = _NAMED[name.strip().lower()]
+    x = jax.random.normal(jax.random.key(1), (256,)) * 1e3
+    key = jax.random.key(2)
+    if wanted is None:
+        with pytest.raises(ValueError, match=rf"{re.escape(repr(name))}.*Valid choices: .*bf16"):
+            stochastic_round(x, name, key)
+        return
+    assert jaxamp.cast_floating(x, name).dtype == wanted
+    got = _round(x, name, key)
+    assert got.dtype == wanted
+    np.testing.assert_array_equal(_bits(got), _bits(_round(x, wanted, key)))
+    tx = jaxamp.with_state_dtype(optax.adam(1e-3), name, rounding="stochastic")
+    assert tx.init({"w": x}).inner_state[0].mu["w"].dtype == wanted
+
+
+@pytest.mark.parametrize("bad", ["bfloat", "fp16", "f8", "int8", None, jnp.float64, jnp.int8])
+def test_a_bad_dtype_name_names_itself_and_the_choices(bad):
+    """A name or dtype stochastic_round cannot round to: a ValueError naming it and listing
+    every choice, the names included."""
+    with pytest.raises(ValueError) as info:
+        stochastic_round(jnp.ones(4), bad, jax.random.key(0))
+    message = str(info.value)
+    shown = repr(bad) if bad is None or isinstance(bad, str) else np.dtype(bad).name
+    assert shown in message, message
+    choices = message.split("Valid choices: ")[1]
+    for name in ("bfloat16", "float16", "float32", "bf16", "f16", "half", "f32", "full"):
+        assert re.search(rf"\b{name}\b", choices), (name, message)
+
+
+def test_the_device_check_runs_on_cpu_at_tiny_size(tmp_path, monkeypatch):
+    """benchmarks/rounding_on_device.py (a GPU check) runs its grid of fractions on the CPU."""
+    from benchmarks import rounding_on_device
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["rounding_on_device", "--draws", "256", "--out", str(out)])
+    rounding_on_device.main()
+    text = (out / "rounding_on_device.md").read_text()
+    for fraction in ("0.125", "0.875"):
+        assert fraction in text
+    assert "unbiased" in text and "BIASED" not in text

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.dtypes import is_narrow, is_narrower
+from jaxamp._src.dtypes import JMP_DTYPE_NAMES, canonical_dtype, is_narrow, is_narrower
 from jaxamp._src.errors import invalid_choice
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -26,27 +26,80 @@ STOCHASTIC_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def validate_stochastic_dtype(dtype: Any) -> np.dtype:
-    """``dtype`` as a ``np.dtype`` if ``stochastic_round`` supports it (one of
-    ``STOCHASTIC_DTYPES``), else raises ``ValueError``."""
+    """``dtype`` as a ``np.dtype`` if ``stochastic_round`` supports it, else a ``ValueError``
+    naming it and listing the choices: ``STOCHASTIC_DTYPES`` and the names of the library's
+    dtype vocabulary (``canonical_dtype``: ``"bf16"``, ``"f16"``, ``"half"``...) for them."""
+    canonical: np.dtype | None = None
+    error: ValueError | None = None
     try:
-        canonical = np.dtype(dtype)
-    except TypeError:
-        canonical = None
-    if canonical is None or canonical.name not in STOCHASTIC_DTYPES:
-        shown = canonical.name if canonical is not None else repr(dtype)
-        raise invalid_choice(
-            "dtype",
-            dtype,
-            STOCHASTIC_DTYPES,
-            why=f"stochastic_round cannot round to {shown} (float32 returns x as it is).",
-        )
-    return canonical
+        canonical = canonical_dtype(dtype)
+    except ValueError as e:
+        error = e
+    if canonical is not None and canonical.name in STOCHASTIC_DTYPES:
+        return canonical
+    if canonical is not None and isinstance(dtype, str) and canonical.name != dtype:
+        shown = f"{dtype!r} ({canonical.name})"  # the name as given, and what it names
+    elif canonical is not None:
+        shown = repr(dtype) if isinstance(dtype, str) else canonical.name
+    else:
+        try:
+            shown = repr(dtype) if dtype is None or isinstance(dtype, str) else np.dtype(dtype).name
+        except TypeError:
+            shown = repr(dtype)
+    names = [n for n in JMP_DTYPE_NAMES if canonical_dtype(n).name in STOCHASTIC_DTYPES]
+    raise invalid_choice(
+        "dtype",
+        dtype,
+        [*STOCHASTIC_DTYPES, *(n for n in names if n not in STOCHASTIC_DTYPES)],
+        why=f"stochastic_round cannot round to {shown}: it rounds float32 to bfloat16 or "
+        "float16 (float32 returns x as it is).",
+    ) from error
+
+
+_FLOAT32_SIGNIFICAND = 23  # bits stored, below float32's implicit leading one
+_FLOAT32_BIAS = 127
+
+
+def _on_grid(magnitude: jax.Array, dtype: np.dtype) -> tuple[jax.Array, ...]:
+    """Where float32 magnitudes (their bits, finite and at most ``dtype``'s max) sit between
+    their two neighbours in ``dtype``, in integers only.
+
+    Returns ``(below, step, above, odd)``: the bits of the float32 value of the neighbour at
+    or below, the bits to add to them for the neighbour above (a carry into the exponent is
+    right), how far above ``below`` the magnitude is as a fraction of the gap scaled to 2**32
+    (exact where that gap is at most 2**32 float32 units at the magnitude, which holds above
+    2**-33 for float16 and everywhere for bfloat16; rounded down below that), and whether
+    ``below``'s last digit in ``dtype`` is odd.
+    """
+    info = jnp.finfo(dtype)
+    tiny_exponent = int(info.minexp) - int(info.nmant)  # log2 of dtype's smallest subnormal
+    exponent = jnp.maximum(magnitude >> _FLOAT32_SIGNIFICAND, 1).astype(jnp.int32)
+    # log2 of the float32 units at the magnitude in a unit in the last place of dtype
+    lowest = tiny_exponent + _FLOAT32_BIAS + _FLOAT32_SIGNIFICAND
+    shift = jnp.maximum(lowest - exponent, _FLOAT32_SIGNIFICAND - int(info.nmant))
+    inside = shift <= _FLOAT32_SIGNIFICAND  # dtype's ulp within float32's significand
+    inner = jnp.minimum(shift, _FLOAT32_SIGNIFICAND).astype(jnp.uint32)
+    low = (jnp.uint32(1) << inner) - jnp.uint32(1)
+    significand = (magnitude & jnp.uint32(0x7FFFFF)) | jnp.where(
+        magnitude >> _FLOAT32_SIGNIFICAND > 0, jnp.uint32(0x800000), jnp.uint32(0)
+    )
+    # below dtype's smallest subnormal: between 0 and it (a float32 normal)
+    tiny_bits = max(tiny_exponent + _FLOAT32_BIAS, 1) << _FLOAT32_SIGNIFICAND
+    below = jnp.where(inside, magnitude & ~low, jnp.uint32(0))
+    step = jnp.where(inside, jnp.uint32(1) << inner, jnp.uint32(tiny_bits))
+    rest = jnp.where(inside, magnitude & low, significand)  # < 2**shift
+    up_shift = jnp.clip(32 - shift, 0, 31).astype(jnp.uint32)
+    down_shift = jnp.clip(shift - 32, 0, 31).astype(jnp.uint32)
+    above = jnp.where(shift <= 32, rest << up_shift, rest >> down_shift)
+    odd = inside & ((significand >> inner) & jnp.uint32(1) != 0)
+    return below, step, above, odd
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     """Rounds ``x`` to ``dtype`` stochastically, without bias.
 
-    ``dtype`` is bfloat16 or float16 (float32 gives ``x`` itself: nothing to round);
+    ``dtype`` is bfloat16 or float16 (float32 gives ``x`` itself: nothing to round), as a
+    dtype or by any name ``jaxamp.cast_floating`` takes (``"bf16"``, ``"f16"``, ``"half"``...);
     any other dtype, float8 ones included (some have no infinity, and jax does not
     promote them in arithmetic), raises a ``ValueError``. The magnitude ``|x|`` goes
     to the neighbour above it with probability ``(|x| - lo) / (hi - lo)`` and the
@@ -57,27 +110,29 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     nearest: a value past the max by less than half a unit in the last place gives
     the max, one further out gives ``inf``), whatever their sign.
 
-    bfloat16 is rounded on the bits (16 random bits added to the low half of
-    float32's), which is exact for every value, bfloat16's subnormals included
-    (they are float32 subnormals, which XLA:CPU flushes to zero in arithmetic).
-    float16 compares a uniform draw with the fraction above, exact to 2**-23
-    of a unit in the last place.
+    The direction is decided on the bits, in integers: 32 random bits against the
+    fraction of a unit in the last place above the lower neighbour, which is exact for
+    every bfloat16 value and every float16 one above 2**-33 (below, where going up has a
+    probability under 2**-9, it is rounded down to a multiple of 2**-32). No float32 ->
+    16 bits -> float32 convert pair takes part, so a compiler allowed excess precision
+    (XLA's default on GPU and TPU) has none to fold, and XLA:CPU's flushing of float32
+    subnormals (bfloat16's) touches nothing.
 
     Args:
       x: the values (float32).
-      dtype: ``bfloat16``, ``float16`` or ``float32``.
+      dtype: ``bfloat16``, ``float16`` or ``float32``, or a name for one of them.
       key: a PRNG key; the same key gives the same roundings.
 
     Returns:
       ``x`` in ``dtype``.
 
     Raises:
-      ValueError: for any other ``dtype``.
+      ValueError: for any other ``dtype``, naming it and the choices.
 
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> x = jnp.full(10_000, 1.0 + 2.0**-10)  # a quarter of a bfloat16 ulp above 1
-      >>> y = stochastic_round(x, jnp.bfloat16, jax.random.key(0)).astype(jnp.float32)
+      >>> y = stochastic_round(x, "bf16", jax.random.key(0)).astype(jnp.float32)
       >>> sorted(set(y.tolist())), round(float(y.mean()) - 1.0, 4)
       ([1.0, 1.0078125], 0.001)
       >>> big = jnp.asarray([1e10, -1e10], jnp.float32)  # beyond float16's max, 65504
@@ -89,31 +144,17 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     nearest = x.astype(dtype)
     if dtype == jnp.float32:
         return nearest
-    # Signs, magnitudes and exactness on the bits: XLA:CPU flushes float32 subnormals
-    # to zero in arithmetic and comparisons.
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     sign = bits & jnp.uint32(0x80000000)
-    magnitude_bits = bits ^ sign
-    magnitude = lax.bitcast_convert_type(magnitude_bits, jnp.float32)
-    if dtype == jnp.bfloat16:
-        noise = jax.random.bits(key, x.shape, jnp.uint32) >> 16
-        kept = (magnitude_bits + noise) & jnp.uint32(0xFFFF0000)  # drops the low half: exact
-        rounded = lax.bitcast_convert_type(kept | sign, jnp.float32).astype(dtype)
-    else:
-        near = magnitude.astype(dtype)
-        above_x = near.astype(jnp.float32) > magnitude
-        zero, inf = jnp.zeros([], dtype), jnp.asarray(jnp.inf, dtype)
-        lo = jnp.where(above_x, jnp.nextafter(near, zero), near)
-        hi = jnp.where(above_x, near, jnp.nextafter(near, inf))
-        lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
-        gap = jnp.where(hi32 > lo32, hi32 - lo32, 1.0)
-        u = jax.random.uniform(key, x.shape, jnp.float32)
-        up = jnp.where(u < (magnitude - lo32) / gap, hi, lo)
-        rounded = jnp.where(sign != 0, -up, up)
-    # exact (bit for bit), inf or NaN, or beyond the largest finite value: to nearest
-    exact = lax.bitcast_convert_type(round_in_float32(x, dtype), jnp.uint32) == bits
-    keep = exact | ~(magnitude <= jnp.finfo(dtype).max)
-    return jnp.where(keep, nearest, rounded)
+    magnitude = bits ^ sign
+    below, step, above, _ = _on_grid(magnitude, dtype)
+    # up with probability above / 2**32 (~noise < above: bfloat16 keeps its old roundings)
+    noise = jax.random.bits(key, x.shape, jnp.uint32)
+    kept = below + jnp.where(~noise < above, step, jnp.uint32(0))
+    rounded = lax.bitcast_convert_type(kept | sign, jnp.float32).astype(dtype)  # exact
+    # inf, NaN, beyond the largest finite value (by the bits): to nearest
+    largest = int(np.asarray(jnp.finfo(dtype).max, np.float32).view(np.uint32))
+    return jnp.where(magnitude <= jnp.uint32(largest), rounded, nearest)
 
 
 def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
@@ -121,10 +162,10 @@ def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
 
     ``x.astype(dtype).astype(float32)`` says the same, but XLA's
     ``xla_allow_excess_precision`` (on by default) lets a compiler drop such a convert
-    pair and keep ``x``: Kahan's compensation would then be zero and stochastic
-    rounding's exactness test always true. ``lax.reduce_precision`` is the rounding
-    itself, which no compiler may elide. It flushes ``dtype``'s subnormals to zero, so
-    those (float16's, below 2**-14) take the convert pair.
+    pair and keep ``x``: Kahan's compensation would then be zero. ``lax.reduce_precision``
+    is the rounding itself, which no compiler may elide. It flushes ``dtype``'s
+    subnormals to zero, so those (float16's below 2**-14, bfloat16's below 2**-126) are
+    rounded on the bits, to nearest even, in integers.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -137,8 +178,17 @@ def round_in_float32(x: jax.Array, dtype: Any) -> jax.Array:
         return x
     info = jnp.finfo(dtype)
     reduced = lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    subnormal = jnp.abs(x) < jnp.float32(info.smallest_normal)
-    return jnp.where(subnormal, x.astype(dtype).astype(jnp.float32), reduced)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    sign = bits & jnp.uint32(0x80000000)
+    magnitude = bits ^ sign
+    below, step, above, odd = _on_grid(magnitude, dtype)
+    half = jnp.uint32(2**31)
+    up = (above > half) | ((above == half) & odd)  # ties to the even neighbour
+    subnormal = lax.bitcast_convert_type(
+        (below + jnp.where(up, step, jnp.uint32(0))) | sign, jnp.float32
+    )
+    smallest_normal = int(np.asarray(info.smallest_normal, np.float32).view(np.uint32))
+    return jnp.where(magnitude < jnp.uint32(smallest_normal), subnormal, reduced)
 
 
 def round_to(x: jax.Array, dtype: Any, rounding: str, key: jax.Array | None) -> jax.Array:
