@@ -1,5 +1,7 @@
 """Tests for jaxamp/_src/optim/state_dtype.py: any optax state stored in 16 bits."""
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,7 +258,7 @@ def test_copies_of_the_params_are_never_cast(dtype):
     Prodigy's estimate was 0.240 against 0.058."""
     params = sample_params()
     sam = optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2)
-    with pytest.warns(UserWarning, match=r"copies of the params, never cast: \.cache"):
+    with pytest.warns(UserWarning, match=r"copies of the params or gradients, never cast: \.cache"):
         state = jaxamp.with_state_dtype(sam, dtype).init(params)
     assert {x.dtype for x in jax.tree.leaves(state.inner_state.cache)} == {np.dtype("float32")}
     plain, _, _, _ = traced_steps(sam, params, 20)
@@ -303,3 +305,218 @@ def test_optimizer_wide_scalars_of_a_scalar_param_are_never_cast():
         inner = state.inner_state
         assert inner.estim_lr.dtype == inner.numerator_weighted.dtype == jnp.float32
         assert {x.dtype for x in jax.tree.leaves(inner.exp_avg)} == {np.dtype("bfloat16")}
+
+
+# Copies of the params or the gradients that ``update`` writes, or that ``init`` carries
+# through a loop, are never statistics (issue 46). The reference is plain float32 optax,
+# or the same transformation unwrapped: these states hold no statistic, so the wrapped run
+# is float32's bit for bit.
+
+_W = jnp.linspace(1.0, 10.0, 8)
+_T = jnp.linspace(-2.0, 3.0, 8)
+
+
+def _quadratic(params):
+    return 0.5 * jnp.sum(_W * (params["x"] - _T) ** 2)
+
+
+def _rosenbrock(params):
+    x = params["x"]
+    return jnp.sum(100.0 * (x[1:] - x[:-1] ** 2) ** 2 + (1.0 - x[:-1]) ** 2)
+
+
+_PROBLEMS = {"quadratic": (_quadratic, 8, 20), "rosenbrock": (_rosenbrock, 4, 60)}
+
+
+def _line_search_run(tx, fun, params, steps, from_state):
+    """``steps`` jitted L-BFGS steps, as optax's docs write them: the loss and gradient
+    from ``optax.value_and_grad_from_state`` (the line search's, reused) or computed."""
+    if from_state:
+        value_and_grad = optax.value_and_grad_from_state(fun)
+    else:
+        value_and_grad = lambda p, state: jax.value_and_grad(fun)(p)
+
+    @jax.jit
+    def step(params, state):
+        value, grad = value_and_grad(params, state=state)
+        updates, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=fun)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params, state
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("from_state", [False, True], ids=["computed", "from_state"])
+@pytest.mark.parametrize("problem", sorted(_PROBLEMS))
+def test_lbfgs_reaches_what_float32_optax_reaches(problem, from_state, dtype):
+    """optax.lbfgs stores the last params and gradient during update (zeros at init), and
+    its line search the last gradient: init's shapes took them for statistics and rounded
+    them, and L-BFGS stalled (the Rosenbrock at 1.3e-4 in bfloat16, 0.12 in float16, where
+    float32 optax reaches 0; through value_and_grad_from_state the step did not trace).
+    L-BFGS keeps no statistic: every leaf stays float32 and the run is float32 optax's."""
+    fun, size, steps = _PROBLEMS[problem]
+    params = {"x": jnp.zeros(size)}
+    want, _ = _line_search_run(optax.lbfgs(), fun, params, steps, from_state)
+    assert float(fun(want)) < 1e-10  # the reference converges
+    tx = jaxamp.with_state_dtype(optax.lbfgs(), dtype)
+    copies = r"copies of the params or gradients, never cast: .*\.params.*\.updates.*\.grad"
+    with pytest.warns(UserWarning, match=copies):
+        got, state = _line_search_run(tx, fun, params, steps, from_state)
+    np.testing.assert_array_equal(got["x"], want["x"])
+    assert float(fun(got)) == float(fun(want))
+    floating = [
+        x for x in jax.tree.leaves(state.inner_state) if jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    assert {x.dtype for x in floating} == {np.dtype("float32")}
+
+
+class _CopyState(NamedTuple):
+    copy: Any  # params or gradients, not a statistic
+
+
+def _filled_through_a_loop(params, loop):
+    """The params, carried through a loop: they reach the carry on its second trip."""
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    body = lambda carry: (carry[1], params)
+    if loop == "fori_loop":  # static bounds: lowered to a scan
+        return jax.lax.fori_loop(0, 2, lambda _, c: body(c), (zeros, zeros))[0]
+    return jax.lax.scan(lambda c, _: (body(c), None), (zeros, zeros), length=2)[0][0]
+
+
+def _anchored_sgd(loop):
+    """SGD pulled back toward the initial params, which init copies through a loop."""
+
+    def init(params):
+        return _CopyState(_filled_through_a_loop(params, loop))
+
+    def update(updates, state, params):
+        pull = lambda g, p, a: -0.1 * (g + 0.5 * (p - a))
+        return jax.tree.map(pull, updates, params, state.copy), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def _primal_averaging(loop):
+    """Schedule-free's primal sequence on its own: z (a copy of the params, which init
+    carries through a loop) takes the SGD steps, and the params move halfway to it."""
+
+    def init(params):
+        return _CopyState(_filled_through_a_loop(params, loop))
+
+    def update(updates, state, params):
+        z = jax.tree.map(lambda z, g: z - 0.1 * g, state.copy, updates)
+        return jax.tree.map(lambda z, p: 0.5 * (z - p), z, params), _CopyState(z)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _gradient_difference():
+    """SGD on the gradient and its change since the last step (Adan's ``g``, L-BFGS's
+    ``updates``): update stores the last gradient over init's zeros."""
+
+    def init(params):
+        return _CopyState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        step = lambda g, last: -0.05 * (g + 0.5 * (g - last))
+        return jax.tree.map(step, updates, state.copy), _CopyState(updates)
+
+    return optax.GradientTransformation(init, update)
+
+
+_COPYING = {
+    "anchored_sgd-fori_loop": lambda: _anchored_sgd("fori_loop"),
+    "anchored_sgd-scan": lambda: _anchored_sgd("scan"),
+    "primal_averaging-fori_loop": lambda: _primal_averaging("fori_loop"),
+    "primal_averaging-scan": lambda: _primal_averaging("scan"),
+    "gradient_difference": _gradient_difference,
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", sorted(_COPYING))
+def test_copies_of_the_params_or_gradients_are_never_cast(name, dtype):
+    """A copy of the params that init carries through a fori_loop or scan (zeros on the
+    loop's first trip), or the last gradient that update stores over init's zeros, was
+    taken for a statistic and rounded: the wrapped run left float32's. These states hold
+    no statistic: the run is the unwrapped float32 one, bit for bit."""
+    params = sample_params()
+    want, _, _, _ = traced_steps(_COPYING[name](), params, 5)
+    with pytest.warns(UserWarning, match=r"copies of the params or gradients, never cast: \.copy"):
+        tx = jaxamp.with_state_dtype(_COPYING[name](), dtype)
+        got, state, dtypes, traces = traced_steps(tx, params, 5)
+    assert {x.dtype for x in jax.tree.leaves(state.inner_state.copy)} == {np.dtype("float32")}
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert dtypes[1:] == dtypes[:1] * 5 and traces == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_adans_last_gradient_is_never_cast_and_its_statistics_are(dtype):
+    """optax.adan keeps the last gradient (``g``, rounded with them) beside its three
+    statistics (``m``, ``v``, ``n``: still statistics)."""
+    tx = jaxamp.with_state_dtype(optax.adan(1e-2), dtype)
+    _, state, dtypes, traces = traced_steps(tx, sample_params(), 3)
+    adan = state.inner_state[0]
+    assert {x.dtype for x in jax.tree.leaves(adan.g)} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves((adan.m, adan.v, adan.n))} == {np.dtype(dtype)}
+    assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
+
+
+class _TraceState(NamedTuple):
+    trace: Any
+
+
+def _momentum_through_a_linear_solve():
+    """Momentum whose new value comes out of lax.custom_linear_solve (the identity)."""
+
+    def init(params):
+        return _TraceState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        def new(t, g):
+            solve = lambda matvec, b: b
+            return jax.lax.custom_linear_solve(lambda x: x, 0.9 * t + g, solve, symmetric=True)
+
+        trace = jax.tree.map(new, state.trace, updates)
+        return jax.tree.map(lambda t: -0.01 * t, trace), _TraceState(trace)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _momentum_that_needs_a_scale():
+    """Momentum whose update takes an extra argument of its own, ``scale=``."""
+
+    def init(params):
+        return _TraceState(jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None, *, scale):
+        trace = jax.tree.map(lambda t, g: 0.9 * t + scale * g, state.trace, updates)
+        return jax.tree.map(lambda t: -0.01 * t, trace), _TraceState(trace)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_what_cannot_be_read_is_refused_by_name_unless_the_fields_are_named(dtype):
+    """Where update's data flow cannot be read (through a primitive jaxamp does not read,
+    or an update that cannot be traced without its own extra arguments), a state leaf
+    shaped like the params may be a copy: one dtype for all is refused at init, naming
+    what hides it and the fields to name; a dtype per field is the caller's decision."""
+    params = sample_params()
+    cases = {
+        "custom_linear_solve": _momentum_through_a_linear_solve,
+        "keyword-only argument: 'scale'": _momentum_that_needs_a_scale,
+    }
+    for why, make in cases.items():
+        with pytest.raises(ValueError, match=rf"{why}.*\{{'trace': jnp\.{np.dtype(dtype).name}\}}"):
+            jaxamp.with_state_dtype(make(), dtype).init(params)
+    tx = jaxamp.with_state_dtype(_momentum_through_a_linear_solve(), {"trace": dtype})
+    _, state, dtypes, traces = traced_steps(tx, params, 3)
+    assert {x.dtype for x in jax.tree.leaves(state.inner_state.trace)} == {np.dtype(dtype)}
+    assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
+    state = jaxamp.with_state_dtype(_momentum_that_needs_a_scale(), {"trace": dtype}).init(params)
+    assert {x.dtype for x in jax.tree.leaves(state.inner_state.trace)} == {np.dtype(dtype)}

@@ -13,7 +13,6 @@ import optax
 
 from jaxamp._src.dtypes import canonical_dtype, is_floating_array, upcast
 from jaxamp._src.errors import invalid_choice
-from jaxamp._src.jaxprs import depends_on_inputs
 from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.opt_state import hide_never_cast, is_masked
 from jaxamp._src.optim.rounding import (
@@ -23,6 +22,7 @@ from jaxamp._src.optim.rounding import (
     step_key,
     validate_rounding,
 )
+from jaxamp._src.optim.state_flow import follows_params, params_copies, update_flow
 
 # Folded into the seed's key: the state's rounding noise is independent of the params'
 # (loss_scaled(master_weights="stochastic") draws from the same seed's key unfolded).
@@ -117,7 +117,7 @@ def _copies_found(state: Any, copies: list[bool]) -> str:
         )
         if copy
     ]
-    return f"; copies of the params, never cast: {', '.join(found)}" if found else ""
+    return f"; copies of the params or gradients, never cast: {', '.join(found)}" if found else ""
 
 
 def _contains_loss_scaled(state: Any) -> bool:
@@ -149,34 +149,50 @@ def _floating_leaves(state: Any) -> str:
     return shown or "none"
 
 
-def params_copies(init: Any, params: Any) -> list[bool]:
-    """Per leaf of ``init(params)``: whether its value is computed from the params' values
-    (SAM's ``cache``, Prodigy's ``params0``, schedule-free's ``z``, a float32 master):
-    a copy of the params, never a statistic, whatever its shape. Statistics start from
-    the params' shapes alone (``jnp.zeros_like``). Read from the jaxpr of ``init``, so
-    it holds under ``jit`` too."""
-    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x
-    closed = jax.make_jaxpr(init)(jax.tree.map(spec, params))
-    return depends_on_inputs(closed, [True] * len(closed.jaxpr.invars))
+def _name_the_fields(state: Any, stats: list[Any], dtype: Any, what: str, name: str) -> ValueError:
+    fields = sorted({f for path in stats if path is not None for f in _field_names(path)[-1:]})
+    shown = np.dtype(canonical_dtype(dtype)).name
+    among = f", among those shaped like the params ({', '.join(map(repr, fields))})"
+    return ValueError(
+        f"with_state_dtype({name}, {shown}) cannot tell the per-parameter statistics in its "
+        f"state ({type(state).__name__}) from copies of the params or gradients, which are "
+        f"never rounded: {what}. Name the fields that hold statistics"
+        f"{among if fields else ''}: with_state_dtype(inner, {{{(fields or ['mu'])[0]!r}: "
+        f"jnp.{shown}}})."
+    )
 
 
-def follows_params(init: Any, params: Any) -> list[bool] | None:
-    """Per leaf of ``init(params)``: whether its shape changes when the params' shapes do
-    (``init`` traced on params one axis longer). Per-parameter statistics follow the
-    params; an optimizer-wide scalar (Prodigy's ``estim_lr``, D-Adaptation's numerator)
-    does not, though with a single scalar param it has the param's shape. ``None``
-    when the state of the longer params has another structure."""
-    spec = lambda x: jax.ShapeDtypeStruct((2, *np.shape(x)), x.dtype) if hasattr(x, "dtype") else x
-    try:
-        longer = jax.eval_shape(init, jax.tree.map(spec, params))
-        state = jax.eval_shape(init, params)
-    except Exception:  # an init that needs its own shapes: no information
-        return None
-    if jax.tree.structure(longer) != jax.tree.structure(state):  # type: ignore[operator]
-        return None
+def _copies(inner: Any, state: Any, params: Any, dtype: Any, name: str) -> list[bool]:
+    """Per leaf of ``state``: whether it holds a copy of the params or of the gradients,
+    never a statistic: computed by ``init`` from the params' values, or shaped like a
+    statistic but not computed by ``update`` from its old value (L-BFGS's last params
+    and gradient, written over each step). A dtype per field is the caller's decision
+    where ``update`` cannot be read; one dtype for all is refused there."""
+    copies = params_copies(inner.init, params)
+    stats = [
+        None if c else path for path, c in zip(_statistics(state, params), copies, strict=True)
+    ]
+    if all(path is None for path in stats):  # nothing shaped like a statistic
+        return copies
+    flow = update_flow(inner.update, state, params)
+    if isinstance(flow, Exception):
+        if isinstance(dtype, Mapping):
+            return copies
+        why = f"its update could not be traced ({type(flow).__name__}: {flow})"
+        raise _name_the_fields(state, stats, dtype, why, name) from flow
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    hidden = [
+        (p, f)
+        for p, s, f in zip(paths, stats, flow, strict=True)
+        if s is not None and isinstance(f, str)
+    ]
+    if hidden and not isinstance(dtype, Mapping):
+        where = ", ".join(jax.tree_util.keystr(p) for p, _ in hidden[:4])
+        why = f"update computes {where} through {hidden[0][1]}, which jaxamp does not read"
+        raise _name_the_fields(state, stats, dtype, why, name)
     return [
-        np.shape(a) != np.shape(b)
-        for a, b in zip(jax.tree.leaves(longer), jax.tree.leaves(state), strict=True)
+        c or (path is not None and f is False)
+        for c, path, f in zip(copies, stats, flow, strict=True)
     ]
 
 
@@ -265,8 +281,11 @@ def with_state_dtype(
     The statistics are the floating state leaves shaped like the params (in a subtree
     with the params' structure, with a param's shape): Adam's ``mu`` and ``nu``,
     momentum's ``trace``; under ``optax.flatten``, the 1-D leaves of the params' total
-    size. Copies of the params (leaves ``init`` computes from their values: SAM's
-    cache, Prodigy's ``params0``, schedule-free's ``z``) are never cast.
+    size; of those, the leaves ``update`` computes from their old values. Copies of the
+    params (leaves ``init`` computes from their values: SAM's cache, Prodigy's
+    ``params0``, schedule-free's ``z``) and the params and gradients ``update`` writes
+    (L-BFGS's last ``params``, ``updates`` and line-search ``grad``, Adan's ``g``) are
+    never cast.
     Hyperparameters (``optax.inject_hyperparams``), schedule-free's weight sum
     and ``b1``, ``reduce_on_plateau``'s state and the line searches' step sizes are
     never cast, whatever their shapes; counts are not floating. Every state leaf
@@ -292,7 +311,9 @@ def with_state_dtype(
     Raises:
       ValueError: for an unknown rounding, a dtype that is not floating, or a field
         name that holds no per-parameter statistic of the state (raised by ``init``,
-        which sees the state).
+        which sees the state); by ``init`` too, for one ``dtype`` where ``update``
+        cannot be read (it needs extra arguments of its own, or computes a leaf shaped
+        like the params through a primitive jaxamp does not read): name the fields.
       TypeError: if ``inner`` is not an optax transformation.
 
     Examples:
@@ -326,7 +347,7 @@ def with_state_dtype(
                 "and its updates land as they are. Put with_state_dtype inside: "
                 "jaxamp.loss_scaled(jaxamp.with_state_dtype(inner, dtype))."
             )
-        copies = params_copies(inner.init, params)
+        copies = _copies(inner, state, params, dtype, name)
         follows = follows_params(inner.init, params)
         targets = _targets(state, params, dtype, name, copies, follows)
         floating = [x for x in jax.tree.leaves(state) if is_floating_array(x)]
@@ -334,8 +355,8 @@ def with_state_dtype(
             warnings.warn(
                 f"with_state_dtype({name}, {np.dtype(canonical_dtype(dtype))}) found no "
                 f"per-parameter statistic to cast in its state ({type(state).__name__}): no "
-                "floating leaf sits where a param does in a subtree shaped like the params, "
-                "and none is a flattened "
+                "floating leaf that update computes from its old value sits where a param "
+                "does in a subtree shaped like the params, and none is a flattened "
                 "statistic (1-D, of the params' total size); hyperparameters are never "
                 f"cast{_copies_found(state, copies)}. Every leaf keeps the dtype it has: "
                 f"{_floating_leaves(state)}.",
