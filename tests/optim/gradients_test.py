@@ -6,6 +6,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp import DynamicLossScale
@@ -201,3 +203,87 @@ def test_nnx_transform_is_used_on_a_model_with_batch_norm_and_dropout():
     assert all(jnp.issubdtype(g.dtype, jnp.floating) for g in jax.tree.leaves(grads))
     losses = [float(train_step(model, optimizer, x, y)[0]) for _ in range(20)]
     assert losses[-1] < losses[0]
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+SCALE = 1024.0  # a power of two: the scaled gradients are the unscaled ones times it, exactly
+
+
+def _weighted_loss(params, x):
+    terms = [jnp.sum((p.astype(jnp.float32) * x.astype(jnp.float32)) ** 2) for p in params]
+    return sum(terms) / 4.0
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    param_dtypes=st.tuples(st.sampled_from(sorted(DTYPES)), st.sampled_from(sorted(DTYPES))),
+    input_dtype=st.sampled_from(sorted(DTYPES)),
+    params_first=st.booleans(),
+    input_differentiated=st.booleans(),
+    has_aux=st.booleans(),
+)
+# The issue's case: float32 params and a differentiated bfloat16 input were refused,
+# blaming an optax.flatten the user never wrote.
+@example(("float32", "float32"), "bfloat16", True, True, False)
+@example(("bfloat16", "float32"), "float16", False, True, True)
+def test_value_and_grad_of_params_and_an_input_matches_jax(
+    param_dtypes, input_dtype, params_first, input_differentiated, has_aux
+):
+    """jaxamp.value_and_grad with several argnums returns what jax.value_and_grad does, the
+    gradients scaled: a differentiated 16-bit input beside the params is fine (it was
+    counted with the params and refused). The params are argnums' first argument, in
+    either position of the loss's arguments, and the optimizer unscales their gradients."""
+    params = {
+        "a": jnp.array([1.0, 2.0, -0.5], DTYPES[param_dtypes[0]]),
+        "b": jnp.array([0.25, -1.5, 3.0], DTYPES[param_dtypes[1]]),
+    }
+    x = jnp.array([0.5, -1.0, 2.0], DTYPES[input_dtype])
+    if params_first:
+        loss = lambda p, x: _weighted_loss(p.values(), x)
+    else:
+        loss = lambda x, p: _weighted_loss(p.values(), x)
+    fun = (lambda *a: (loss(*a), {"x": a[0]})) if has_aux else loss
+    args = (params, x) if params_first else (x, params)
+    at = 0 if params_first else 1
+    argnums = (at, 1 - at) if input_differentiated else at
+    tx = jaxamp.loss_scaled(optax.sgd(0.1), jaxamp.StaticLossScale(SCALE))
+    state = tx.init(params)
+    value, grads = jax.jit(jaxamp.value_and_grad(fun, argnums=argnums, has_aux=has_aux))(
+        *args, opt_state=state
+    )
+    want_value, want = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args)
+    for got, ref in zip(jax.tree.leaves(value), jax.tree.leaves(want_value), strict=True):
+        assert got.dtype == ref.dtype
+        np.testing.assert_array_equal(got, ref)
+    assert jax.tree.structure(grads) == jax.tree.structure(want)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        assert got.dtype == ref.dtype
+        np.testing.assert_array_equal(got, ref * jnp.asarray(SCALE, ref.dtype))
+    param_grads = grads[0] if input_differentiated else grads
+    updates, _ = jax.jit(tx.update)(param_grads, state, params)
+    want_params = want[0] if input_differentiated else want
+    for p, u, g in zip(*map(jax.tree.leaves, (params, updates, want_params)), strict=True):
+        stepped = p.astype(jnp.float32) - 0.1 * g.astype(jnp.float32)
+        np.testing.assert_array_equal(optax.apply_updates(p, u), stepped.astype(p.dtype))
+
+
+def test_value_and_grad_refusal_names_what_was_written():
+    """A transformation around loss_scaled that changes the params it sees is refused,
+    naming the call the user wrote (its function and argnums) and the counts of each
+    differentiated argument, not an optax.flatten the user never wrote."""
+    params = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones(2)}
+    x = jnp.ones(3, jnp.float32)
+
+    def my_loss(p, x):
+        return jnp.sum(p["a"].astype(jnp.float32) * x) + jnp.sum(p["b"])
+
+    flattened = optax.flatten(jaxamp.loss_scaled(optax.sgd(0.1)))  # sees one float32 vector
+    state = flattened.init(params)
+    call = jaxamp.value_and_grad(my_loss, argnums=(0, 1))
+    wrote = r"jaxamp\.value_and_grad\(my_loss, argnums=\(0, 1\)\)"
+    counts = r"with 0 16-bit leaves, and the params' gradients \(argument 0, .*\) have 1 "
+    with pytest.raises(ValueError, match=wrote + ": .*" + counts):
+        jax.jit(call)(params, x, opt_state=state)
+    other = jaxamp.loss_scaled(optax.sgd(0.1)).init({"b": jnp.ones(2)})  # other params
+    with pytest.raises(ValueError, match=wrote + r".*initialised on"):
+        jax.jit(call)(params, x, opt_state=other)

@@ -64,7 +64,9 @@ def value_and_grad(
 
     Args:
       fun: the loss function.
-      argnums: which positional arguments to differentiate.
+      argnums: which positional arguments to differentiate. The optimizer's params
+        are the first of them; others differentiated beside them (a 16-bit input, a
+        float8 scaling state) may have any dtype.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       transform: the ``value_and_grad`` to build on: ``jax.value_and_grad``
         (default), ``nnx.value_and_grad`` for NNX modules, or any function with
@@ -72,6 +74,11 @@ def value_and_grad(
 
     Returns:
       ``f(*args, opt_state, **kwargs) -> (value, scaled_grads)``.
+
+    Raises:
+      ValueError: where the params' gradients have another number of 16-bit leaves
+        than the params ``jaxamp.loss_scaled`` was initialised on (a transformation
+        around it changed the params it sees, as ``optax.flatten`` of mixed dtypes does).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -96,30 +103,56 @@ def value_and_grad(
 
         vg = transform(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = vg(*args, **kwargs)
-        _check_params_seen(grads, find_loss_scaled_state(opt_state))
+        seen = getattr(find_loss_scaled_state(opt_state), "sixteen_bit_leaves", None)
+        if seen is not None:
+            written = _written(fun, argnums, has_aux, transform)
+            _check_params_seen(grads, argnums, seen.shape[0] - 1, written)
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
 
 
-def _check_params_seen(grads: Any, state: Any) -> None:
-    """Raises if ``loss_scaled`` was initialised on params with another number of 16-bit
-    leaves than these gradients have: something around it changed the params it sees,
-    and its float32 master would not cover the 16-bit params (read from shapes, so it
-    holds under ``jit``)."""
-    seen = getattr(state, "sixteen_bit_leaves", None)
-    if seen is None:
-        return
-    here, there = count_16bit(grads), seen.shape[0] - 1
-    if here != there:
-        raise ValueError(
-            f"jaxamp.loss_scaled was initialised on params with {there} 16-bit "
-            f"leaves, and these gradients have {here}: a transformation around it changed "
-            "the params it sees (optax.flatten joins mixed float32 and 16-bit params into "
-            "one float32 vector, so no 16-bit param would keep a float32 master). Put it "
-            "inside: jaxamp.loss_scaled(optax.flatten(inner)); or init the optimizer on "
-            "the params you differentiate."
+def _written(fun: Any, argnums: Any, has_aux: bool, transform: Any) -> str:
+    """The call as the user wrote it, for messages."""
+    args = [getattr(fun, "__name__", None) or type(fun).__name__]
+    args += [f"argnums={argnums!r}"] if argnums != 0 else []
+    args += ["has_aux=True"] if has_aux else []
+    if transform is not jax.value_and_grad:
+        args.append(f"transform={getattr(transform, '__name__', type(transform).__name__)}")
+    return f"jaxamp.value_and_grad({', '.join(args)})"
+
+
+def _check_params_seen(grads: Any, argnums: Any, there: int, written: str) -> None:
+    """Raises if ``loss_scaled`` was initialised on params with ``there`` 16-bit leaves
+    and the params' gradients (the first of several ``argnums``; or all of them, params
+    split across arguments) have another number: something around it changed the params
+    it sees, and its float32 master would not cover the 16-bit params (read from shapes,
+    so it holds under ``jit``). Other differentiated arguments may have any dtype."""
+    if isinstance(argnums, int):
+        here = count_16bit(grads)
+        if here == there:
+            return
+        which = f"the params' gradients (argument {argnums}) have {here}"
+    else:
+        here = count_16bit(grads[0])
+        if here == there or count_16bit(grads) == there:
+            return
+        counts = ", ".join(
+            f"argument {a}: {count_16bit(g)}" for a, g in zip(argnums, grads, strict=True)
         )
+        which = (
+            f"the params' gradients (argument {argnums[0]}, the first of argnums) have "
+            f"{here} ({counts})"
+        )
+    raise ValueError(
+        f"{written}: the jaxamp.loss_scaled in opt_state was initialised on params with "
+        f"{there} 16-bit leaves, and {which}. Differentiate the params the optimizer was "
+        "initialised on, first in argnums (other arguments differentiated beside them, a "
+        "16-bit input say, may have any dtype). If they are those params, a transformation "
+        "around loss_scaled changes the params it sees: optax.flatten, for one, joins mixed "
+        "float32 and 16-bit params into one float32 vector, which leaves no float32 master "
+        "for the 16-bit ones; put it inside: jaxamp.loss_scaled(optax.flatten(inner))."
+    )
 
 
 def reduce_gradients(
