@@ -2,11 +2,15 @@
 
 JAX changes its internals behind flags before it flips them: under ``jax_remat3``
 ``jax.checkpoint`` is a "hi" primitive, under ``jax_custom_vjp3`` ``jax.custom_vjp``
-is one, under ``jax_scan3`` ``lax.scan`` changes. The autocast interpreter must enter
-each higher-order primitive or refuse it by name; these runs show it does, on the
-flags this jax has.
+is one, under ``jax_use_simplified_jaxpr_constants`` closed-over arrays are written
+inline. The flags are not hand-picked: ``next_jax_flags`` reads, from the installed
+jax's own config module, every flag declared ``upgrade=True`` or whose help calls it
+temporary, and keeps those still off (the next JAX turns them on). The sensitive suite
+runs with all of them on at once, and a smaller one under each alone.
 """
 
+import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -19,9 +23,44 @@ from jax import lax
 
 import jaxamp
 
-# jax_scan3 is left out: its scan carries state in Refs, which autocast refuses by name
-# (test_scan3_is_refused_by_name); with it on, every scan under autocast would be.
-NEXT_FLAGS = tuple(flag for flag in ("jax_remat3", "jax_custom_vjp3") if hasattr(jax.config, flag))
+# Words by which jax's config calls a flag temporary.
+_TEMPORARY = ("temporary", "only briefly", "while we transition")
+# Flags read from jax that these runs leave off, each with the reason.
+LEFT_OFF = {
+    # Its scan carries state in Refs, which autocast refuses by name
+    # (test_scan3_is_refused_by_name); with it on, every scan under autocast would be.
+    "jax_scan3": "autocast refuses its scan by name",
+}
+
+
+def next_jax_flags() -> tuple[str, ...]:
+    """The boolean flags the installed jax declares with ``upgrade=True`` or calls
+    temporary in their help, that are off in this process: read from the source of
+    ``jax._src.config`` (the declarations keep no other record of either)."""
+    from jax._src import config
+
+    found = []
+    for node in ast.walk(ast.parse(inspect.getsource(config))):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "bool_state"):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        name = keywords.get("name")
+        if not isinstance(name, ast.Constant) or not hasattr(jax.config, name.value):
+            continue
+        upgrade = keywords.get("upgrade")
+        try:
+            help_text = ast.literal_eval(keywords["help"]) if "help" in keywords else ""
+        except ValueError:  # a help text built at import: read its source
+            help_text = ast.unparse(keywords["help"])
+        temporary = any(word in str(help_text).lower() for word in _TEMPORARY)
+        upgraded = isinstance(upgrade, ast.Constant) and upgrade.value is True
+        if (upgraded or temporary) and not getattr(jax.config, name.value):
+            found.append(name.value)
+    return tuple(sorted(found))
+
+
+ALL_NEXT = next_jax_flags()
+NEXT_FLAGS = tuple(flag for flag in ALL_NEXT if flag not in LEFT_OFF)
 ROOT = Path(__file__).resolve().parent.parent
 # The tests that trace through transformations: autocast's interpreter and rules, and
 # the policies that evaluate models with them.
@@ -34,12 +73,36 @@ SENSITIVE = (
     "tests/flax_policy/zoo_test.py",
     "tests/flax_policy/fp8_test.py",
 )
+# Under each flag alone: the interpreter's own tests and the constants' (the parts each
+# flag reaches: checkpoint, custom derivatives, constants, softmax, PRNG keys).
+SENSITIVE_ALONE = (
+    "tests/autocast/interpreter_test.py",
+    "tests/autocast/constants_test.py",
+    "tests/ops/fp8_test.py::test_a_gemm_inside_checkpoint_matches_it_outside",
+)
+
+
+def test_the_flags_are_read_from_jax():
+    """The reader finds the flags this jax declares as upgrades or temporary (a parser
+    that found none would make every run below vacuous)."""
+    assert ALL_NEXT, "no next-JAX flag found in jax._src.config"
+    declared = {"jax_remat3", "jax_custom_vjp3", "jax_use_simplified_jaxpr_constants"}
+    assert {f for f in declared if hasattr(jax.config, f)} <= set(ALL_NEXT)
+    assert "jax_enable_x64" not in ALL_NEXT or not jax.config.jax_enable_x64
 
 
 @pytest.mark.xdist_group("next_jax")
 @pytest.mark.skipif(not NEXT_FLAGS, reason="this jax has none of the next-JAX flags")
 def test_transformation_sensitive_tests_pass_under_the_next_jax_flags():
     _pytest_under(NEXT_FLAGS, *SENSITIVE, timeout=1800)
+
+
+@pytest.mark.parametrize("flag", NEXT_FLAGS)
+def test_sensitive_tests_pass_under_each_next_jax_flag_alone(flag):
+    """Each flag on its own, from import on: under jax_custom_vjp3 without jax_remat3, a
+    custom_vjp defined with nondiff_argnums fails inside jax.checkpoint (in JAX: safe_zip
+    lengths), so the float8 GEMMs close over their static arguments instead."""
+    _pytest_under((flag,), *SENSITIVE_ALONE, timeout=900)
 
 
 def _pytest_under(flags, *tests, timeout):
@@ -66,13 +129,3 @@ def test_scan3_is_refused_by_name(jax_flag):
 
     with pytest.raises(NotImplementedError, match="'Scan3'"):
         jaxamp.autocast(f, "mixed_bfloat16")(jnp.ones((4, 4)), jnp.ones((3, 4)))
-
-
-@pytest.mark.xdist_group("next_jax")
-@pytest.mark.parametrize("flag", NEXT_FLAGS)
-def test_float8_gemms_inside_checkpoint_under_each_flag_alone(flag):
-    """Each flag on its own, from import on: under jax_custom_vjp3 without jax_remat3, a
-    custom_vjp defined with nondiff_argnums fails inside jax.checkpoint (in JAX: safe_zip
-    lengths), so the float8 GEMMs close over their static arguments instead."""
-    test = "tests/ops/fp8_test.py::test_a_gemm_inside_checkpoint_matches_it_outside"
-    _pytest_under((flag,), test, timeout=600)
