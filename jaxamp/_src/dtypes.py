@@ -14,6 +14,7 @@ from jaxamp._src.errors import invalid_choice
 T = TypeVar("T")
 
 FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
 
 # Floating dtypes a policy may name, with their canonical spelling.
 POLICY_DTYPES = {
@@ -108,6 +109,28 @@ def is_narrower(dtype: Any, than: Any) -> bool:
     )
 
 
+def is_float64(dtype: Any) -> bool:
+    """Whether ``dtype`` is float64 and JAX computes in it (``jax_enable_x64`` is on).
+
+    A policy leaves such values as written, as ``torch.autocast`` leaves float64. Without
+    x64 JAX takes a float64 array (NumPy's default) as float32, and so does a policy.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> with jax.enable_x64(True):
+      ...     is_float64(jnp.float64)
+      True
+      >>> with jax.enable_x64(False):
+      ...     is_float64(jnp.float64)
+      False
+    """
+    return (
+        is_floating(dtype)
+        and np.dtype(dtype) == FLOAT64
+        and np.dtype(jax.dtypes.canonicalize_dtype(FLOAT64)) == FLOAT64
+    )
+
+
 def is_array(x: Any) -> bool:
     """Whether ``x`` is an array or a tracer (not a Python number, not ``None``)."""
     return isinstance(x, (np.ndarray, np.generic, jax.Array))
@@ -140,7 +163,8 @@ def upcast(x: Any) -> Any:
 
 
 def float32_tree(tree: T) -> T:
-    """Every floating array leaf of ``tree`` as a float32 array of its own.
+    """Every floating array leaf of ``tree`` as a float32 array of its own; a float64 leaf
+    under ``jax_enable_x64`` (``is_float64``) as it is.
 
     Unlike ``jaxamp.cast_floating(tree, float32)``, a leaf already in float32 is cast
     too, so a weakly typed one (``jnp.asarray(1.0)``) becomes strongly typed: state
@@ -152,7 +176,11 @@ def float32_tree(tree: T) -> T:
       >>> out["w"].dtype, out["s"].weak_type
       (dtype('float32'), False)
     """
-    return jax.tree.map(lambda x: x.astype(FLOAT32) if is_floating_array(x) else x, tree)
+
+    def cast(x):
+        return x.astype(FLOAT32) if is_floating_array(x) and not is_float64(x.dtype) else x
+
+    return jax.tree.map(cast, tree)
 
 
 def canonical_dtype(value: Any, what: str = "dtype") -> np.dtype:

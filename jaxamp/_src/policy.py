@@ -16,6 +16,7 @@ from jaxamp._src.dtypes import (
     FLOAT32,
     JMP_DTYPE_NAMES,
     canonical_dtype,
+    is_float64,
     is_floating_array,
     is_narrow,
     is_narrower,
@@ -100,9 +101,11 @@ def _as_recipe(value: Any) -> Fp8Recipe | None:
 def cast_floating(tree: T, dtype: Any) -> T:
     """Casts the floating-point array leaves of ``tree`` to ``dtype``.
 
-    Integer, boolean and PRNG-key leaves, and leaves that are not arrays (Python
-    numbers, strings, ``None``), pass through untouched; leaves already in ``dtype``
-    are returned as they are, so no convert is emitted for them.
+    Every floating leaf is cast, float64 under ``jax_enable_x64`` included: this is
+    the explicit cast (``Policy.cast_to_compute`` and the policy's other casts leave a
+    float64 leaf as written). Integer, boolean and PRNG-key leaves, and leaves that are
+    not arrays (Python numbers, strings, ``None``), pass through untouched; leaves
+    already in ``dtype`` are returned as they are, so no convert is emitted for them.
 
     Args:
       tree: any pytree.
@@ -122,12 +125,17 @@ def cast_floating(tree: T, dtype: Any) -> T:
       >>> out["w"].dtype, out["step"].dtype
       (dtype(bfloat16), dtype('int32'))
     """
-    dtype = canonical_dtype(dtype)
+    return _cast(tree, canonical_dtype(dtype), keep_float64=False)
+
+
+def _cast(tree: T, dtype: np.dtype, keep_float64: bool) -> T:
+    """``cast_floating``; with ``keep_float64``, float64 leaves under ``jax_enable_x64``
+    are left as they are (a policy's casts)."""
 
     def cast(x):
-        if is_floating_array(x) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
+        if not is_floating_array(x) or x.dtype == dtype:
+            return x
+        return x if keep_float64 and is_float64(x.dtype) else x.astype(dtype)
 
     return jax.tree.map(cast, tree)
 
@@ -190,20 +198,27 @@ class Policy:
         return self.param_dtype
 
     def cast_to_param(self, tree: T) -> T:
-        """Casts floating leaves of ``tree`` to ``param_dtype``."""
-        return cast_floating(tree, self.param_dtype)
+        """Casts floating leaves of ``tree`` to ``param_dtype``.
+
+        Under ``jax_enable_x64`` a float64 leaf is left as it is, by this and the other
+        ``cast_to_*`` methods: a policy leaves float64 as written, as ``torch.autocast``
+        does (``jaxamp.cast_floating`` casts it). Without x64 JAX reads a float64 NumPy
+        array as float32, and these cast it as jmp's do.
+        """
+        return _cast(tree, self.param_dtype, keep_float64=True)
 
     def cast_to_compute(self, tree: T) -> T:
-        """Casts floating leaves of ``tree`` to ``compute_dtype``."""
-        return cast_floating(tree, self.compute_dtype)
+        """Casts floating leaves of ``tree`` to ``compute_dtype`` (float64 under x64 kept)."""
+        return _cast(tree, self.compute_dtype, keep_float64=True)
 
     def cast_to_output(self, tree: T) -> T:
-        """Casts floating leaves of ``tree`` to ``output_dtype``."""
-        return cast_floating(tree, self.output_dtype)
+        """Casts floating leaves of ``tree`` to ``output_dtype`` (float64 under x64 kept)."""
+        return _cast(tree, self.output_dtype, keep_float64=True)
 
     def cast_to_reduce(self, tree: T) -> T:
-        """Casts floating leaves of ``tree`` to ``grad_reduce_dtype``."""
-        return cast_floating(tree, self.grad_reduce_dtype)
+        """Casts floating leaves of ``tree`` to ``grad_reduce_dtype`` (float64 under x64
+        kept)."""
+        return _cast(tree, self.grad_reduce_dtype, keep_float64=True)
 
     def with_output_dtype(self, output_dtype: Any) -> Policy:
         """Returns a copy of this policy with another ``output_dtype``."""

@@ -20,6 +20,7 @@ from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
 from jaxamp._src.dtypes import (
     FLOAT32,
     is_16bit,
+    is_float64,
     is_floating,
     is_narrow,
     is_narrower,
@@ -305,11 +306,21 @@ def _contracts(eqn: Any) -> bool:
 
 
 def _wide_operand(env: _Env, atom: Any, compute: Any) -> Any:
-    """A matmul operand: the float32 value the program narrowed to ``compute``, if it did."""
+    """A matmul operand: the float32 value the program narrowed to ``compute``, if it did
+    (from float64, the narrow value: the matmul the program wrote is a 16-bit one)."""
     wide = env.wide_of(atom)
-    if wide is not None and np.dtype(env.dtype(atom)) == np.dtype(compute):
+    if (
+        wide is not None
+        and np.dtype(env.dtype(atom)) == np.dtype(compute)
+        and not is_float64(wide.dtype)
+    ):
         return wide
     return env.read(atom)
+
+
+def _is_float64(eqn: Any) -> bool:
+    """Whether an operand or the result of ``eqn`` is float64 (under ``jax_enable_x64``)."""
+    return any(is_float64(_traced_dtype(a)) for a in (*eqn.invars, *eqn.outvars))
 
 
 def _is_vector_dot(eqn: Any) -> bool:
@@ -328,8 +339,11 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
     A 16-bit compute dtype runs it under the matmul rule (``jaxamp._src.ops.matmul``),
     which casts the operands itself, so a float32 weight's 16-bit copy is not
     saved for the backward pass and its gradient comes out in float32. A vector dot
-    takes the widest dtype its operands arrive in instead.
+    takes the widest dtype its operands arrive in instead. One on float64 operands,
+    or with a float64 result, runs as traced (a policy leaves float64 as written).
     """
+    if _is_float64(eqn):
+        return _as_traced(eqn, env)
     if not all(is_floating(_traced_dtype(a)) for a in eqn.invars[:2]) or not _contracts(eqn):
         return _promote(eqn, env)  # integer matmuls and outer products are left alone
     compute = env.policy.compute_dtype
@@ -372,8 +386,7 @@ def _compute(eqn: Any, env: _Env) -> list[Any]:
                 )
             ]
         return [amp_conv_from_params(lhs, rhs, params, compute)]
-    if is_floating(params.get("preferred_element_type")):
-        params["preferred_element_type"] = None
+    # A result type the program asked for (preferred_element_type) is kept.
     return bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
 
 
@@ -610,7 +623,11 @@ def eval_jaxpr(
 ) -> list[Any]:
     """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs.
 
+    Where no policy of ``config`` narrows anything (``AutocastConfig.as_traced``: a
+    float32 policy), the program is evaluated as traced, rules and all: the identity.
     ``record`` (internal) is the caller's, for calls evaluated inline."""
+    if config.as_traced:
+        return jax.core.eval_jaxpr(jaxpr, consts, *args)
     env = _Env(config, record=record)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))

@@ -12,6 +12,7 @@ from typing import Any
 import jax.extend as jex
 from jax import lax
 
+from jaxamp._src.dtypes import is_narrow
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.policy import Policy
 
@@ -238,9 +239,30 @@ def policy_rules(rules: AutocastRules | None = None) -> AutocastRules:
     return rules
 
 
+def narrows(policy: Policy) -> bool:
+    """Whether ``policy`` narrows anything: params or compute in fewer than 32 bits, or
+    GEMMs in float8. One that does not (``"float32"``) is the identity."""
+    narrow = is_narrow(policy.param_dtype) or is_narrow(policy.compute_dtype)
+    return narrow or policy.fp8 is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class AutocastConfig:
-    """What the autocast interpreter evaluates with: a policy and a rule table."""
+    """What the autocast interpreter evaluates with: a policy and a rule table.
+
+    Attributes:
+      policy: the policy (the root policy, for ``apply_policy``).
+      rules: the rule table.
+      layer_policies: the other policies layers inside take (``apply_policy``'s overrides).
+    """
 
     policy: Policy
     rules: AutocastRules
+    layer_policies: tuple[Policy, ...] = ()
+
+    @property
+    def as_traced(self) -> bool:
+        """Whether no policy here narrows anything (``narrows``): the program is then
+        evaluated as traced, with no rule, so a float32 policy is the identity even on
+        code that rounds to 16 bits itself."""
+        return not any(narrows(p) for p in (self.policy, *self.layer_policies))

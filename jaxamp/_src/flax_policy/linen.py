@@ -159,7 +159,9 @@ def _lifted_policy(fn, scope, *args, config, residuals, delayed, **kwargs):
             scope = scope_fn(variable_groups, rng_groups)
             return fn(scope, *args, **kwargs), repack_fn(scope)
 
-        as_written = lambda _: layer_plan.layers_as_written()
+        # Under a policy that narrows nothing the program is evaluated as traced, its
+        # constants included.
+        as_written = None if config.as_traced else lambda _: layer_plan.layers_as_written()
         combined = fp8_state.max_combined_groups(variable_groups, delayed, scope, _TARGET)
         out, repacked = interpreted(pure, config, residuals, as_written)(
             combined, rng_groups, *args, **kwargs
@@ -231,7 +233,10 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
         policy = layer_plan.resolve_policy(root, overrides, chain)
         plan = layer_plan.plan_layer(module, policy, context.method_name)
         scope = layer_plan.layer_scope(root, policy)
-        if not plan or layer_plan.has_complex((args, kwargs)):
+        as_written = layer_plan.has_complex((args, kwargs)) or layer_plan.has_float64(
+            (args, kwargs)
+        )
+        if not plan or as_written:  # complex or float64 inputs: the layer as written
             with scope:
                 return next_fun(*args, **kwargs)
         with scope, _temporarily_set(module, plan.attributes):
@@ -409,7 +414,9 @@ class PolicyModule(nn.Module):
             if self.is_initializing():  # creating params: the layers' settings are all it needs
                 out = target(self, *args, **kwargs)
             else:
-                config = AutocastConfig(self.policy, policy_rules(self.rules))
+                config = AutocastConfig(
+                    self.policy, policy_rules(self.rules), tuple(p for _, p in self.overrides)
+                )
                 out = nn.transforms.lift_direct_transform(
                     functools.partial(
                         _lifted_policy,

@@ -22,6 +22,7 @@ from jaxamp._src.policy import Policy, cast_floating, get_policy
 _POLICY_ATTR = "jaxamp_policy"
 _RESIDUALS_ATTR = "jaxamp_residuals"
 _RULES_ATTR = "jaxamp_rules"
+_OVERRIDES_ATTR = "jaxamp_override_policies"
 _EMBED_DTYPE_ATTR = "jaxamp_embed_dtype"
 _ATTEND_PLAN_ATTR = "jaxamp_attend_plan"
 _SCOPE_ATTR = "jaxamp_scope_policies"  # (root, layer): a layer run as traced or out of float8
@@ -77,23 +78,21 @@ def _policy_call(self, *args, **kwargs):
         is_leaf=is_graph_node,
     )
     _cast_caches(self)
-    config = AutocastConfig(policy, getattr(self, _RULES_ATTR))
+    config = AutocastConfig(policy, getattr(self, _RULES_ATTR), getattr(self, _OVERRIDES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
 
     def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
         with fp8_state.nnx_combined_state(iter_modules(module), combined):
-            if fp8_state.has_nnx_meta(module):
-                return policy.cast_to_output(
-                    fp8_state.nnx_delayed_call(module, base_call, *args, **kwargs)
-                )
-            return policy.cast_to_output(base_call(module, *args, **kwargs))
+            return policy.cast_to_output(_run_layer(module, base_call, args, kwargs))
 
-    # Delayed float8 scaling: the layers' state, converted once for the call.
+    # Delayed float8 scaling: the layers' state, converted once for the call. Under a
+    # policy that narrows nothing the program is evaluated as traced, constants included.
+    as_written = None if config.as_traced else _as_written
     with (
         layer_plan.explaining_carry_errors(policy),
         fp8_state.nnx_max_combined(iter_modules(self)) as combined,
     ):
-        out = interpreted(call, config, residuals, _as_written)(self, *args, **kwargs)
+        out = interpreted(call, config, residuals, as_written)(self, *args, **kwargs)
     return fp8_state.float32_state(out)  # a model returning its state: float32
 
 
@@ -135,18 +134,43 @@ def _as_traced_call(self, *args, **kwargs):
 def _embed_attend(self, *args, **kwargs):
     """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
     plan: layer_plan.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
-    if plan.matmul is None or layer_plan.running_as_written():
+    float64 = layer_plan.has_float64((args, kwargs))  # a float64 query: as written
+    if plan.matmul is None or layer_plan.running_as_written() or float64:
         return type(self).__mro__[1].attend(self, *args, **kwargs)
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 
 
 def _own_call(self, *args, **kwargs):
-    """The layer's own ``__call__``; under delayed float8 scaling, its GEMM reads its state
-    (every wrapper ends here)."""
-    call = type(self).__mro__[1].__call__
-    if fp8_state.has_nnx_meta(self):
-        return fp8_state.nnx_delayed_call(self, call, *args, **kwargs)
-    return call(self, *args, **kwargs)
+    """The layer's own ``__call__`` (every wrapper ends here), run by ``_run_layer``."""
+    return _run_layer(self, type(self).__mro__[1].__call__, args, kwargs)
+
+
+def _run_layer(module: nnx.Module, call: Any, args: Any, kwargs: Any) -> Any:
+    """``call(module, *args, **kwargs)``; under delayed float8 scaling its GEMM reads its
+    state. Called with a float64 input (under ``jax_enable_x64``), it runs as written,
+    without the policy's settings: Flax computes such a layer in float64, and a policy
+    leaves float64 as written."""
+    if layer_plan.has_float64((args, kwargs)):
+        with _layer_as_written(module):
+            return call(module, *args, **kwargs)
+    if fp8_state.has_nnx_meta(module):
+        return fp8_state.nnx_delayed_call(module, call, *args, **kwargs)
+    return call(module, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _layer_as_written(module: nnx.Module):
+    """``module`` without the settings the policy gave it, for the duration (Flax computes
+    a layer called with float64 inputs in float64; a policy leaves float64 as written)."""
+    originals = getattr(module, _ORIGINALS_ATTR, None) or {}
+    settings = {name: getattr(module, name) for name in originals}
+    for name, value in originals.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in settings.items():
+            setattr(module, name, value)
 
 
 def _keeping_carry(call: Any) -> Any:
@@ -169,6 +193,7 @@ def _subclass(cls: type, call_name: str) -> type:
         "as_traced": {"__call__": _as_traced_call},
         "fp8": {"__call__": _own_call},
         "cell": {"__call__": _own_call},
+        "planned": {"__call__": _own_call},  # a layer with settings: as written for float64
     }[call_name]
     if issubclass(cls, nnx.RNNCellBase) and call_name != "policy":
         methods = {**methods, "__call__": _keeping_carry(methods["__call__"])}
@@ -299,6 +324,8 @@ def apply_policy(
             wrapper = "as_traced"
         elif isinstance(module, nnx.RNNCellBase):
             wrapper = "cell"
+        elif plan.attributes:
+            wrapper = "planned"
         if _runs_delayed(module, layer_policy):
             fp8_state.attach_nnx_meta(module, layer_policy.fp8)
             wrapper = wrapper or "fp8"
@@ -313,5 +340,6 @@ def apply_policy(
     setattr(model, _POLICY_ATTR, policy)
     setattr(model, _RESIDUALS_ATTR, residuals)
     setattr(model, _RULES_ATTR, rules)
+    setattr(model, _OVERRIDES_ATTR, tuple(p for _, p in override_list))
     _swap_class(model, "policy")
     return model

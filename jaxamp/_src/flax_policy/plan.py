@@ -21,7 +21,7 @@ from flax.linen import dtypes as linen_dtypes
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from jaxamp._src.dtypes import is_16bit, is_floating, is_narrower
+from jaxamp._src.dtypes import is_16bit, is_float64, is_floating, is_narrower
 from jaxamp._src.flax_policy.fp8 import LinenDelayed, NnxDelayed
 from jaxamp._src.jaxprs import FLOAT32_SCOPE, NO_FP8_SCOPE
 from jaxamp._src.ops import attention
@@ -88,6 +88,42 @@ def _is_float_setting(value: Any) -> bool:
         return False
 
 
+def _is_float64_setting(value: Any) -> bool:
+    """Whether a ``dtype``-like attribute holds float64 (under ``jax_enable_x64``)."""
+    try:
+        return value is not None and is_float64(np.dtype(value))
+    except TypeError:
+        return False
+
+
+def _own_params(module: Any) -> list[Any]:
+    """The values of a layer's own params (not its children's), where it has any yet."""
+    if isinstance(module, nnx.Module):
+        variables = [v for v in vars(module).values() if isinstance(v, nnx.Param)]
+        return [v.get_value() if hasattr(v, "get_value") else v.value for v in variables]
+    scope = getattr(module, "scope", None)
+    if scope is None:
+        return []
+    params = scope.variables().get("params", {})
+    return [v for v in params.values() if hasattr(v, "dtype")]
+
+
+def writes_float64(module: Any) -> bool:
+    """Whether a layer is written in float64 under ``jax_enable_x64``: its ``dtype`` or
+    ``param_dtype`` is float64, or a param of its own is. A policy leaves it as written."""
+    settings = (getattr(module, a, None) for a in ("param_dtype", "dtype"))
+    if any(_is_float64_setting(value) for value in settings):
+        return True
+    return any(is_float64(p.dtype) for p in _own_params(module))
+
+
+def has_float64(tree: Any) -> bool:
+    """Whether a floating array leaf of ``tree`` is float64 under ``jax_enable_x64``: a
+    layer called with one computes in float64 in Flax (its inputs promote its params),
+    and a policy leaves it as written."""
+    return any(is_float64(getattr(x, "dtype", None)) for x in jax.tree.leaves(tree))
+
+
 def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> LayerPlan:
     """Returns the settings that run ``module.<method_name>`` under ``policy``.
 
@@ -98,11 +134,14 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         settings are made once, for ``__call__``).
 
     Returns:
-      A ``LayerPlan``; empty when the module has nothing to set, and for a
+      A ``LayerPlan``; empty when the module has nothing to set, for a
       complex layer (a complex ``param_dtype`` or ``dtype``), which a real
-      compute dtype would cast to real.
+      compute dtype would cast to real, and for a layer written in float64
+      (``writes_float64``).
     """
     if any(_is_complex_setting(getattr(module, a, None)) for a in ("param_dtype", "dtype")):
+        return LayerPlan()
+    if writes_float64(module):  # a policy leaves float64 as written
         return LayerPlan()
     attrs: dict[str, Any] = {}
     cast_output_to = matmul = None

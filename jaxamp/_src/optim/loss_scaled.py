@@ -186,7 +186,8 @@ def loss_scaled(
 
     Args:
       inner: the optimizer, e.g. ``optax.chain(optax.clip_by_global_norm(1.0),
-        optax.adamw(1e-3))``; it sees float32, unscaled gradients. Its result is
+        optax.adamw(1e-3))``; it sees float32, unscaled gradients (a float64 param's
+        in float64 under ``jax_enable_x64``, with the float64 param). Its result is
         used only when they are all finite: under ``skip_with="select"`` it also
         runs on a step with non-finite gradients, and that step's updates and new
         state are discarded; under ``"cond"`` it does not run on such a step.
