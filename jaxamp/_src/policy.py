@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import numbers
 from typing import Any, TypeVar
 
 import jax
@@ -22,6 +21,7 @@ from jaxamp._src.dtypes import (
     is_narrower,
 )
 from jaxamp._src.errors import invalid_choice
+from jaxamp._src.ops.fp8 import recipe_integer
 
 T = TypeVar("T")
 
@@ -72,11 +72,9 @@ class Fp8Recipe:
         if self.scaling not in FP8_SCALINGS:
             raise invalid_choice("fp8 scaling", self.scaling, FP8_SCALINGS)
         for name in ("amax_history_length", "margin"):
-            value = getattr(self, name)
             least = 1 if name == "amax_history_length" else 0
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-                raise ValueError(f"Fp8Recipe.{name} must be an integer >= {least}, got {value!r}.")
-            object.__setattr__(self, name, int(value))
+            value = recipe_integer(f"Fp8Recipe.{name}", getattr(self, name), least)
+            object.__setattr__(self, name, value)
 
     def spec(self) -> str:
         """The recipe in the policy grammar (``fp8=delayed,fp8_history=16``)."""

@@ -2,6 +2,9 @@
 against Flax's fp8_ops step for step, under loops, vmap, remat, reuse and a checkpoint;
 both recipes train a small network close to bfloat16."""
 
+from collections.abc import Mapping
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,7 @@ from flax.linen import fp8_ops
 
 import jaxamp
 from jaxamp.ops import fp8_dot_general, init_meta, max_combined
-from tests.fp8_models import Mlp
+from tests.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -20,19 +23,37 @@ def _as_dict(meta):
     return {k: np.asarray(v) for k, v in meta._asdict().items()}
 
 
-def test_delayed_autocast_matches_flax_fp8_ops_step_for_step():
-    """An unmodified Mlp's apply under autocast 'p=f32,c=f32,o=f32,fp8=delayed' against the
-    same Mlp written with Flax's Fp8DirectDotGeneralOp, trained with SGD on inputs whose
-    scale changes: outputs, gradients, amax histories and scales bit for bit."""
-    x0 = jax.random.normal(jax.random.key(0), (8, 12))
-    ref = Mlp(fp8_ops.Fp8DirectDotGeneralOp)
+_FLAX_MODELS = {
+    # a transformer's MLP block: 64 tokens, 256 -> 512 -> 128
+    "mlp": (lambda op: Mlp(op, features=REALISTIC_FEATURES), REALISTIC_INPUT),
+    # a GEMM of two contracting axes (the weight gradient's operand order shows in the
+    # last bit)
+    "dense_general_2_axes": (
+        lambda op: nn.DenseGeneral((4, 6), axis=(-2, -1), dot_general_cls=op),
+        (32, 7, 9),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FLAX_MODELS))
+def test_delayed_autocast_matches_flax_fp8_ops_step_for_step(name):
+    """An unmodified model's apply under autocast 'p=f32,c=f32,o=f32,fp8=delayed' against
+    the same model written with Flax's Fp8DirectDotGeneralOp, at realistic widths, trained
+    with SGD on inputs whose scale changes: outputs, the params' and the input's gradients,
+    amax histories and scales bit for bit."""
+    make, shape = _FLAX_MODELS[name]
+    x0 = jax.random.normal(jax.random.key(0), shape)
+    ref = make(fp8_ops.Fp8DirectDotGeneralOp)
     ref_vars = ref.init(jax.random.key(1), x0)
     coll = fp8_ops.OVERWRITE_WITH_GRADIENT
     ref_params, ref_state = ref_vars["params"], ref_vars[coll]
-    params = Mlp().init(jax.random.key(1), x0)["params"]
-    f = jaxamp.autocast(Mlp().apply, "p=f32,c=f32,o=f32,fp8=delayed")
+    params = make(None).init(jax.random.key(1), x0)["params"]
+    f = jaxamp.autocast(make(None).apply, "p=f32,c=f32,o=f32,fp8=delayed")
     state = jaxamp.init_fp8_state(f, {"params": params}, x0)
-    assert len(state) == 2
+    flax_states = jax.tree.leaves(
+        ref_state, is_leaf=lambda t: isinstance(t, Mapping) and "input_scale" in t
+    )
+    assert len(state) == len(flax_states) == len(jax.tree.leaves(params)) // 2
 
     def loss(params, state, x):
         y = f({"params": params}, x, fp8_state=state)
@@ -42,24 +63,25 @@ def test_delayed_autocast_matches_flax_fp8_ops_step_for_step():
         y = ref.apply({"params": params, coll: state}, x)
         return jnp.mean((y - 1.0) ** 2), y
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
-    ref_step = jax.jit(jax.grad(ref_loss, argnums=(0, 1), has_aux=True))
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    ref_step = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2), has_aux=True))
     for i, factor in enumerate([1.0, 4.0, 0.25, 30.0, 1.0, 0.01]):
         x = x0 * factor
-        (g, new_state), y = step(params, state, x)
-        (rg, ref_new), ry = ref_step(ref_params, ref_state, x)
+        (g, new_state, dx), y = step(params, state, x)
+        (rg, ref_new, rdx), ry = ref_step(ref_params, ref_state, x)
         np.testing.assert_array_equal(y, ry, err_msg=f"outputs, step {i}")
+        np.testing.assert_array_equal(dx, rdx, err_msg=f"input gradient, step {i}")
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(rg), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"gradients, step {i}")
-        for meta, layer in zip(new_state.values(), ["Dense_0", "Dense_1"], strict=True):
-            np.testing.assert_equal(
-                _as_dict(meta),
-                jax.tree.map(np.asarray, dict(ref_new[layer]["Fp8DirectDotGeneralOp_0"])),
-            )
+        ref_metas = jax.tree.leaves(
+            ref_new, is_leaf=lambda t: isinstance(t, Mapping) and "input_scale" in t
+        )
+        for meta, ref_meta in zip(new_state.values(), ref_metas, strict=True):
+            np.testing.assert_equal(_as_dict(meta), jax.tree.map(np.asarray, dict(ref_meta)))
         params = jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
         ref_params = jax.tree.map(lambda p, d: p - 0.1 * d, ref_params, rg)
         state, ref_state = new_state, ref_new
-    assert float(next(iter(state.values())).input_scale[0]) != 1.0  # the scales moved
+    assert all(float(meta.input_scale[0]) != 1.0 for meta in state.values())  # they moved
 
 
 def _layers(ws, x, loop):
@@ -289,19 +311,28 @@ def test_loss_scaled_refuses_the_state():
         jaxamp.loss_scaled(optax.sgd(0.1)).init({"w": w1, "fp8": state})
 
 
-def _train(policy, steps=150):
-    """A two-layer classifier trained with Adam under autocast; its (first, final) losses."""
+# The inputs' scale, undone right after the first GEMM: the same network in float32 and in
+# 16 bits, but an operand of 1e-4 to 1e-3, below e4m3's smallest subnormal (2**-9), that
+# float8 holds only scaled. A broken scaling flushes it and the network cannot learn.
+_INPUT_SCALE = 2.0**-12
+
+
+def _train(policy, steps=150, keep_first_state=False):
+    """A two-layer classifier trained with Adam under autocast; its (first, final) losses.
+    ``keep_first_state``: a broken delayed recipe whose state never moves from its first
+    scales of 1 (its next state thrown away each step)."""
     k = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(k[0], (256, 16))
     teacher = jnp.tanh(x @ jax.random.normal(k[1], (16, 32))) @ jax.random.normal(k[2], (32, 8))
     labels = jnp.argmax(teacher, axis=-1)
+    x = x * _INPUT_SCALE
     params = {
         "w1": jax.random.normal(k[3], (16, 64)) / 4.0,
         "w2": jax.random.normal(k[4], (64, 8)) / 8.0,
     }
 
     def loss(params, x, y):
-        logits = jnp.tanh(x @ params["w1"]) @ params["w2"]
+        logits = jnp.tanh((x @ params["w1"]) / _INPUT_SCALE) @ params["w2"]
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     f = jaxamp.autocast(loss, policy)
@@ -309,6 +340,7 @@ def _train(policy, steps=150):
     state = None
     if fp8 is not None and fp8.scaling == "delayed":
         state = jaxamp.init_fp8_state(f, params, x, labels)
+    first_state = state
     tx = optax.adam(1e-2)
     opt = tx.init(params)
 
@@ -326,21 +358,27 @@ def _train(policy, steps=150):
     first = float(loss(params, x, labels))
     for _ in range(steps):
         params, opt, state, _ = step(params, opt, state)
+        state = first_state if keep_first_state else state
     return first, float(loss(params, x, labels))
 
 
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
 def test_both_recipes_train_close_to_16_bits(compute):
-    """From the same initialisation the loss falls from 2.1 to 0.015 in float32 and in 16
-    bits; in float8 (both recipes) it ends within 1% of the first loss of the 16-bit
-    run's final loss (float8's rounding leaves it about 10% above, at 0.016-0.017)."""
+    """From the same initialisation the loss falls from 2.24 to 0.016 in float32 and in 16
+    bits (within 1% of each other); in float8, both recipes, it ends within 25% of the
+    16-bit run's final loss (float8's rounding leaves it 10-16% above), and the fall is
+    float8's own: a delayed recipe whose scales stay at 1 flushes the inputs (1e-4 to
+    1e-3) to zero and ends where it started. The tolerance was 1% of the first loss, 0.02,
+    above the final losses it compared."""
     first, fp32 = _train("float32")
     _, half = _train(f"p=f32,c={compute},o=f32")
-    assert half == pytest.approx(fp32, abs=0.001 * first)
+    assert half < 0.01 * first
+    assert half == pytest.approx(fp32, rel=0.05)
     for recipe in ["current", "delayed"]:
         _, got = _train(f"p=f32,c={compute},o=f32,fp8={recipe}")
-        assert got == pytest.approx(half, abs=0.01 * first), recipe
-        assert got < 0.02 * first, recipe
+        assert got == pytest.approx(half, rel=0.25), recipe
+    _, unscaled = _train(f"p=f32,c={compute},o=f32,fp8=delayed", keep_first_state=True)
+    assert unscaled > 0.5 * first
 
 
 def test_a_trace_without_some_gemm_finds_each_weights_own_state():

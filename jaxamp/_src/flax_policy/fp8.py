@@ -13,6 +13,7 @@ import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import fp8_ops as flax_fp8_ops
 from jax import lax
 
 from jaxamp._src.dtypes import FLOAT32
@@ -30,6 +31,32 @@ from jaxamp._src.ops.fp8 import (
     warn_if_state_is_not_differentiated,
 )
 from jaxamp._src.policy import Fp8Recipe
+
+# Flax's own float8 ops (their common base, and each class by name where a Flax lacks it).
+FLAX_FP8_OPS: tuple[type, ...] = tuple(
+    cls
+    for name in ("Fp8DotGeneralBase", "Fp8DotGeneralOp", "Fp8DirectDotGeneralOp", "Fp8Einsum")
+    if isinstance(cls := getattr(flax_fp8_ops, name, None), type)
+)
+
+
+def refuse_flax_fp8_op(module: Any, policies: Any) -> None:
+    """Refuses one of Flax's own float8 ops (told by its class, whatever its name) in a
+    model under a delayed float8 policy (one of ``policies``, the root's and the
+    overrides'): the two keep their state in one collection under the same names, and
+    the policy's conversion of the collection reaches the op's state too. A layer of
+    one's own named ``Fp8...`` is a layer like any other."""
+    if not isinstance(module, FLAX_FP8_OPS):
+        return
+    if not any(p.fp8 is not None and p.fp8.scaling == "delayed" for p in policies):
+        return
+    path = "/".join(str(p) for p in module.scope.path) if module.scope else type(module).__name__
+    raise ValueError(
+        f"Flax's own float8 op {type(module).__name__} ({path}) in a model under a jaxamp "
+        "policy with delayed float8 scaling: the two keep their state in one collection "
+        f"('{STATE_COLLECTION}') under the same names. Use one or the other: jaxamp's "
+        "policy on plain layers, or Flax's ops under a policy without fp8=delayed."
+    )
 
 
 def _initial(name: str, length: int) -> jax.Array:
@@ -106,7 +133,7 @@ def max_combined_collection(variables: Any, combined: dict, prefix: tuple) -> An
     """``variables`` (of a model under a delayed float8 policy) with jaxamp's float8 state
     as values whose gradients combine by max. Other variables of the collection (a model's
     own, by Flax's convention) are left as they are; Flax's own float8 ops, whose state has
-    the same names, are refused beside a delayed policy.
+    the same names, are refused by type when they run (``refuse_flax_fp8_op``).
 
     ``combined`` (layer path, under ``prefix``, to its values and their conversion) makes
     every call of one apply that reads the same values share one conversion, so that a
@@ -116,15 +143,6 @@ def max_combined_collection(variables: Any, combined: dict, prefix: tuple) -> An
         return variables
     collection = variables[STATE_COLLECTION]
     ours = set(state_paths(collection))  # full sets of the six names, per layer
-    layers = {path.rpartition("/")[0] for path in ours}
-    flax_ops = sorted(layer for layer in layers if layer.rpartition("/")[2].startswith("Fp8"))
-    if flax_ops:
-        raise ValueError(
-            f"Flax's own float8 ops ({flax_ops[:3]}) in a model under a jaxamp policy with "
-            "delayed float8 scaling: the two keep their state in one collection under the "
-            "same names. Use one or the other: jaxamp's policy on plain layers, or Flax's "
-            "ops under a policy without fp8=delayed."
-        )
     flat, treedef = jax.tree_util.tree_flatten_with_path(collection)
     leaves = [leaf for _, leaf in flat]
     # By layer, then name, for max_combined to pair each scale with its history.

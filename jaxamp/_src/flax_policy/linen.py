@@ -205,6 +205,7 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
         module = context.module
         if isinstance(module, PolicyModule) or layer_plan.running_as_written():
             return next_fun(*args, **kwargs)
+        fp8_state.refuse_flax_fp8_op(module, (root, *(p for _, p in overrides)))
         chain = _module_chain(module, call)
         call.seen.append(chain)
         caller = _RUNNING.get()

@@ -240,6 +240,26 @@ def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
 # ------------------------------------------------------------------------ quantization
 
 
+def recipe_integer(what: str, value: Any, least: int) -> int:
+    """``value`` as an ``int``, refused unless it is an integer of at least ``least``: the
+    one check of a float8 recipe's integers, ``Fp8Recipe``'s and ``fp8_dot_general``'s
+    ``margin`` (powers of two, ``>= 0``: a negative margin clips every operand above
+    ``2**margin`` of its amax) and an ``amax_history_length`` (``>= 1``).
+
+    Raises:
+      ValueError: naming ``what``, the value given and the valid range.
+
+    Examples:
+      >>> recipe_integer("margin", -1, 0)
+      Traceback (most recent call last):
+      ...
+      ValueError: margin must be an integer >= 0, got -1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{what} must be an integer >= {least}, got {value!r}.")
+    return int(value)
+
+
 def fp8_max(dtype: Any) -> float:
     """The largest finite value of a float8 dtype (448 for e4m3, 57344 for e5m2)."""
     return float(jnp.finfo(dtype).max)
@@ -384,18 +404,19 @@ def _transpose_lhs(g, rhs, lhs, dimension_numbers):
 
 
 def _transpose_rhs(g, lhs, rhs, dimension_numbers):
-    """``d_rhs = dot(lhs, g)`` in float32, in the layout (and sharding) of ``rhs``."""
+    """``d_rhs = dot(g, lhs)`` in float32, in the layout (and sharding) of ``rhs``: ``g``
+    first, as Flax's ``fp8_ops`` and JAX's transpose of ``dot_general`` order it (the
+    other order sums the same products in another order, a last bit apart)."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
-    rhs_ndim = rhs.ndim
     x_kept = free_dims(lhs.ndim, x_contract, x_batch)
-    y_kept = free_dims(rhs_ndim, y_contract, y_batch)
+    y_kept = free_dims(rhs.ndim, y_contract, y_batch)
     nb = len(x_batch)
     ans_batch = tuple(range(nb))
     ans_x = tuple(range(nb, nb + len(x_kept)))
-    dims = ((tuple(x_kept), ans_x), (tuple(x_batch), ans_batch))
-    y_contract_by_x = [int(y_contract[i]) for i in np.argsort(x_contract)]
-    order = [*y_batch, *y_contract_by_x, *y_kept]
-    out = _gemm(lhs, g, dims, sharding_of_result(jax.typeof(rhs), order))
+    dims = ((ans_x, tuple(x_kept)), (ans_batch, tuple(x_batch)))
+    y_contract_by_x = [int(d) for d in np.take(y_contract, np.argsort(x_contract))]
+    order = [*y_batch, *y_kept, *y_contract_by_x]
+    out = _gemm(g, lhs, dims, sharding_of_result(jax.typeof(rhs), order))
     return jnp.transpose(out, np.argsort(order))
 
 
@@ -488,10 +509,8 @@ def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
       >>> meta.input_amax_history.shape, meta.input_scale.shape
       ((4,), (1,))
     """
-    n = amax_history_length
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"amax_history_length must be an integer >= 1, got {n!r}.")
-    history = jnp.zeros((amax_history_length,), FLOAT32)
+    n = recipe_integer("amax_history_length", amax_history_length, 1)
+    history = jnp.zeros((n,), FLOAT32)
     scale = jnp.ones((1,), FLOAT32)
     return Fp8Meta(history, history, history, scale, scale, scale)
 
@@ -632,11 +651,15 @@ def fp8_dot_general(
       preferred_element_type: the result dtype; ``None`` promotes the operands' dtypes.
       meta: delayed-scaling state (``init_meta``, or a mapping of its six names), or
         ``None`` for current scaling.
-      margin: powers of two of headroom below the float8 maximum.
+      margin: powers of two of headroom below the float8 maximum, an integer >= 0
+        (as ``Fp8Recipe.margin``).
       out_sharding: the result's sharding, as for ``lax.dot_general``.
 
     Returns:
       The product, dequantized.
+
+    Raises:
+      ValueError: for a ``margin`` that is not an integer >= 0.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -646,6 +669,7 @@ def fp8_dot_general(
       ((2, 4), 1.5)
     """
     del precision
+    margin = recipe_integer("fp8_dot_general's margin", margin, 0)
     floating = all(is_floating(x.dtype) for x in (lhs, rhs))
     if not floating or not (preferred_element_type is None or is_floating(preferred_element_type)):
         return lax.dot_general(
