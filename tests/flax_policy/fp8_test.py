@@ -263,28 +263,41 @@ def _nnx_model(policy, overrides=None):
     return jaxamp.nnx.apply_policy(model, policy, overrides=overrides)
 
 
-def test_nnx_delayed_state_updates_through_update_fp8_state_and_optimizer():
+def _nnx_delayed_training(tx, scaled):
+    """20 steps of the delayed float8 model with ``tx``; the loss multiplied by the loss
+    scale (``jaxamp.scale_loss``) where ``scaled``. Returns the model and the losses."""
     model = _nnx_model("mixed_float8_delayed")
-    optimizer = nnx.Optimizer(model, jaxamp.loss_scaled(optax.adam(1e-2)), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     x = jax.random.normal(jax.random.key(0), (4, 8))
     wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
 
     @nnx.jit
     def step(model, optimizer, x):
         def loss(model):
-            return jnp.mean((model(x) - 1.0) ** 2)
+            value = jnp.mean((model(x) - 1.0) ** 2)
+            return (jaxamp.scale_loss(value, optimizer) if scaled else value), value
 
-        value, grads = nnx.value_and_grad(loss, argnums=wrt)(model)
+        (_, value), grads = nnx.value_and_grad(loss, argnums=wrt, has_aux=True)(model)
         grads = jaxamp.nnx.update_fp8_state(model, grads)
         optimizer.update(model, grads)
         return value
 
     losses = [float(step(model, optimizer, x)) for _ in range(20)]
+    return model, x, losses
+
+
+def test_nnx_delayed_state_updates_through_update_fp8_state_and_optimizer():
+    """Through ``loss_scaled`` with a scaled loss, SGD (which, unlike Adam, a gradient
+    left scaled or unscaled twice would not hide) follows plain optax's SGD on the
+    unscaled loss, and the float8 state updates once per step."""
+    model, x, losses = _nnx_delayed_training(jaxamp.loss_scaled(optax.sgd(0.05)), scaled=True)
+    _, _, reference = _nnx_delayed_training(optax.sgd(0.05), scaled=False)
+    np.testing.assert_allclose(losses, reference, rtol=0.02)
     first = model.layers[0]
     assert float(first.input_amax_history[0]) == pytest.approx(float(jnp.max(jnp.abs(x))), 0.01)
     assert int(jnp.sum(first.input_amax_history[...] > 0)) == 20  # one entry per step
     assert float(first.input_scale[0]) != 1.0
-    assert losses[-1] < losses[0]
+    assert losses[-1] < 0.5 * losses[0]
 
 
 _F32_DELAYED = "p=f32,c=f32,fp8=delayed"
