@@ -6,7 +6,8 @@ is one, under ``jax_use_simplified_jaxpr_constants`` closed-over arrays are writ
 inline. The flags are not hand-picked: ``next_jax_flags`` reads, from the installed
 jax's own config module, every flag declared ``upgrade=True`` or whose help calls it
 temporary, and keeps those still off (the next JAX turns them on). The sensitive suite
-runs with all of them on at once, and a smaller one under each alone.
+runs with all of them on at once, and a smaller one under each alone; the float64 tests
+run with ``jax_enable_x64`` on from import on.
 """
 
 import ast
@@ -103,6 +104,16 @@ def test_sensitive_tests_pass_under_each_next_jax_flag_alone(flag):
     custom_vjp defined with nondiff_argnums fails inside jax.checkpoint (in JAX: safe_zip
     lengths), so the float8 GEMMs close over their static arguments instead."""
     _pytest_under((flag,), *SENSITIVE_ALONE, timeout=900)
+
+
+def test_the_x64_tests_pass_with_x64_on_from_import_on():
+    """``jax_enable_x64`` from import on, not only around each test's body: the float64
+    tests (each a float64 function or model against itself without a policy) and the
+    float32 policy's identity. The transformation tests are not run under it: they make
+    their inputs with ``jnp.ones`` and friends, float64 under x64, which a policy leaves
+    as written."""
+    tests = ("tests/x64_test.py", "tests/float32_identity_test.py")
+    _pytest_under(("jax_enable_x64",), *tests, "-k", "not without_x64", timeout=900)
 
 
 def _pytest_under(flags, *tests, timeout):

@@ -30,20 +30,20 @@ def _sub_jaxprs(value: Any) -> Iterator[Any]:
             yield from _sub_jaxprs(item)
 
 
-def _equations(jaxpr: Any) -> Iterator[Any]:
+def equations(jaxpr: Any) -> Iterator[Any]:
     """Every equation of ``jaxpr`` and of the jaxprs its equations hold."""
     for eqn in jaxpr.eqns:
         yield eqn
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
-                yield from _equations(sub)
+                yield from equations(sub)
 
 
 def _literals(jaxpr: Any) -> Iterator[tuple[tuple[str, str, int], Any]]:
     """``(key, literal)`` for each floating literal: the key is where the program wrote it
     (its source line, primitive and operand), the same in two traces of one function."""
     summarize = jex.source_info_util.summarize
-    for eqn in _equations(jaxpr):
+    for eqn in equations(jaxpr):
         for index, atom in enumerate(eqn.invars):
             if isinstance(atom, jex.core.Literal) and is_floating(
                 getattr(atom.aval, "dtype", None)
@@ -89,7 +89,7 @@ def rounded_to_inf(jaxpr: Any) -> bool:
     holds ``inf``: JAX rounds a Python scalar to the other operand's dtype), other than
     the ``-inf`` identities JAX's own reductions write (see
     ``_identity_written_by_jax``)."""
-    for eqn in _equations(jaxpr):
+    for eqn in equations(jaxpr):
         for atom in eqn.invars:
             if not isinstance(atom, jex.core.Literal) or not is_16bit(
                 getattr(atom.aval, "dtype", None)
@@ -210,7 +210,7 @@ def may_keep_wide(jaxpr: Any) -> bool:
         eqn.primitive.name == "convert_element_type"
         and getattr(eqn.invars[0].aval, "weak_type", False)
         and is_16bit(eqn.params.get("new_dtype"))
-        for eqn in _equations(jaxpr)
+        for eqn in equations(jaxpr)
     )
 
 

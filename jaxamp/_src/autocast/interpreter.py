@@ -1077,6 +1077,9 @@ def _tangent_like(t: Any, y: Any) -> Any:
     return t
 
 
+_SUMS = primitive_names("reduce_sum_p", "cumsum_p", "cumlogsumexp_p")
+
+
 def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
     """A ``jax.custom_jvp`` function (``relu``, ``logaddexp`` and so ``softplus``, ``mish``):
     rebuilt with ``jax.custom_jvp`` around its body and its JVP rule, both evaluated with
@@ -1106,7 +1109,11 @@ def _custom_jvp(eqn: Any, env: _Env) -> list[Any]:
         consts, args = primals
         dtypes = [y.dtype for y in jax.eval_shape(primal, consts, args)]
         jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
-        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *map(upcast, tangents[1])], config)
+        # A rule that sums its tangent (softmax's) sums in float32: the transposed sum
+        # of a 16-bit tangent would run in 16 bits. Others (relu's) take them as they are.
+        if any(e.primitive.name in _SUMS for e in constants.equations(jaxpr)):
+            tangents = (tangents[0], tuple(map(upcast, tangents[1])))
+        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], config)
         n = len(out_zeros)
         primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
         nonzero = iter(outs[n:])
