@@ -50,7 +50,8 @@ def refuse_flax_fp8_op(module: Any, policies: Any) -> None:
         return
     if not any(p.fp8 is not None and p.fp8.scaling == "delayed" for p in policies):
         return
-    path = "/".join(str(p) for p in module.scope.path) if module.scope else type(module).__name__
+    scope = getattr(module, "scope", None)
+    path = "/".join(str(p) for p in scope.path) if scope else type(module).__name__
     raise ValueError(
         f"Flax's own float8 op {type(module).__name__} ({path}) in a model under a jaxamp "
         "policy with delayed float8 scaling: the two keep their state in one collection "

@@ -243,10 +243,10 @@ def update_flow(
     traced with no extra arguments, then with each set of ``stand_ins``; or the error of
     the first try."""
     updates = _gradient_structure(params)  # optax.lookahead's gradients: the fast params
-    error = None
+    errors: list[Exception] = []
     for extra_args in stand_ins(updates):
         try:
             return recurrences(update, updates, state, params, extra_args)
         except Exception as e:  # an update that needs other extra arguments
-            error = error or e
-    return error
+            errors.append(e)
+    return errors[0]  # stand_ins tries the call with no extra arguments first
