@@ -74,11 +74,24 @@ SENSITIVE = (
     "tests/flax_policy/zoo_test.py",
     "tests/flax_policy/fp8_test.py",
 )
-# Under each flag alone: the interpreter's own tests and the constants' (the parts each
-# flag reaches: checkpoint, custom derivatives, constants, softmax, PRNG keys).
+# Under each flag alone, in CI: the interpreter's own tests, the constants' and the custom
+# rules' that the flags reach (checkpoint, custom derivatives, inline constants,
+# softmax's rule); the whole sensitive suite under each flag alone is the slow run.
 SENSITIVE_ALONE = (
-    "tests/autocast/interpreter_test.py",
-    "tests/autocast/constants_test.py",
+    *(
+        f"tests/autocast/interpreter_test.py::{name}"
+        for name in (
+            "test_checkpoint_is_entered_under_remat3",
+            "test_a_custom_jvp_function_with_an_integer_output",
+            "test_a_custom_vjp_forward_is_entered_and_its_backward_runs_as_written",
+            "test_a_custom_vjp_with_static_arguments_is_entered",
+            "test_a_higher_order_primitive_it_does_not_enter_is_refused_by_name",
+            "test_a_gradient_taken_inside_keeps_float32_weight_gradients",
+        )
+    ),
+    "tests/autocast/constants_test.py::test_a_closed_over_mask_bias_keeps_its_value_under_simplified_constants",
+    "tests/autocast/constants_test.py::test_gradients_through_the_mask_idiom_stay_finite",
+    "tests/autocast/rules_test.py::test_a_custom_jvp_rule_sums_its_tangents_in_float32",
     "tests/ops/fp8_test.py::test_a_gemm_inside_checkpoint_matches_it_outside",
 )
 
@@ -96,6 +109,12 @@ def test_the_flags_are_read_from_jax():
 @pytest.mark.skipif(not NEXT_FLAGS, reason="this jax has none of the next-JAX flags")
 def test_transformation_sensitive_tests_pass_under_the_next_jax_flags():
     _pytest_under(NEXT_FLAGS, *SENSITIVE, timeout=1800)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", NEXT_FLAGS)
+def test_all_sensitive_tests_pass_under_each_next_jax_flag_alone(flag):
+    _pytest_under((flag,), *SENSITIVE, timeout=3600)
 
 
 @pytest.mark.parametrize("flag", NEXT_FLAGS)
