@@ -21,7 +21,7 @@ from jaxamp._src.dtypes import (
     is_narrower,
 )
 from jaxamp._src.errors import invalid_choice
-from jaxamp._src.ops.fp8 import recipe_integer
+from jaxamp._src.ops.fp8 import MAX_MARGIN, recipe_integer
 
 T = TypeVar("T")
 
@@ -71,10 +71,10 @@ class Fp8Recipe:
             object.__setattr__(self, "scaling", self.scaling.strip().lower())
         if self.scaling not in FP8_SCALINGS:
             raise invalid_choice("fp8 scaling", self.scaling, FP8_SCALINGS)
-        for name in ("amax_history_length", "margin"):
-            least = 1 if name == "amax_history_length" else 0
-            value = recipe_integer(f"Fp8Recipe.{name}", getattr(self, name), least)
-            object.__setattr__(self, name, value)
+        history = recipe_integer("Fp8Recipe.amax_history_length", self.amax_history_length, 1)
+        object.__setattr__(self, "amax_history_length", history)
+        margin = recipe_integer("Fp8Recipe.margin", self.margin, 0, MAX_MARGIN)
+        object.__setattr__(self, "margin", margin)
 
     def spec(self) -> str:
         """The recipe in the policy grammar (``fp8=delayed,fp8_history=16``)."""

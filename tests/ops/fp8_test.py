@@ -395,13 +395,14 @@ def test_gemms_and_gradients_match_a_numpy_float8_emulation(shapes, dn, margin):
     assert np.max(np.abs(want_y[0] - np.asarray(exact))) > 1e3 * np.max(want_y[1])
 
 
-@pytest.mark.parametrize("margin", [-1, 0.5, True, "1", None])
+@pytest.mark.parametrize("margin", [-1, 0.5, True, "1", None, 15, 19, 128, 2**40])
 def test_a_margin_the_recipe_refuses_is_refused_by_fp8_dot_general_too(margin):
     """``margin=-1`` clipped every operand above half its amax, and ``0.5`` ran as a
-    fractional headroom; ``Fp8Recipe`` refused both. One check for both, naming the value
-    and the valid range, for current and delayed scaling."""
+    fractional headroom; beyond 14 the scaled operands flush toward zero (margin 16 made
+    a product of 1.5 into 1.10, 19 into 0, 128 into NaN). One check for both, naming
+    the value and the valid range, for current and delayed scaling."""
     x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
-    said = f"margin must be an integer >= 0, got {margin!r}"
+    said = f"margin must be an integer from 0 to 14, got {margin!r}"
     for meta in (None, init_meta(4)):
         with pytest.raises(ValueError, match=re.escape(f"fp8_dot_general's {said}")):
             fp8_dot_general(x, w, DN, meta=meta, margin=margin)
@@ -417,6 +418,16 @@ def test_an_integer_margin_of_any_integer_type_is_taken():
         fp8_dot_general(x, w, DN, margin=np.int64(2)), fp8_dot_general(x, w, DN, margin=2)
     )
     assert jaxamp.Fp8Recipe(margin=np.int64(2)).margin == 2
+    assert jaxamp.Fp8Recipe(margin=jnp.int32(2)).margin == 2
+
+
+@pytest.mark.parametrize("margin", [0, 7, 14])
+def test_the_largest_margin_still_multiplies_exactly(margin):
+    """Up to the largest margin the amax lands on a normal float8 number: a product of
+    powers of two comes out exact but for the float32 rounding of the scales (1.10 at
+    margin 16)."""
+    x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+    np.testing.assert_allclose(fp8_dot_general(x, w, DN, margin=margin), 1.5, rtol=1e-6)
 
 
 def test_integer_operands_are_left_to_lax():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
+import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -240,24 +240,40 @@ def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
 # ------------------------------------------------------------------------ quantization
 
 
-def recipe_integer(what: str, value: Any, least: int) -> int:
-    """``value`` as an ``int``, refused unless it is an integer of at least ``least``: the
-    one check of a float8 recipe's integers, ``Fp8Recipe``'s and ``fp8_dot_general``'s
-    ``margin`` (powers of two, ``>= 0``: a negative margin clips every operand above
+# The largest margin: the amax, scaled to float8's largest value over 2**margin, still
+# lands on a normal number of e4m3 (the forward GEMMs' format, smallest normal 2**-6):
+# floor(log2(448 / 2**-6)) = 14. Beyond it the scaled operands flush toward zero
+# (margin 16 turned a product of 1.5 into 1.10, margin 19 into 0, margin 128 into NaN).
+MAX_MARGIN = 14
+
+
+def recipe_integer(what: str, value: Any, least: int, most: int | None = None) -> int:
+    """``value`` as an ``int``, refused unless it is an integer (a Python, NumPy or JAX
+    integer scalar, not a bool) from ``least`` to ``most``: the one check of a float8
+    recipe's integers, ``Fp8Recipe``'s and ``fp8_dot_general``'s ``margin`` (powers of
+    two, from 0 to ``MAX_MARGIN``: a negative margin clips every operand above
     ``2**margin`` of its amax) and an ``amax_history_length`` (``>= 1``).
 
     Raises:
       ValueError: naming ``what``, the value given and the valid range.
 
     Examples:
-      >>> recipe_integer("margin", -1, 0)
+      >>> recipe_integer("margin", -1, 0, MAX_MARGIN)
       Traceback (most recent call last):
       ...
-      ValueError: margin must be an integer >= 0, got -1.
+      ValueError: margin must be an integer from 0 to 14, got -1.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ValueError(f"{what} must be an integer >= {least}, got {value!r}.")
-    return int(value)
+    valid = f"an integer >= {least}" if most is None else f"an integer from {least} to {most}"
+    error = ValueError(f"{what} must be {valid}, got {value!r}.")
+    if isinstance(value, (bool, np.bool_)):
+        raise error
+    try:
+        integer = operator.index(value)
+    except TypeError:
+        raise error from None
+    if integer < least or (most is not None and integer > most):
+        raise error
+    return int(integer)
 
 
 def fp8_max(dtype: Any) -> float:
@@ -669,7 +685,7 @@ def fp8_dot_general(
       ((2, 4), 1.5)
     """
     del precision
-    margin = recipe_integer("fp8_dot_general's margin", margin, 0)
+    margin = recipe_integer("fp8_dot_general's margin", margin, 0, MAX_MARGIN)
     floating = all(is_floating(x.dtype) for x in (lhs, rhs))
     if not floating or not (preferred_element_type is None or is_floating(preferred_element_type)):
         return lax.dot_general(
