@@ -7,6 +7,8 @@ Each case is a value that 16-bit arithmetic gets wrong, checked through ``jax.ji
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -236,3 +238,19 @@ def test_a_custom_jvp_rule_sums_its_tangents_in_float32(fun, dtype):
             jax.config.update(fun, previous)
     want = jax.grad(loss)(x.astype(dtype).astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0.05, atol=0.05)
+
+
+def test_a_primitive_of_a_jax_module_not_yet_imported_is_taken():
+    """``bcoo_dot_general`` (``jax.experimental.sparse``) and ``pallas_call`` are JAX's
+    primitives though ``import jax`` does not define them: taken in a fresh process that
+    never imported their modules."""
+    code = (
+        "import dataclasses, sys, jaxamp\n"
+        "assert 'jax.experimental.sparse' not in sys.modules\n"
+        "r = jaxamp.AUTOCAST_RULES\n"
+        "for name in ('bcoo_dot_general', 'pallas_call'):\n"
+        "    rules = dataclasses.replace(r, float32=r.float32 | {name})\n"
+        "    assert rules.rule_for(name) == 'float32'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]

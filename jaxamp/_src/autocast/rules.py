@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -131,12 +132,33 @@ def _known_primitive_names() -> frozenset[str]:
 
 
 _DEFINING_PACKAGES = frozenset({"jax", "jaxlib", "flax", "jaxamp"})
+# JAX's modules that define primitives and that ``import jax`` does not import: imported
+# when a name is not found among the imported ones (``pallas_call``, ``bcoo_dot_general``).
+_MORE_PRIMITIVES = (
+    "jax.experimental.sparse",
+    "jax.experimental.pallas",
+    "jax.experimental.custom_partitioning",
+    "jax.experimental.jet",
+    "jax.scipy.special",
+    "jax.lax.linalg",
+)
+
+
+def _import_more_primitives() -> None:
+    for name in _MORE_PRIMITIVES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # a module this JAX lacks, or one that fails to import here
+            continue
 
 
 def _check_known(name: str, field: str) -> None:
     """Refuses a primitive name no imported module defines (``"tanhh"``), listing close
     ones; a primitive of the caller's own is given as the object, which is taken as is."""
     known = _known_primitive_names()
+    if name not in known:
+        _import_more_primitives()
+        known = _known_primitive_names()
     if name in known:
         return
     close = difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6)
