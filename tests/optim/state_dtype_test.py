@@ -1,5 +1,6 @@
 """Tests for jaxamp/_src/optim/state_dtype.py: any optax state stored in 16 bits."""
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -520,3 +521,40 @@ def test_what_cannot_be_read_is_refused_by_name_unless_the_fields_are_named(dtyp
     assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
     state = jaxamp.with_state_dtype(_momentum_that_needs_a_scale(), {"trace": dtype}).init(params)
     assert {x.dtype for x in jax.tree.leaves(state.inner_state.trace)} == {np.dtype(dtype)}
+
+
+def test_float16_statistics_warn_that_squared_gradients_flush():
+    """Adam's nu in float16: a squared gradient of 1e-4 is below float16's smallest
+    value, so nu flushes to zero and the update divides by eps alone (4.7x float32
+    optax's). Said at init; bfloat16 says nothing."""
+    params = {"w": jnp.zeros(1000)}
+    with pytest.warns(UserWarning, match=r"float16.*flushes to\s+zero"):
+        jaxamp.with_state_dtype(optax.adam(1e-3), jnp.float16).init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxamp.with_state_dtype(optax.adam(1e-3), jnp.bfloat16).init(params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_float64_statistics_are_left_as_written_under_x64(dtype):
+    """Under x64 a float64 param's statistics stay float64, step for step with float64
+    optax (the reference); a float32 param's beside it are stored in ``dtype``."""
+    with jax.enable_x64(True):
+        params = {
+            "a": jnp.linspace(-1, 1, 8, dtype=jnp.float64) + 1e-12,
+            "c": jnp.linspace(-1, 1, 8, dtype=jnp.float32),
+        }
+        grads = jax.tree.map(lambda p: p * 0.5 + 1e-10, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # float16's warning
+            tx = jaxamp.with_state_dtype(optax.adam(1e-3), dtype)
+            state = tx.init(params)
+        plain = optax.adam(1e-3)
+        plain_state = plain.init(params)
+        for _ in range(3):
+            updates, state = jax.jit(tx.update)(grads, state, params)
+            want, plain_state = plain.update(grads, plain_state, params)
+        mu = state.inner_state[0].mu
+        assert mu["a"].dtype == jnp.float64 and mu["c"].dtype == np.dtype(dtype)
+        assert updates["a"].dtype == jnp.float64
+        np.testing.assert_allclose(updates["a"], want["a"], rtol=0, atol=1e-15)
