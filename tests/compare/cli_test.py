@@ -153,7 +153,7 @@ def test_an_unwritable_out_is_refused_before_the_run(tmp_path, monkeypatch, caps
     )
     with pytest.raises(SystemExit) as e:
         main(["compare", "--out", str(writable)])
-    assert e.value.code == 7 and writable.is_dir() and not list(writable.iterdir())
+    assert e.value.code == 7 and not (tmp_path / "new").exists()  # checked, nothing made
 
 
 @pytest.mark.parametrize(
@@ -195,3 +195,45 @@ def test_data_that_cannot_be_had_prints_one_line_and_exits_2(monkeypatch, capsys
     assert main(["compare", "--model", "resnet18", "--data", "tfds"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "FashionMNIST cannot be downloaded here" in err, err
+
+
+def test_embedded_data_with_a_data_dir_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    """The embedded dataset ships with jaxamp: a --data-dir beside it would never be read."""
+    _no_run(monkeypatch)
+    assert main(["compare", "--data", "embedded", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxamp compare: error: ") and err.count("\n") == 1, err
+    assert "data_dir" in err and "'embedded'" in err and str(tmp_path) in err, err
+
+
+def _offline(monkeypatch):
+    from jaxamp._src.compare import data
+
+    def offline(*args, **kwargs):
+        raise data.DatasetUnavailable("FashionMNIST cannot be downloaded here (no network)")
+
+    monkeypatch.setattr(data, "load_fashion_mnist", offline)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--data", "embedded", "--learning-rate", "0"],  # the options alone
+        ["--data", "embedded", "--data-dir", "somewhere"],
+        ["--data", "embedded", "--model", "resnet18", "--heads", "4"],  # against the model
+        ["--model", "resnet18", "--data", "tfds"],  # data that cannot be had
+    ],
+    ids=["option", "data-dir", "model", "data"],
+)
+def test_an_option_error_leaves_no_output_folder_behind(argv, tmp_path, monkeypatch, capsys):
+    from jaxamp._src.compare import app
+
+    def fail(*args, **kwargs):
+        raise AssertionError("work started before the options were checked")
+
+    monkeypatch.setattr(app._Run, "__init__", fail)
+    _offline(monkeypatch)
+    out = tmp_path / "new" / "report"
+    assert main(["compare", *argv, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not (tmp_path / "new").exists(), list(tmp_path.rglob("*"))

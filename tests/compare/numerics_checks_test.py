@@ -131,7 +131,7 @@ def test_a_hand_written_float16_softmax_is_flagged_above_its_floor():
         assert len(ratios) == 5 and max(ratios) < in_compare.FLAG_RATIO, (name, ratios)
 
 
-def test_floors_need_no_16bit_arithmetic_and_flag_by_the_stated_rule():
+def test_floors_need_no_16bit_arithmetic_but_the_gemms_and_flag_by_the_stated_rule():
     from jaxamp._src.compare import numerics_checks as in_compare
 
     model = GatedNet(1.0)
@@ -139,25 +139,52 @@ def test_floors_need_no_16bit_arithmetic_and_flag_by_the_stated_rule():
     loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
     # rounding to float32 changes nothing: a float32 policy has no floor of its own
     assert all(v == 0 for v in in_compare.input_sensitivity(loss, jnp.float32, params, X).values())
-    own = in_compare.rounding_error(loss, params, X)  # float32 against float64
-    assert own and all(0 <= v < 1e-5 for v in own.values()), own
-    assert any(v > 0 for v in own.values()), own
+    same = in_compare.ideal_rounding(loss, jaxamp.get_policy("float32"), params, X)
+    assert same and all(v == 0 for v in same.values()), same
     bf16 = in_compare.input_sensitivity(loss, jnp.bfloat16, params, X)
     assert all(v < 0.05 for v in bf16.values()) and any(v > 1e-4 for v in bf16.values()), bf16
+    ideal = in_compare.ideal_rounding(loss, jaxamp.get_policy("mixed_bfloat16"), params, X)
+    assert all(v < 0.05 for v in ideal.values()) and any(v > 1e-4 for v in ideal.values()), ideal
 
-    def row(error, floor_inputs, rounding):
+    def row(error, floor_inputs, floor_ideal):
         rows = [{"layer": "a", "phase": "forward", "scale_error": error}]
-        inputs, wide = {("a", "forward"): floor_inputs}, {("a", "forward"): rounding}
-        return in_compare.with_floor(rows, jnp.bfloat16, inputs, wide)[0]
+        inputs, ideal = {("a", "forward"): floor_inputs}, {("a", "forward"): floor_ideal}
+        return in_compare.with_floor(rows, inputs, ideal)[0]
 
-    grow = 2.0**16  # eps(bfloat16) / eps(float32)
-    assert row(0.05, 0.01, 1e-7)["floor"] == pytest.approx(0.01)
-    assert row(0.05, 0.001, 1e-7)["floor"] == pytest.approx(1e-7 * grow)
-    assert row(0.05, 0.01, 1e-7)["flagged"]  # 5 times its floor, above 1%
-    assert not row(0.03, 0.01, 1e-7)["flagged"]  # 3 times: within the model's sensitivity
+    assert row(0.05, 0.01, 0.002)["floor"] == pytest.approx(0.01)
+    assert row(0.05, 0.001, 0.004)["floor"] == pytest.approx(0.004)  # as measured: no factor
+    assert row(0.05, 0.01, 0.002)["flagged"]  # 5 times its floor, above 1%
+    assert not row(0.03, 0.01, 0.002)["flagged"]  # 3 times: within the model's sensitivity
     assert not row(0.009, 0.001, 0.0)["flagged"]  # under 1%: no fault to chase
-    assert row(float("inf"), 0.01, 1e-7)["flagged"]  # not finite where the floor is
-    assert not row(float("inf"), float("inf"), 1e-7)["flagged"]
+    assert row(float("inf"), 0.01, 0.002)["flagged"]  # not finite where the floor is
+    # an ideal recipe that overflows (a float16 GEMM) says nothing: the inputs' floor stands
+    overflow = row(float("inf"), 0.01, float("inf"))
+    assert overflow["floor"] == pytest.approx(0.01) and overflow["fault"] == "not finite"
+    assert not row(float("inf"), float("inf"), float("inf"))["flagged"]
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8"])
+def test_the_ideal_recipe_rounds_its_gemms_alone(policy):
+    """The floor's run, read from its lowered program (``jaxamp.precision_report``): its
+    matmuls at the policy's precision, forward and backward; every exponential, sum and
+    square root (a softmax written by hand, the loss) in float32."""
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    model = _Attention(by_hand=True)
+    x = 0.8 * jax.random.normal(jax.random.key(1), (8, 8))
+    params = model.init(jax.random.key(0), x)
+    loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
+    ideal = in_compare.ideal_recipe(loss, jaxamp.get_policy(policy))
+    for fun in (ideal, jax.grad(ideal)):
+        report = jaxamp.precision_report(fun)(params, x)
+        assert report.sensitive and not report.problems(), report.problems()
+        assert {s.dtype for s in report.sensitive} == {"float32"}, report.sensitive
+        assert report.ops, report
+        if policy == "mixed_float8":
+            assert report.float8_gemms()[0] == len(report.ops), report.ops
+        else:
+            wanted = str(jnp.dtype(jaxamp.get_policy(policy).compute_dtype))
+            assert all(op.lhs_dtype == op.rhs_dtype == wanted for op in report.ops), report.ops
 
 
 def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
@@ -171,10 +198,10 @@ def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
     loss = lambda p, x: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2)
     mixed = jaxamp.autocast(loss, "mixed_float16")
     inputs = in_compare.input_sensitivity(loss, jnp.float16, params, X)
-    rounding = {k: 1.0 for k in inputs}  # a floor as high as a badly conditioned model's
+    ideal = {k: 1.0 for k in inputs}  # a floor as high as a badly conditioned model's
     for scale, flushed in ((2.0**-30, True), (1024.0, False)):
         rows = in_compare.divergence(loss, mixed, params, X, loss_scale=scale)
-        rows = in_compare.with_floor(rows, jnp.float16, inputs, rounding)
+        rows = in_compare.with_floor(rows, inputs, ideal)
         backward = [d for d in rows if d["phase"] == "backward" and not d["near_zero"]]
         assert backward, rows
         for d in backward:
@@ -187,10 +214,10 @@ def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
 
 
 def test_float8_variants_get_a_float8_floor_and_a_healthy_model_is_not_flagged():
-    """A float8 variant's floor is made at its GEMMs' precision (e4m3 forward, e5m2 for
-    gradients; inputs rounded with a per-tensor scale): a healthy model's rows sit within
-    it. Against the bfloat16 floor it had, most rows were flagged for float8's own
-    rounding."""
+    """A float8 variant's floor is made at its GEMMs' precision (float8 operands with
+    current per-tensor scaling; inputs rounded to e4m3 with a per-tensor scale): a healthy
+    model's rows sit within it. Against a bfloat16 floor most rows were flagged for
+    float8's own rounding."""
     from jaxamp._src.compare import numerics_checks as in_compare
 
     runs = _divergence_of(_Attention(by_hand=False), ("bf16", "fp8", "fp8-delayed"))
@@ -201,15 +228,6 @@ def test_float8_variants_get_a_float8_floor_and_a_healthy_model_is_not_flagged()
         for d in rows:
             assert d["floor"] > bf16[(d["layer"], d["phase"])], (name, d)
         assert not any(d["flagged"] for d in rows), (name, rows)
-
-    def floor(phase):
-        rows = [{"layer": "a", "phase": phase, "scale_error": 0.5}]
-        key = ("a", phase)
-        e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-        return in_compare.with_floor(rows, e4m3, {key: 0.0}, {key: 1e-7}, e5m2)[0]["floor"]
-
-    assert floor("forward") == pytest.approx(1e-7 * 2.0**20)  # eps(e4m3) / eps(float32)
-    assert floor("backward") == pytest.approx(1e-7 * 2.0**21)  # eps(e5m2) / eps(float32)
     # rounding to float8 scales first: a tensor of small values is not flushed to zero
     x = jnp.full((4,), 1e-4)
     loss = lambda x: jnp.sum(x)

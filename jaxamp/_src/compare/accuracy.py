@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-# The one-sided level of each verdict.
-ALPHA = 0.05
+from jaxamp._src.compare.exact_tests import ALPHA, exact_interval, seeds_mcnemar
+
 VERDICTS = ("baseline", "worse", "better", "no difference detected")
 
 
@@ -54,48 +54,6 @@ def classification_metrics(
     }
 
 
-def _binomial_tail(k: int, n: int) -> float:
-    """``P(X >= k)`` for ``X ~ Binomial(n, 1/2)``, exactly."""
-    if k <= 0:
-        return 1.0
-    return float(Fraction(sum(math.comb(n, i) for i in range(k, n + 1)), 2**n))
-
-
-@dataclasses.dataclass(frozen=True)
-class McNemar:
-    """McNemar's exact test of one variant against fp32 on the same examples.
-
-    Attributes:
-      only_fp32: examples fp32 gets right and the variant wrong.
-      only_variant: examples the variant gets right and fp32 wrong.
-      p_worse: one-sided p-value of "the variant is worse" (the chance of at least
-        ``only_fp32`` of the discordant examples going fp32's way if neither is better).
-      p_better: the same, of "the variant is better".
-      p_two_sided: ``min(1, 2 * min(p_worse, p_better))``.
-    """
-
-    only_fp32: int
-    only_variant: int
-    p_worse: float
-    p_better: float
-    p_two_sided: float
-
-
-def mcnemar(fp32_correct: Sequence[bool], variant_correct: Sequence[bool]) -> McNemar:
-    """McNemar's exact test from the two runs' per-example correctness.
-
-    Examples:
-      >>> test = mcnemar([True] * 30 + [False] * 10, [False] * 30 + [False] * 10)
-      >>> test.only_fp32, test.only_variant, test.p_worse < 1e-8
-      (30, 0, True)
-    """
-    a = np.asarray(fp32_correct, bool)
-    v = np.asarray(variant_correct, bool)
-    b, c = int(np.sum(a & ~v)), int(np.sum(~a & v))
-    worse, better = _binomial_tail(b, b + c), _binomial_tail(c, b + c)
-    return McNemar(b, c, worse, better, min(1.0, 2.0 * min(worse, better)))
-
-
 @dataclasses.dataclass(frozen=True)
 class PairedDifference:
     """A variant's accuracy minus fp32's, read against the noise the runs can measure.
@@ -131,16 +89,25 @@ ONE_SEED_NOISE = (
     "test-set sampling, paired by example; not training's seed-to-seed spread, which one "
     "seed cannot measure (--seeds 3 measures it)"
 )
+POOLED_TEST = (
+    "McNemar's exact test over every seed: each test example's paired differences summed "
+    "over the seeds, their signs flipped exactly (its interval: exact bounds on the share "
+    "of the discordant examples going fp32's way and Clopper-Pearson bounds on their "
+    "rate, combined)"
+)
+POOLED_NOISE = (
+    "test-set sampling, paired by example, with every seed's evidence: the seeds' paired "
+    "differences spread no more than the examples that flip within each seed explain, so "
+    "there was no seed-to-seed spread to add"
+)
 SEEDS_TEST = (
     "t-test of the mean paired difference (seeds' spread and test-set sampling combined, "
     "the seeds' degrees of freedom)"
 )
-ALIKE_NOISE = (
-    "test-set sampling, paired by example, on the first seed: every seed's paired "
-    "differences were alike, so there was no spread between seeds to measure"
-)
 SEEDS_NOISE = (
-    "training's seed-to-seed spread, paired by seed, and test-set sampling, paired by example"
+    "training's seed-to-seed spread, paired by seed, and test-set sampling, paired by "
+    "example: the seeds' paired differences spread more than the examples that flip "
+    "within each seed explain"
 )
 
 
@@ -154,8 +121,12 @@ def paired_difference(
       variant_correct: the same for the variant, seeds and examples in the same order.
 
     Returns:
-      The ``PairedDifference``: with one seed, from McNemar's exact test; with
-      several, from the seeds' t-test (the jaxamp compare guide, "Accuracy verdicts").
+      The ``PairedDifference``: with one seed, from McNemar's exact test; with several
+      whose paired differences spread no more than the examples flipping within each
+      seed explain, from McNemar's exact test over every seed (``seeds_mcnemar``), so
+      that a seed that agrees never makes the verdict less sure; with several that
+      spread more, from the seeds' t-test, which adds that spread (the jaxamp compare
+      guide, "Accuracy verdicts").
 
     Examples:
       >>> fp32 = [[True] * 60 + [False] * 40]
@@ -163,8 +134,6 @@ def paired_difference(
       >>> same.verdict, same.difference
       ('no difference detected', 0.0)
     """
-    from scipy import stats  # scikit-learn's dependency, in the compare extra
-
     f = np.asarray(fp32_correct, bool)
     v = np.asarray(variant_correct, bool)
     if f.shape != v.shape or f.ndim != 2 or f.shape[1] == 0:
@@ -173,32 +142,20 @@ def paired_difference(
             f"and {v.shape}."
         )
     seeds, n = f.shape
-    tests = [mcnemar(a, b) for a, b in zip(f, v, strict=True)]
-    discordant = tuple((t.only_fp32, t.only_variant) for t in tests)
+    discordant = tuple(
+        (int(np.sum(a & ~b)), int(np.sum(~a & b))) for a, b in zip(f, v, strict=True)
+    )
     deltas = v.astype(np.float64) - f  # per seed and example: -1, 0 or 1
-    per_example = deltas.mean(0)  # D_i, averaged over seeds
-    per_seed = deltas.mean(1)  # d_s
-    difference = float(per_seed.mean())
-    if seeds > 1:
-        residual = deltas - per_seed[:, None] - per_example[None, :] + difference
-        flips = float(np.sum(residual**2)) / max((seeds - 1) * (n - 1), 1)  # within a seed
-        # the seeds' term: their spread, never below what the example flips within each
-        # seed alone would give (two or three seeds can show no spread by chance)
-        se_seeds2 = max(float(per_seed.var(ddof=1)), flips / n) / seeds
-        se_test2 = float(per_example.var(ddof=1)) / n if n > 1 else 0.0
-        se = math.sqrt(se_seeds2 + se_test2)
-    if seeds > 1 and se > 0:
-        df = seeds - 1  # the fewer of the two terms' (Welch-Satterthwaite's: overconfident)
-        p_worse = float(stats.t.cdf(difference / se, df))
-        p_better = float(stats.t.sf(difference / se, df))
-        half = float(stats.t.ppf(1.0 - ALPHA, df)) * se
-        interval = (difference - half, difference + half)
+    difference = float(deltas.mean())
+    spread = _seed_spread(deltas) if seeds > 1 else None
+    if spread is not None:
+        p_worse, p_better, interval = spread
         name, noise = SEEDS_TEST, SEEDS_NOISE
-    else:  # one seed, or seeds with no spread to measure (every seed alike): the exact test
-        test = tests[0]
+    else:  # one seed, or seeds that spread no more than their flips: the exact test
+        test = seeds_mcnemar(f, v)
         p_worse, p_better = test.p_worse, test.p_better
-        interval = _exact_interval(test.only_fp32, test.only_variant, n)
-        name, noise = ONE_SEED_TEST, ONE_SEED_NOISE if seeds == 1 else ALIKE_NOISE
+        interval = exact_interval(test, seeds, n)
+        name, noise = (ONE_SEED_TEST, ONE_SEED_NOISE) if seeds == 1 else (POOLED_TEST, POOLED_NOISE)
     verdict = "no difference detected"
     if p_worse < ALPHA:
         verdict = "worse"
@@ -209,31 +166,47 @@ def paired_difference(
     )
 
 
-def _clopper_pearson(k: int, n: int) -> tuple[float, float]:
-    """One-sided ``1 - ALPHA`` lower and upper bounds of a binomial proportion, exact."""
-    from scipy import stats
+def _seed_spread(deltas: np.ndarray) -> tuple[float, float, tuple[float, float]] | None:
+    """The seeds' t-test of ``deltas`` (seeds x examples of -1, 0, 1), or ``None`` when the
+    seeds' paired differences spread no more than the examples that flip within each seed
+    explain: the seed mean square of the two-way (seed x example) analysis of variance no
+    larger than its residual mean square, so that the estimate of the seed-to-seed
+    variance is 0 (as DerSimonian and Laird's is where the spread is within chance).
 
-    low = 0.0 if k == 0 else float(stats.beta.ppf(ALPHA, k, n - k + 1))
-    high = 1.0 if k == n else float(stats.beta.ppf(1.0 - ALPHA, k + 1, n - k))
-    return low, high
-
-
-def _exact_interval(only_fp32: int, only_variant: int, n: int) -> tuple[float, float]:
-    """The interval of ``(only_variant - only_fp32) / n`` that matches McNemar's exact test.
-
-    The difference is ``q * (1 - 2 p)``: ``q`` the rate of discordant examples, ``p`` the
-    share of them going fp32's way. Each gets its exact one-sided bounds (Clopper-Pearson;
-    ``p`` of none discordant is anywhere in [0, 1]), and the interval spans their
-    corners. The upper end is below 0 exactly when ``p``'s lower bound is above one half,
-    which is when the exact test finds the variant worse (the same for better).
+    Returns:
+      ``(p_worse, p_better, interval)``.
     """
-    m = only_fp32 + only_variant
-    q_low, q_high = _clopper_pearson(m, n)
-    p_low, p_high = _clopper_pearson(only_fp32, m) if m else (0.0, 1.0)
-    low_slope, high_slope = 1.0 - 2.0 * p_high, 1.0 - 2.0 * p_low
-    low = low_slope * (q_high if low_slope < 0 else q_low)
-    high = high_slope * (q_high if high_slope > 0 else q_low)
-    return low, high
+    from scipy import stats  # scikit-learn's dependency, in the compare extra
+
+    seeds, n = deltas.shape
+    squares = _mean_squares(deltas)
+    if squares is None:
+        return None
+    between = float(squares[0])  # above the flips': the seeds' spread is the larger term
+    per_example = deltas.mean(0)  # D_i: the test set's term is their spread
+    difference = float(deltas.mean())
+    se_test2 = float(per_example.var(ddof=1)) / n if n > 1 else 0.0
+    se = math.sqrt(between / (n * seeds) + se_test2)
+    df = seeds - 1  # the fewer of the two terms' (Welch-Satterthwaite's: overconfident)
+    half = float(stats.t.ppf(1.0 - ALPHA, df)) * se
+    return (
+        float(stats.t.cdf(difference / se, df)),
+        float(stats.t.sf(difference / se, df)),
+        (difference - half, difference + half),
+    )
+
+
+def _mean_squares(deltas: np.ndarray) -> tuple[Fraction, Fraction] | None:
+    """The seed and residual mean squares of the two-way (seed x example) analysis of
+    variance of ``deltas`` (integers), exactly; ``None`` where the first is no larger."""
+    seeds, n = deltas.shape
+    d = deltas.astype(np.int64)
+    rows, columns, total = d.sum(1), d.sum(0), int(d.sum())
+    rows2, columns2 = int(np.sum(rows * rows)), int(np.sum(columns * columns))
+    between = Fraction(seeds * rows2 - total * total, seeds * n * (seeds - 1))
+    residual = seeds * n * int(np.sum(d * d)) - seeds * rows2 - n * columns2 + total * total
+    flips = Fraction(residual, seeds * n * max((seeds - 1) * (n - 1), 1))
+    return None if between <= flips else (between, flips)
 
 
 def accuracy_against_fp32(runs: list[dict[str, Any]]) -> None:

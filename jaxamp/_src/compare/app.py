@@ -57,7 +57,8 @@ class CompareConfig:
       seeds: runs with seeds ``seed, seed + 1, ...``; each variant's test accuracy is
         read against fp32's paired by seed and by example (``jaxamp._src.compare.accuracy``).
       data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see ``jaxamp.data.load_dataset``).
-      data_dir: tensorflow-datasets data directory.
+      data_dir: tensorflow-datasets data directory (``data`` ``"tfds"`` or ``"auto"``;
+        refused beside ``"embedded"``, which never reads it).
       bn_recalibration: before evaluation, run this many training batches through the
         model in training mode at the final weights, so that BatchNorm's running
         statistics (a moving average that lags behind fast-changing weights in a short
@@ -67,7 +68,8 @@ class CompareConfig:
         BatchNorm normalising over it as in training; a loss-scaled variant at the scale
         of the first step its optimizer takes on it, steps that overflow skipped as in
         training, and recorded as ``divergence_loss_scale``), each layer beside a floor
-        from the float32 model's own conditioning and flagged when well above it
+        (the error of the variant's ideal recipe: its GEMMs and stored activations
+        rounded, nothing else) and flagged when well above it
         (``numerics_checks.with_floor``); when a variant computes in float16, a float16
         range check of the float32 model (``jaxamp.range_report``); during training,
         the first non-finite layer of a variant whose loss stops being finite
@@ -147,6 +149,12 @@ class CompareConfig:
             _check_variants(self.variants)
         if self.data not in data_lib.DATA_SOURCES:
             raise OptionError(str(invalid_choice("data source", self.data, data_lib.DATA_SOURCES)))
+        if self.data == "embedded" and self.data_dir is not None:
+            raise OptionError(
+                f"data_dir={self.data_dir!r} is never read with data='embedded' (the "
+                "embedded dataset ships with jaxamp); leave data_dir out, or read it with "
+                "data='tfds' (or 'auto')."
+            )
         if self.train_examples is not None and self.batch_size > self.train_examples:
             raise OptionError(
                 f"batch_size {self.batch_size} exceeds the {self.train_examples} training "
@@ -546,12 +554,11 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
     def reference(params, state, x, y):  # the unmodified model in true float32
         with jax.default_matmul_precision("highest"):
             logits, _ = task.apply(task.module, params, state, x, True, rng)
-            wide = jnp.promote_types(logits.dtype, jnp.float32)  # float64 for the floor's run
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(wide), y)
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
             return loss.mean()
 
     args = (params, state, x, y)
-    floors: dict[Any, Any] = {}  # per 16-bit dtype; the float64 comparison shared by all
+    floors: dict[Any, Any] = {}  # per dtype (inputs rounded), per recipe and scale (ideal)
     for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
         scale = None
         if run.variant.dynamic_loss_scaling:  # where the optimizer takes its first step
@@ -560,18 +567,20 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
             )
             run.divergence_loss_scale = taken
             scale = taken["initial"] if taken["used"] is None else taken["used"]
-        dtype, backward = numerics_checks.floor_dtypes(run.variant.policy)
+        policy = run.variant.policy
+        dtype = numerics_checks.rounding_dtype(policy)
         rows = numerics_checks.divergence(reference, run.loss_fn(rng), *args, loss_scale=scale)
         taken = run.divergence_loss_scale
         finite = taken is None or taken["loss_finite"]  # a loss no scale makes finite: no floor
         if dtype != np.float32 and finite:  # float32 has no rounding to put a floor under
-            if "float64" not in floors:
-                floors["float64"] = numerics_checks.rounding_error(reference, *args)
             if dtype not in floors:
                 floors[dtype] = numerics_checks.input_sensitivity(reference, dtype, *args)
-            rows = numerics_checks.with_floor(
-                rows, dtype, floors[dtype], floors["float64"], backward
-            )
+            ideal = (policy.compute_dtype, policy.fp8, scale)
+            if ideal not in floors:
+                floors[ideal] = numerics_checks.ideal_rounding(
+                    reference, policy, *args, loss_scale=scale
+                )
+            rows = numerics_checks.with_floor(rows, floors[dtype], floors[ideal])
         run.divergence = rows
     float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
     if not float16:

@@ -196,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare":
         fields = {k: v for k, v in vars(args).items() if k not in ("command", "out")}
-        try:  # every option, the output folder and the data checked before any work
+        try:  # every option, the output folder and the data checked before any work;
+            # the folder is made only once the report is written
+            config = CompareConfig(**fields)
             if args.out is not None:
                 check_writable(args.out)
-            config = CompareConfig(**fields)
             report = compare(config)
         except OptionError as e:
             print(f"jaxamp compare: error: {e}", file=sys.stderr)

@@ -4,25 +4,37 @@ run whose loss stops being finite. Each returns plain records for ``report.json`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src.autocast.api import autocast
+from jaxamp._src.autocast.rules import (
+    COMPUTE_PRIMITIVES,
+    FLOAT32_PRIMITIVES,
+    PROMOTE_PRIMITIVES,
+    AutocastRules,
+    primitive_names,
+)
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
 from jaxamp._src.numerics.numerics_diff import NEAR_ZERO, numerics_diff
 from jaxamp._src.numerics.range_report import range_report
 from jaxamp._src.ops.fp8 import quantize
-from jaxamp._src.policy import cast_floating
+from jaxamp._src.policy import Policy
 
 # A layer is flagged when the variant's error exceeds FLAG_RATIO times its floor (the
-# error the float32 model's own conditioning accounts for: see ``with_floor``) and is at
-# least FLAG_MINIMUM (an error below 1% is no fault to chase). Healthy variants of the
-# default models sit at or below 0.9 times their floor.
+# error of the variant's ideal recipe, whose only rounding is what no recipe avoids: see
+# ``with_floor``) and is at least FLAG_MINIMUM (an error below 1% is no fault to chase).
+# Healthy variants of the CPU default models sit at or below 1.6 times their floor where
+# the error is 1% or more; planted precision faults (tests/compare/planted_faults_test.py)
+# at 8 times or more.
 FLAG_RATIO = 4.0
 # A value of ordinary size whose norm the variant shrinks below this fraction of fp32's
 # is flagged as flushed to zero (an underflow), whatever its floor.
@@ -53,13 +65,12 @@ def divergence(
     ]
 
 
-def floor_dtypes(policy: Any) -> tuple[Any, Any]:
-    """The dtypes a variant rounds its forward pass and its gradients to, which its floor
-    is made at: the compute dtype for both, or under a float8 policy the float8 GEMMs'
-    operand dtypes (e4m3 for the forward pass, e5m2 for the gradients)."""
+def rounding_dtype(policy: Any) -> Any:
+    """The dtype ``input_sensitivity`` rounds a variant's params and inputs to: its compute
+    dtype, or under a float8 policy the float8 GEMMs' forward operand dtype (e4m3)."""
     if policy.fp8 is not None:
-        return np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
-    return np.dtype(policy.compute_dtype), np.dtype(policy.compute_dtype)
+        return np.dtype(jnp.float8_e4m3fn)
+    return np.dtype(policy.compute_dtype)
 
 
 def _rounded(x: Any, dtype: Any) -> Any:
@@ -77,29 +88,12 @@ def _rounded(x: Any, dtype: Any) -> Any:
 def rounded_inputs(reference: Callable, dtype: Any) -> Callable:
     """``reference`` with its floating arguments (params, inputs) rounded to ``dtype`` and
     back to float32 first (``_rounded``): the model's own sensitivity to one rounding of
-    what it is given, with no low-precision arithmetic inside (the floor of ``with_floor``)."""
+    what it is given, with no low-precision arithmetic inside (a floor of ``with_floor``)."""
 
     def perturbed(*args: Any) -> Any:
         return reference(*jax.tree.map(lambda x: _rounded(x, dtype), args))
 
     return perturbed
-
-
-def in_float64(reference: Callable) -> Callable:
-    """``reference`` computed in float64: its floating arguments cast up first. Call it
-    with ``jax.enable_x64(True)`` in force."""
-
-    def wide(*args: Any) -> Any:
-        return reference(*cast_floating(args, jnp.float64))
-
-    return wide
-
-
-def rounding_error(reference: Callable, *args: Any) -> dict[tuple[str, str], float]:
-    """Per (layer, pass), the ``scale_error`` of the float32 ``reference`` against itself
-    computed in float64 (``in_float64``): the float32 model's own rounding error."""
-    with jax.enable_x64(True):
-        return _by_key(divergence(in_float64(reference), reference, *args))
 
 
 def input_sensitivity(reference: Callable, dtype: Any, *args: Any) -> dict[tuple[str, str], float]:
@@ -108,48 +102,97 @@ def input_sensitivity(reference: Callable, dtype: Any, *args: Any) -> dict[tuple
     return _by_key(divergence(reference, rounded_inputs(reference, dtype), *args))
 
 
+# What the floor's run computes in float32: every arithmetic primitive the rule table would
+# run in the dtype that arrives, beside those it keeps in float32 (exact ones, a copy, a
+# reshape, a max, are left as they arrive: they round nothing).
+_ARITHMETIC = primitive_names(
+    "add_p", "sub_p", "mul_p", "div_p", "rem_p", "atan2_p", "tanh_p", "sin_p", "cos_p", "atan_p"
+) | {"add_any"}
+GEMMS_ONLY = AutocastRules(
+    compute=COMPUTE_PRIMITIVES,
+    float32=FLOAT32_PRIMITIVES | _ARITHMETIC,
+    promote=PROMOTE_PRIMITIVES - _ARITHMETIC,
+)
+"""The floor's rule table: matmuls and convolutions under the matmul rule (operands in the
+compute dtype, float32 sums, results in the compute dtype), all other arithmetic in float32."""
+
+
+def ideal_recipe(reference: Callable, policy: Any) -> Callable:
+    """``reference`` as the ideal recipe of ``policy`` runs it: its matmuls and
+    convolutions at ``policy``'s precision (``GEMMS_ONLY``: operands and results in the
+    compute dtype, or float8 operands with current per-tensor scaling under a float8
+    policy, sums in float32); the inputs of each Flax Linen layer stored at the compute
+    dtype's precision (``lax.reduce_precision`` to its mantissa, in float32's range: the
+    activations a recipe keeps in 16 bits, rounded inside the layer, so that its output
+    stays its last value); every norm, reduction, softmax and elementwise operation in
+    float32. The rounding no mixed-precision recipe avoids, and no more (a floor of
+    ``with_floor``)."""
+    fp8 = policy.fp8 and dataclasses.replace(policy.fp8, scaling="current")
+    ideal = Policy(jnp.float32, policy.compute_dtype, jnp.float32, fp8=fp8)
+    mantissa = int(jnp.finfo(policy.compute_dtype).nmant)
+
+    def stored(x: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=mantissa)
+        return x
+
+    def inputs_stored(next_fun: Callable, args: Any, kwargs: Any, context: Any) -> Any:
+        if context.method_name == "__call__":  # in the layer's scope, before its first op
+            args, kwargs = jax.tree.map(stored, (args, kwargs))
+        return next_fun(*args, **kwargs)
+
+    def rounded(*args: Any) -> Any:
+        with nn.intercept_methods(inputs_stored):
+            return reference(*args)
+
+    return autocast(rounded, ideal, rules=GEMMS_ONLY)
+
+
+def ideal_rounding(
+    reference: Callable, policy: Any, *args: Any, loss_scale: float | None = None
+) -> dict[tuple[str, str], float]:
+    """Per (layer, pass), the ``scale_error`` of ``ideal_recipe(reference, policy)``
+    against the float32 ``reference`` (its loss times ``loss_scale``, as the variant's)."""
+    ideal = ideal_recipe(reference, policy)
+    return _by_key(divergence(reference, ideal, *args, loss_scale=loss_scale))
+
+
 def with_floor(
     rows: list[dict[str, Any]],
-    dtype: Any,
     inputs: dict[tuple[str, str], float],
-    rounding: dict[tuple[str, str], float],
-    backward_dtype: Any = None,
+    ideal: dict[tuple[str, str], float],
 ) -> list[dict[str, Any]]:
-    """``divergence``'s rows of a variant computing in ``dtype``, each beside its floor and
-    whether it is ``flagged``. ``backward_dtype`` (default ``dtype``) is the precision of
-    the gradients (``floor_dtypes``: e5m2 under a float8 policy).
+    """``divergence``'s rows of a variant, each beside its floor and whether it is
+    ``flagged``.
 
-    Two floors, neither with any 16-bit arithmetic, each a ``scale_error`` of the
-    float32 model itself:
+    Two floors, each a ``scale_error`` of the float32 model with only rounding no
+    mixed-precision recipe avoids:
 
-    * ``floor_inputs`` (``input_sensitivity``): its params and inputs rounded to
-      ``dtype``: what the model makes of one 16-bit rounding of what it is given,
+    * ``floor_inputs`` (``input_sensitivity``): its params and inputs rounded once to
+      the variant's dtype: what the model makes of one rounding of what it is given,
       nonlinear effects (a ReLU or a max-pool that flips) included.
-    * ``floor_rounding`` (``rounding_error``): its error against float64, times
-      ``eps(dtype) / eps(float32)``: what rounding *every* operation at the 16-bit
-      dtype's precision would give, as the float32 model's own rounding error predicts
-      (a BatchNorm whose backward pass cancels amplifies every rounding).
+    * ``floor_ideal`` (``ideal_rounding``): the variant's ideal recipe
+      (``ideal_recipe``): GEMMs at its precision, each layer's inputs stored at its
+      compute dtype's, everything else in float32: what that rounding does downstream,
+      amplified as the model amplifies it (a BatchNorm whose backward pass cancels, a
+      LayerNorm of values far from 0). Where it is not finite (a GEMM overflowing
+      float16) it is left out.
 
-    ``floor`` is the larger: the error the model's own conditioning accounts for. AMP
-    rounds less than every operation (float32 accumulation; norms, softmax and the loss
-    in float32), so its error sits at or below the floor where it does what it should.
-    A row is ``flagged``, with the ``fault`` that says why, when its value is not finite
-    while the floor is (overflow, a NaN), when the norm of a value of ordinary size
-    shrinks below ``LOST_SIZE`` of fp32's (an underflow), or when its error is at least
-    ``FLAG_MINIMUM`` and more than ``FLAG_RATIO`` times the floor. A policy that
-    computes in 16 bits what should stay in float32 raises the error toward the
-    floor, not above it, on a model whose floor is high: the ratio of error to floor
-    (at most 0.9 on the healthy default runs) shows it before a flag does.
+    ``floor`` is the larger. Neither computes a norm, a reduction, a softmax or any
+    elementwise operation below float32, so a variant that does (a precision fault)
+    stands above the floor at that layer by the error the fault adds; a recipe that
+    keeps them in float32 rounds little more than the floor (some elementwise
+    operations in 16 bits) and stays within ``FLAG_RATIO`` of it. A row is ``flagged``, with the
+    ``fault`` that says why, when its value is not finite while the floor is (overflow,
+    a NaN), when the norm of a value of ordinary size shrinks below ``LOST_SIZE`` of
+    fp32's (an underflow), or when its error is at least ``FLAG_MINIMUM`` and more than
+    ``FLAG_RATIO`` times the floor.
     """
-    eps = float(jnp.finfo(jnp.float32).eps)
-    grows = {"forward": float(jnp.finfo(dtype).eps) / eps}
-    grows["backward"] = float(jnp.finfo(backward_dtype or dtype).eps) / eps
     for row in rows:
         key = (row["layer"], row["phase"])
-        grow = grows.get(row["phase"], max(grows.values()))
-        row["floor_inputs"] = inputs.get(key)
-        row["floor_rounding"] = None if key not in rounding else rounding[key] * grow
-        known = [f for f in (row["floor_inputs"], row["floor_rounding"]) if f is not None]
+        row["floor_inputs"], row["floor_ideal"] = inputs.get(key), ideal.get(key)
+        floors = (row["floor_inputs"], row["floor_ideal"])
+        known = [f for f in floors if f is not None and math.isfinite(f)]
         row["floor"] = max(known) if known else None
         row["fault"] = _fault(row)
         row["flagged"] = row["fault"] is not None
@@ -284,23 +327,22 @@ _EXPLANATION = (
     "to fp32, bit for bit; inf, not finite."
 )
 _FLOOR = (
-    "Beside each error, its floor: the error the float32 model's own conditioning accounts "
-    "for, with no 16-bit arithmetic. It is the larger of two: the float32 model with its "
-    "params and inputs rounded once to the variant's 16-bit dtype, and the float32 model's "
-    "own rounding error against float64 scaled up to the 16-bit dtype's precision (what "
-    "rounding every operation at that precision would give). A float8 variant's floor is "
-    "made at its GEMMs' precision: inputs rounded to e4m3 with a per-tensor scale, and "
-    "every operation's rounding at e4m3's precision forward and e5m2's for gradients. "
-    "A layer whose floor is high "
-    "(a BatchNorm over few values, a backward pass that cancels) amplifies any rounding, and "
-    "its error there is the model's sensitivity, not AMP's fault. AMP rounds less than "
-    "every operation, so where it does what it should its error sits at or below the floor; "
-    f"a row is flagged (⚠) when its error is at least {FLAG_MINIMUM:g} and more than "
+    "Beside each error, its floor: the error of the rounding no mixed-precision recipe "
+    "avoids, and no more. It is the larger of two, each the float32 model's error against "
+    "itself: with its params and inputs rounded once to the variant's dtype, and as the "
+    "variant's ideal recipe runs it (its matmuls and convolutions at the variant's "
+    "precision, each layer's inputs stored at the compute dtype's, every norm, reduction, "
+    "softmax and elementwise operation in float32; at the variant's loss scale). A float8 "
+    "variant's floor is made at its GEMMs' precision: inputs rounded to e4m3 with a "
+    "per-tensor scale, and its ideal recipe's GEMMs in float8. A layer whose floor is high "
+    "(a BatchNorm over few values, a backward pass that cancels) amplifies the rounding of "
+    "its GEMMs, and its error there is the model's sensitivity, not the variant's fault. "
+    "A norm, reduction or softmax computed in 16 bits is rounding the ideal recipe does "
+    "not do: it stands above the floor at its layer. "
+    f"A row is flagged (⚠) when its error is at least {FLAG_MINIMUM:g} and more than "
     f"{FLAG_RATIO:g} times its floor, when it is not finite where the floor is, or when "
     f"the variant shrinks a value of ordinary size below {LOST_SIZE:g} of fp32's norm (an "
-    "underflow: rounding noise adds to a value's size, it does not erase it). Where the "
-    "floor is high, a 16-bit computation of what should stay float32 raises the error "
-    "toward the floor rather than above it: the ratio of error to floor shows it first."
+    "underflow: rounding noise adds to a value's size, it does not erase it)."
 )
 _SKIPPED = (
     "A float16 step whose gradients overflow at its loss scale is skipped in training and "
@@ -501,7 +543,7 @@ def _plot_phase(ax: Any, runs: list[dict[str, Any]], phase: str) -> None:
         series, color = plot_series(run, phase), f"C{i}"
         ax.plot(series["x"], series["y"], "o-", ms=3, lw=1, color=color, label=_label(run))
         if series["floor_x"]:
-            floor = f"{run['variant']}: floor (fp32's own conditioning)"
+            floor = f"{run['variant']}: floor (its ideal recipe)"
             ax.plot(series["floor_x"], series["floor_y"], "--", lw=1, color=color, label=floor)
         flagged = [(x, y) for x, y in zip(series["x"], series["y"], strict=True)]
         flagged = [p for p in flagged if p[0] in series["flagged"]]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -296,8 +298,10 @@ _PLOTS = {
 
 
 def check_writable(out: str | Path) -> None:
-    """Creates ``out`` and writes a file into it, so that a run whose report could not be
-    saved stops before it starts.
+    """Checks that ``out`` can be made and written, making nothing: the nearest folder on
+    its path that exists takes a file (made and removed at once, never named), so that a
+    run whose report could not be saved stops before it starts, and one refused after
+    this check leaves nothing behind. ``write_report`` makes the folder.
 
     Raises:
       OptionError: naming the folder and why it cannot be written.
@@ -305,11 +309,12 @@ def check_writable(out: str | Path) -> None:
     if not str(out).strip():
         raise OptionError("--out is empty; give the folder to write the report to.")
     out = Path(out)
-    probe = out / ".jaxamp-write-check"
+    existing = next(p for p in (out, *out.parents) if p.exists())
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_text("")
-        probe.unlink()
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
     except OSError as e:
         raise OptionError(
             f"--out {str(out)!r} cannot be written ({e.strerror or e}); "
