@@ -69,9 +69,12 @@ def gpt2():
 
 
 def vit():
+    # ViT's and OPT's default attention dropout is 0: 0.1 here, for the train-mode test
+    # (dropout is off in every other test, which runs eval mode)
     config = transformers.ViTConfig(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=64, num_labels=LABELS,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
     )  # fmt: skip
     model = transformers.FlaxViTForImageClassification(config, seed=0)
     pixels = jax.random.normal(jax.random.key(3), (BATCH, 3, 16, 16))
@@ -103,6 +106,7 @@ def opt():
     config = transformers.OPTConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
         num_attention_heads=4, max_position_embeddings=SEQ, word_embed_proj_dim=32,
+        attention_dropout=0.1,
     )  # fmt: skip
     model = transformers.FlaxOPTForCausalLM(config, seed=0)
     ids = _tokens(6)
@@ -188,25 +192,58 @@ def test_distilbert_float16_nan_is_the_models_own():
     assert bool(jnp.isnan(loss))
 
 
+def _train_loss_of(name, model, loss_from_outputs):
+    """``loss(params, batch) -> (loss, state)`` in train mode: dropout on (hidden and
+    attention) with ``batch["rng"]``; ResNet, which has none, updates its BatchNorm's
+    ``batch_stats`` (``state``; ``{}`` for the others)."""
+    train = {"deterministic": False} if name == "OPT" else {"train": True}
+
+    def loss(params, batch):
+        rng = {} if name == "ResNet" else {"dropout_rng": batch["rng"]}
+        outputs = model(**batch["inputs"], params=params, **train, **rng)
+        outputs, state = outputs if isinstance(outputs, tuple) else (outputs, {})
+        return loss_from_outputs(outputs, batch["targets"]), state
+
+    return loss
+
+
+def _in_mode(mode, name, model, inputs, targets, loss_from_outputs):
+    """``loss(params, batch) -> (loss, state)`` and its batch, in ``mode``."""
+    batch = {"inputs": inputs, "targets": targets}
+    if mode == "eval":
+        loss = _loss_of(model, inputs, targets, loss_from_outputs)
+        return lambda params, batch: (loss(params, batch), {}), batch
+    return _train_loss_of(name, model, loss_from_outputs), {**batch, "rng": jax.random.key(8)}
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("path", ["apply_policy", "autocast"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_a_float32_policy_is_the_identity(name, path):
-    """Under ``"float32"`` the model computes exactly what it computes alone: the loss and
-    every gradient, bit for bit."""
+def test_a_float32_policy_is_the_identity(name, path, mode):
+    """Under ``"float32"`` the model computes exactly what it computes alone: the loss, every
+    gradient and, in train mode, the updated ``batch_stats``, bit for bit. In train mode the
+    model alone draws its dropout masks (hidden and attention) with Flax's and
+    transformers' own code, and the policy's path must draw the same from the same RNG."""
     model, inputs, targets, loss_from_outputs = MODELS[name]()
-    alone = _loss_of(model, inputs, targets, loss_from_outputs)
+    alone, batch = _in_mode(mode, name, model, inputs, targets, loss_from_outputs)
     if path == "apply_policy":
         ours = copy.copy(model)
         ours._module = jaxamp.linen.apply_policy(model.module, "float32")
-        policed = _loss_of(ours, inputs, targets, loss_from_outputs)
+        policed, _ = _in_mode(mode, name, ours, inputs, targets, loss_from_outputs)
     else:
         policed = jaxamp.autocast(alone, "float32")
-    batch = {"inputs": inputs, "targets": targets}
-    expected = jax.jit(jax.value_and_grad(alone))(model.params, batch)
-    got = jax.jit(jax.value_and_grad(policed))(model.params, batch)
+    expected = jax.jit(jax.value_and_grad(alone, has_aux=True))(model.params, batch)
+    got = jax.jit(jax.value_and_grad(policed, has_aux=True))(model.params, batch)
     assert jax.tree.structure(got) == jax.tree.structure(expected)
     for ours, theirs in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(ours, theirs)
+        np.testing.assert_array_equal(ours, theirs, strict=True)
+    if mode == "train":  # the mode is on: the model alone draws dropout masks, or updates
+        if name == "ResNet":  # its batch statistics
+            updated = jax.tree.leaves(expected[0][1]["batch_stats"])
+            before = jax.tree.leaves(model.params["batch_stats"])
+            assert any(not np.array_equal(a, b) for a, b in zip(updated, before, strict=True))
+        else:
+            assert "random_bits" in str(jax.make_jaxpr(alone)(model.params, batch))
 
 
 @pytest.mark.parametrize("tied", [True, False])
