@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 from typing import Any, TypeVar
 
 import jax
@@ -21,7 +22,6 @@ from jaxamp._src.dtypes import (
     is_narrower,
 )
 from jaxamp._src.errors import invalid_choice
-from jaxamp._src.ops.fp8 import MAX_MARGIN, recipe_integer
 
 T = TypeVar("T")
 
@@ -41,6 +41,42 @@ _GRAMMAR_KEYS = {
 }
 
 FP8_SCALINGS = ("current", "delayed")
+
+
+# The largest margin: the amax, scaled to float8's largest value over 2**margin, still
+# lands on a normal number of e4m3 (the forward GEMMs' format, smallest normal 2**-6):
+# floor(log2(448 / 2**-6)) = 14. Beyond it the scaled operands flush toward zero
+# (margin 16 turned a product of 1.5 into 1.10, margin 19 into 0, margin 128 into NaN).
+MAX_MARGIN = 14
+
+
+def recipe_integer(what: str, value: Any, least: int, most: int | None = None) -> int:
+    """``value`` as an ``int``, refused unless it is an integer (a Python, NumPy or JAX
+    integer scalar, not a bool) from ``least`` to ``most``: the one check of a float8
+    recipe's integers, ``Fp8Recipe``'s and ``fp8_dot_general``'s ``margin`` (powers of
+    two, from 0 to ``MAX_MARGIN``: a negative margin clips every operand above
+    ``2**margin`` of its amax) and an ``amax_history_length`` (``>= 1``).
+
+    Raises:
+      ValueError: naming ``what``, the value given and the valid range.
+
+    Examples:
+      >>> recipe_integer("margin", -1, 0, MAX_MARGIN)
+      Traceback (most recent call last):
+      ...
+      ValueError: margin must be an integer from 0 to 14, got -1.
+    """
+    valid = f"an integer >= {least}" if most is None else f"an integer from {least} to {most}"
+    error = ValueError(f"{what} must be {valid}, got {value!r}.")
+    if isinstance(value, (bool, np.bool_)):
+        raise error
+    try:
+        integer = operator.index(value)
+    except TypeError:
+        raise error from None
+    if integer < least or (most is not None and integer > most):
+        raise error
+    return int(integer)
 
 
 @dataclasses.dataclass(frozen=True)

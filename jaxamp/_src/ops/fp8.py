@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ from jaxamp._src.dtypes import FLOAT32, is_floating
 from jaxamp._src.jaxprs import FP8_SCOPE, varying_axes
 from jaxamp._src.ops.forms import free_dims
 from jaxamp._src.ops.matmul import same_varying_axes, sharding_of_result
+from jaxamp._src.policy import MAX_MARGIN, recipe_integer
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -238,42 +238,6 @@ def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
 
 
 # ------------------------------------------------------------------------ quantization
-
-
-# The largest margin: the amax, scaled to float8's largest value over 2**margin, still
-# lands on a normal number of e4m3 (the forward GEMMs' format, smallest normal 2**-6):
-# floor(log2(448 / 2**-6)) = 14. Beyond it the scaled operands flush toward zero
-# (margin 16 turned a product of 1.5 into 1.10, margin 19 into 0, margin 128 into NaN).
-MAX_MARGIN = 14
-
-
-def recipe_integer(what: str, value: Any, least: int, most: int | None = None) -> int:
-    """``value`` as an ``int``, refused unless it is an integer (a Python, NumPy or JAX
-    integer scalar, not a bool) from ``least`` to ``most``: the one check of a float8
-    recipe's integers, ``Fp8Recipe``'s and ``fp8_dot_general``'s ``margin`` (powers of
-    two, from 0 to ``MAX_MARGIN``: a negative margin clips every operand above
-    ``2**margin`` of its amax) and an ``amax_history_length`` (``>= 1``).
-
-    Raises:
-      ValueError: naming ``what``, the value given and the valid range.
-
-    Examples:
-      >>> recipe_integer("margin", -1, 0, MAX_MARGIN)
-      Traceback (most recent call last):
-      ...
-      ValueError: margin must be an integer from 0 to 14, got -1.
-    """
-    valid = f"an integer >= {least}" if most is None else f"an integer from {least} to {most}"
-    error = ValueError(f"{what} must be {valid}, got {value!r}.")
-    if isinstance(value, (bool, np.bool_)):
-        raise error
-    try:
-        integer = operator.index(value)
-    except TypeError:
-        raise error from None
-    if integer < least or (most is not None and integer > most):
-        raise error
-    return int(integer)
 
 
 def fp8_max(dtype: Any) -> float:
