@@ -6,9 +6,17 @@ reproduce it bit for bit: outputs, gradients (params and floating inputs) and mu
 (``batch_stats``, attention caches, RNG counts), every leaf. Under ``"mixed_bfloat16"`` and
 ``"mixed_float16"`` every leaf must be finite wherever the reference is, and within
 ``K * eps(compute dtype) * max|reference|`` over its group (output, state or gradients).
-Hypothesis draws the shapes and flags; large constants (``-1e9`` masks, ``+ 1e5``) sit in
-two small custom modules. What does not hold is an xfail naming why (a limit of 16-bit
-activations, or a Flax behaviour the policy module cannot change).
+Hypothesis draws each layer's whole space: convolutions 1-D to 3-D with every padding
+(explicit pairs, ints, SAME, VALID, CIRCULAR, REFLECT, CAUSAL), kernel sizes, strides,
+input and kernel dilation, feature groups, ConvLocal and ConvTranspose; every Flax norm
+(masked, reduction axes, groups, fast variance, inputs far from 0), BatchNorm in train
+and eval, SpectralNorm and WeightNorm around a Dense or a Conv; the lifted transforms
+(scan, remat, vmap, jit) around a block with BatchNorm state and dropout. Large constants
+(``-1e9`` masks, ``+ 1e5``) sit in two small custom modules. CI runs the simplest example
+of each layer (chosen to be a demanding corner, a different one for each convolution) and
+a few more for the convolutions; the ``slow`` twins run many. What does not hold is an
+xfail naming why: a limit of 16-bit activations, a Flax behaviour the policy module
+cannot change (not strict), or a jaxamp defect (strict, so that its fix shows).
 """
 
 import dataclasses
@@ -27,6 +35,9 @@ from hypothesis import strategies as st
 import jaxamp
 
 FAST, SLOW = 1, 25  # hypothesis examples per layer: CI, and the `slow` twin
+# The convolutions' space is the largest (rank, kernel, strides, dilations, groups, seven
+# paddings): the slow twins try 4x the examples there.
+WIDE, WIDER = ("Conv", "ConvLocal", "ConvTranspose"), 4
 # The error bound in units of eps * max|reference|. A layer rounds its inputs and
 # weights to the compute dtype (one eps each) and its outputs (one more); a gradient goes
 # through the same roundings again, and a chain (attention, a recurrent cell over a few
@@ -66,10 +77,26 @@ class Nnx:
     run: Callable[..., Any]
 
     def model(self):
-        """A fresh copy of the layer, built once through ``nnx.jit``."""
+        """A fresh copy of the layer, built once in one compiled program."""
         if "_built" not in vars(self):
-            self._built = nnx.jit(self.make)()
+            graphdefs = []  # the traced model's, static
+
+            def state():
+                graphdef, state = nnx.split(self.make())
+                graphdefs.append(graphdef)
+                return state
+
+            state = _built(state)
+            self._built = nnx.merge(graphdefs[0], state)
         return nnx.clone(self._built)
+
+
+def _built(f):
+    """``f()`` through ``jax.jit`` at XLA's lowest optimisation level, for a layer's
+    variables: they are inputs, not a program under test, and compile 3-4x faster there
+    (an eager init compiles each op: slower still). The programs compared, the layer
+    alone's and the policy's, compile with the default options, as users compile them."""
+    return jax.jit(f).lower().compile({"xla_backend_optimization_level": 0})()
 
 
 def _resolve(tree):
@@ -129,15 +156,37 @@ class _Draws:
     def positive(self, *shape):
         return jnp.asarray(0.5 + np.abs(self.rng.standard_normal(shape, dtype=np.float32)))
 
+    def each(self, n, *choices):
+        """``n`` picks, the i-th from ``choices`` rotated by i: the simplest example differs
+        along each dimension (a kernel (3, 2, 1), not (3, 3, 3))."""
+        return tuple(
+            self.pick(*choices[i % len(choices) :], *choices[: i % len(choices)]) for i in range(n)
+        )
+
+    def mask(self, shape, kept):
+        """A boolean mask of ``shape`` for reductions over the axes ``kept``: each keeps
+        two elements at least (at index 0 and 1 along ``kept[0]``, 0 along the others) and
+        the first leaves out its last element along ``kept[0]`` (3 long at least); the
+        rest is random. (An empty reduction is 0/0, whose NaN reaches every gradient; one
+        element has variance 0, so the elements left out are scaled by 1/sqrt(epsilon)
+        and the float32 gradient is rounding noise times 1/epsilon**1.5.)"""
+        index, (first, *rest) = np.indices(shape), kept
+        two = index[first] <= 1
+        for axis in rest:
+            two &= index[axis] == 0
+        mask = (self.rng.random(shape) < 0.5) | two
+        mask[tuple(shape[a] - 1 if a == first else 0 for a in range(len(shape)))] = False
+        return jnp.asarray(mask)
+
 
 def _init(*args, **kwargs):
-    """``init(module)`` through ``jax.jit`` (one compile; eager, each op compiles)."""
+    """``init(module)`` in one compiled program (``_built``)."""
 
     def init(module):
         keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
         a, kw = args, {k: v for k, v in kwargs.items() if k != "method"}
         call = lambda: module.init(keys, *_resolve(a), method=kwargs.get("method"), **_resolve(kw))
-        return jax.jit(call)()
+        return _built(call)
 
     return init
 
@@ -212,21 +261,70 @@ def linen_einsum(d):
     return Linen(module, _init(x), (x,), _call())
 
 
-def _conv_shapes(d):
-    nd, k, s = d.pick(2, 1), d.pick(3, 2, 1), d.pick(2, 1)
-    x = d.normal(d.int(1, 2), *[d.int(k, 6)] * nd, d.int(2, 4))
-    return x, dict(features=d.int(2, 4), kernel_size=(k,) * nd, strides=(s,) * nd)
+# Every padding Flax's convolutions take: explicit (low, high) pairs, an int, the strings.
+# "CAUSAL" is 1-D only; ConvTranspose takes neither it nor "REFLECT".
+_PADDINGS = ("pairs", "CIRCULAR", "REFLECT", "SAME", "VALID", "int", "CAUSAL")
+
+
+def _first(choice, choices):
+    """``choices`` with ``choice`` first, where it is one."""
+    return sorted(choices, key=lambda c: c != choice)
+
+
+def _conv(d, kind, first):
+    """The arguments of a Flax convolution (``kind``: ``"conv"``, ``"local"`` for
+    ConvLocal, ``"transpose"``) and an input it takes, from the whole space: 1-D to 3-D, a
+    kernel size, stride, input (with explicit padding) and kernel dilation each dimension,
+    feature groups, every padding, no batch dimension or two. ``first``, a (padding,
+    rank), is the simplest example's: CI's one example of each convolution is another
+    corner of the space."""
+    nd = d.pick(*_first(first[1], (1, 2, 3)))
+    kernel, strides, dilation = d.each(nd, 3, 2, 1), d.each(nd, 2, 1, 3), d.each(nd, 2, 1)
+    groups = d.pick(2, 1, 3) if kind == "conv" else 1
+    refused = {"REFLECT", "CAUSAL"} if kind == "transpose" else set() if nd == 1 else {"CAUSAL"}
+    padding = d.pick(*_first(first[0], [p for p in _PADDINGS if p not in refused]))
+    lhs_dilation = (1,) * nd  # lax takes an input dilation with explicit padding only
+    if padding in ("pairs", "int") and kind != "transpose":
+        lhs_dilation = d.each(nd, 2, 1)
+    if padding == "pairs":
+        padding = tuple(zip(d.each(nd, 1, 0, 2), d.each(nd, 2, 0, 1), strict=True))
+    elif padding == "int":
+        padding = d.pick(1, 0, 2)
+    # The smallest input with an output under any padding: a dilated input as long as the
+    # dilated kernel (a transposed convolution's output grows with its input).
+    span = (np.array(kernel) - 1) * np.array(dilation) + 1
+    smallest = span if kind == "transpose" else -(-(span - 1) // np.array(lhs_dilation)) + 1
+    spatial = [int(n) for n in smallest + np.array(d.each(nd, 1, 0, 2))]
+    x = d.normal(*d.pick((2,), (), (1,), (2, 1)), *spatial, groups * d.pick(1, 2))
+    kwargs = dict(
+        kernel_size=kernel,
+        strides=strides,
+        padding=padding,
+        kernel_dilation=dilation,
+        use_bias=d.flag(),
+    )
+    if kind == "transpose":
+        kwargs["transpose_kernel"] = d.flag()
+    else:
+        kwargs |= dict(input_dilation=lhs_dilation, feature_group_count=groups)
+    return x, groups * d.pick(2, 1, 3), kwargs
 
 
 def linen_conv(d):
-    x, kw = _conv_shapes(d)
-    module = nn.Conv(**kw, padding=d.pick("SAME", "VALID", "CIRCULAR"), use_bias=d.flag())
+    x, features, kwargs = _conv(d, "conv", ("pairs", 2))
+    module = nn.Conv(features, **kwargs)
+    return Linen(module, _init(x), (x,), _call())
+
+
+def linen_conv_local(d):
+    x, features, kwargs = _conv(d, "local", ("REFLECT", 2))
+    module = nn.ConvLocal(features, **kwargs)
     return Linen(module, _init(x), (x,), _call())
 
 
 def linen_conv_transpose(d):
-    x, kw = _conv_shapes(d)
-    module = nn.ConvTranspose(**kw, padding=d.pick("SAME", "VALID"), transpose_kernel=d.flag())
+    x, features, kwargs = _conv(d, "transpose", ("CIRCULAR", 2))
+    module = nn.ConvTranspose(features, **kwargs)
     return Linen(module, _init(x), (x,), _call())
 
 
@@ -242,29 +340,100 @@ def linen_embed_attend(d):
     return Linen(module, _init(np.zeros(1, int)), (q,), _call(method="attend"))
 
 
+def _norm(d, kind, first):
+    """A normalisation's input, arguments and call arguments (``mask=``), for ``kind`` one
+    of LayerNorm, RMSNorm, GroupNorm, BatchNorm, InstanceNorm: one or two positions, the
+    reduction axes, groups by number or size, the flags, and an input of one of three
+    kinds (``first`` is the simplest example's): N(0, 1) with a mask; N(0, 1); or a mean
+    far from 0 (activations after a ReLU, a residual stream: the fast variance,
+    mean(x**2) - mean(x)**2, cancels there), on bfloat16's grid so that rounding it
+    costs nothing (16 + N(0, 1) loses 4 bits more than N(0, 1) in any 16-bit dtype, a
+    limit of 16-bit activations) and the error is the layer's. Not masked: two kept
+    elements equal on the grid would be a variance of 0 (see ``_Draws.mask``)."""
+    inputs = d.pick(*_first(first, ("masked", "offset", "plain")))
+    per_group = d.int(3, 4) if inputs == "masked" else d.int(2, 3)  # see _Draws.mask
+    groups = d.int(2, 3) if kind == "GroupNorm" else 1
+    x = d.normal(d.int(2, 3), *d.each(d.pick(1, 2), 3, 2), groups * per_group)
+    if inputs == "offset":
+        x = (16.0 + x).astype(jnp.bfloat16).astype(jnp.float32)
+    spatial = tuple(range(1, x.ndim - 1))
+    kwargs = dict(use_scale=d.flag(), use_fast_variance=d.flag())
+    if kind != "RMSNorm":
+        kwargs["use_bias"] = d.flag()
+    kept = spatial  # the axes reduced, the first 3 long (GroupNorm, InstanceNorm: spatial)
+    if kind in ("LayerNorm", "RMSNorm"):
+        kept = kwargs["reduction_axes"] = d.pick((x.ndim - 1,), (*spatial, x.ndim - 1))
+    elif kind == "GroupNorm":
+        by_size = d.pick(False, True)
+        kwargs |= dict(num_groups=None, group_size=per_group) if by_size else {"num_groups": groups}
+    elif kind == "BatchNorm":
+        kept = (*spatial, 0)
+    return x, kwargs, {"mask": d.mask(x.shape, kept)} if inputs == "masked" else {}
+
+
 def _linen_norm(cls):
     def build(d):
-        groups = d.int(2, 3)
-        x = d.normal(d.int(2, 3), d.int(2, 4), groups * d.int(2, 3))
-        kwargs = dict(use_bias=d.flag(), use_scale=d.flag()) if cls is not nn.RMSNorm else {}
-        module = cls(num_groups=groups, **kwargs) if cls is nn.GroupNorm else cls(**kwargs)
-        return Linen(module, _init(x), (x,), _call())
+        x, kwargs, call = _norm(d, cls.__name__, "masked")
+        if cls is nn.RMSNorm:  # the others: see linen_norm_16bit_reductions
+            kwargs["force_float32_reductions"] = not d.flag()
+        return Linen(cls(**kwargs), _init(x, **call), (x,), _call(**call))
 
     return build
 
 
 def linen_batch_norm_train(d):
-    x = d.normal(d.int(2, 4), d.int(2, 3), d.int(2, 5))
-    module = nn.BatchNorm(use_running_average=False, momentum=0.9)
-    return Linen(module, _init(x), (x,), _call(mutable=["batch_stats"]))
+    x, kwargs, call = _norm(d, "BatchNorm", "offset")
+    module = nn.BatchNorm(use_running_average=False, momentum=d.pick(0.9, 0.99), **kwargs)
+    return Linen(module, _init(x, **call), (x,), _call(mutable=["batch_stats"], **call))
+
+
+def linen_norm_16bit_reductions(d):
+    """A norm with ``force_float32_reductions=False`` (Flax's flag: reduce in ``dtype``,
+    which a policy makes 16-bit), mean and variance: see ``DEFECTS``."""
+    kind = d.pick("LayerNorm", "GroupNorm", "InstanceNorm", "BatchNorm")
+    x, kwargs, call = _norm(d, kind, "offset")
+    kwargs["force_float32_reductions"] = False
+    if kind == "BatchNorm":
+        module = nn.BatchNorm(use_running_average=False, **kwargs)
+        return Linen(module, _init(x, **call), (x,), _call(mutable=["batch_stats"], **call))
+    return Linen(getattr(nn, kind)(**kwargs), _init(x, **call), (x,), _call(**call))
 
 
 def linen_batch_norm_eval(d):
-    x = d.normal(d.int(2, 4), d.int(2, 3), d.int(2, 5))
-    module = nn.BatchNorm(use_running_average=True)
+    x, kwargs, _ = _norm(d, "BatchNorm", "offset")
+    module = nn.BatchNorm(use_running_average=True, **kwargs)
     stats = {"mean": d.normal(x.shape[-1]), "var": d.positive(x.shape[-1])}
     init = lambda module: {**_init(x)(module), "batch_stats": stats}
     return Linen(module, init, (x,), _call())
+
+
+def _wrapped(d):
+    """An input and the layer a SpectralNorm or WeightNorm wraps: ``(x, "Conv" or
+    "Dense", features, the layer's other arguments)``."""
+    x = d.normal(d.int(2, 3), d.int(3, 4), d.int(2, 4))
+    if d.flag():
+        return x, "Conv", d.int(2, 4), dict(kernel_size=(d.pick(2, 3, 1),))
+    return x, "Dense", d.int(2, 4), {}
+
+
+def linen_spectral_norm(d):
+    x, layer, features, kwargs = _wrapped(d)
+    update = d.flag()  # train (update the power iteration's u and sigma) or eval
+    module = nn.SpectralNorm(getattr(nn, layer)(features, **kwargs), n_steps=d.pick(2, 1))
+    run = _call(update_stats=update, mutable=["batch_stats"] if update else False)
+    # init through the policy stores a 16-bit kernel: see test_linen_init_under_a_policy
+    return Linen(module, _init(x, update_stats=True), (x,), run, own_init=False)
+
+
+def linen_weight_norm(d):
+    x, layer, features, kwargs = _wrapped(d)
+    module = nn.WeightNorm(
+        getattr(nn, layer)(features, **kwargs),
+        use_scale=d.flag(),
+        feature_axes=d.pick(-1, None),
+    )
+    # init through the policy stores a 16-bit kernel: see test_linen_init_under_a_policy
+    return Linen(module, _init(x), (x,), _call(), own_init=False)
 
 
 def _attention_shapes(d):
@@ -331,44 +500,105 @@ def _linen_rnn(cell):
 
 
 class _Block(nn.Module):
+    """LayerNorm or BatchNorm (train), Dense, tanh, dropout or not: params, a mutated
+    collection and an RNG stream for a lifted transform to carry."""
+
     features: int
+    batch_norm: bool = False
+    dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x, _=None):
-        return jnp.tanh(nn.Dense(self.features)(nn.LayerNorm()(x))), None
+        norm = nn.BatchNorm(use_running_average=False) if self.batch_norm else nn.LayerNorm()
+        x = jnp.tanh(nn.Dense(self.features)(norm(x)))
+        if self.dropout:
+            x = nn.Dropout(self.dropout, deterministic=False)(x)
+        return x, None
 
 
-class LinenScan(nn.Module):
+class _Lifted(nn.Module):
+    """A lifted transform of ``_Block``: ``self.block(lift)`` makes the lifted block."""
+
     features: int
-    length: int
+    batch_norm: bool = False
+    dropout: float = 0.0
+
+    def block(self, lift, **kwargs):
+        return lift(_Block, **kwargs)(self.features, self.batch_norm, self.dropout)
+
+
+class LinenScan(_Lifted):
+    length: int = 2
 
     @nn.compact
     def __call__(self, x):
-        scanned = nn.scan(
-            _Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.length
-        )
-        return scanned(self.features)(x, None)[0]
+        return self.block(
+            nn.scan,
+            variable_axes={"params": 0, "batch_stats": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=self.length,
+        )(x, None)[0]
 
 
-class LinenRemat(nn.Module):
-    features: int
+class LinenRemat(_Lifted):
+    @nn.compact
+    def __call__(self, x):
+        return self.block(nn.remat)(self.block(nn.remat)(x)[0])[0]
+
+
+class LinenVmap(_Lifted):
+    """An ensemble (params split along the members) or one block shared by them."""
+
+    shared: bool = False
 
     @nn.compact
     def __call__(self, x):
-        x = nn.remat(_Block)(self.features)(x)[0]
-        return nn.remat(_Block)(self.features)(x)[0]
+        return self.block(
+            nn.vmap,
+            variable_axes={"params": None if self.shared else 0, "batch_stats": 0},
+            split_rngs={"params": not self.shared, "dropout": True},
+        )(x)[0]
 
 
+class LinenJit(_Lifted):
+    @nn.compact
+    def __call__(self, x):
+        return self.block(nn.jit)(x)[0]
+
+
+def _block(d, split):
+    """``_Block``'s flags: BatchNorm (a collection to mutate) on first; dropout (an RNG) on
+    first where the transform splits RNGs (``split``: scan, vmap), else off first (its
+    threefry compiles for ~2 s of CI's time; the slow run draws both everywhere)."""
+    return dict(batch_norm=d.flag(), dropout=d.pick(*((0.5, 0.0) if split else (0.0, 0.5))))
+
+
+_LIFTED_RUN = _call(mutable=["batch_stats"], rngs={"dropout": jax.random.key(3)})
+
+
+# 4 features at least into a LayerNorm: over 2, x - mean is +-d and x has no gradient
 def linen_scan(d):
-    x = d.normal(d.int(2, 3), d.int(2, 6))
-    module = LinenScan(x.shape[-1], d.int(2, 3))
-    return Linen(module, _init(x), (x,), _call())
+    x = d.normal(d.int(2, 3), d.int(4, 6))
+    module = LinenScan(x.shape[-1], **_block(d, True), length=d.int(2, 3))
+    return Linen(module, _init(x), (x,), _LIFTED_RUN)
 
 
 def linen_remat(d):
-    x = d.normal(d.int(2, 3), d.int(4, 8))  # a LayerNorm of 2 features has no gradient
-    module = LinenRemat(x.shape[-1])
-    return Linen(module, _init(x), (x,), _call())
+    x = d.normal(d.int(2, 3), d.int(4, 8))
+    module = LinenRemat(x.shape[-1], **_block(d, False))
+    return Linen(module, _init(x), (x,), _LIFTED_RUN)
+
+
+def linen_vmap(d):
+    x = d.normal(d.int(2, 3), d.int(2, 3), d.int(4, 6))
+    module = LinenVmap(d.int(2, 6), **_block(d, True), shared=d.flag())
+    return Linen(module, _init(x), (x,), _LIFTED_RUN)
+
+
+def linen_jit(d):
+    x = d.normal(d.int(2, 3), d.int(4, 6))
+    module = LinenJit(d.int(2, 6), **_block(d, False))
+    return Linen(module, _init(x), (x,), _LIFTED_RUN)
 
 
 def linen_masked_scores(d):
@@ -416,23 +646,14 @@ def nnx_einsum(d):
 
 
 def nnx_conv(d):
-    x, kw = _conv_shapes(d)
-    padding, bias, fin, fout = (
-        d.pick("SAME", "VALID", "CIRCULAR"),
-        d.flag(),
-        x.shape[-1],
-        kw.pop("features"),
-    )
-    make = lambda: nnx.Conv(fin, fout, **kw, padding=padding, use_bias=bias, rngs=_rngs())
+    x, features, kwargs = _conv(d, "conv", ("CAUSAL", 1))
+    make = lambda: nnx.Conv(x.shape[-1], features, **kwargs, rngs=_rngs())
     return Nnx(make, (x,), _nnx_call())
 
 
 def nnx_conv_transpose(d):
-    x, kw = _conv_shapes(d)
-    padding, flip, fin, fout = d.pick("SAME", "VALID"), d.flag(), x.shape[-1], kw.pop("features")
-    make = lambda: nnx.ConvTranspose(
-        fin, fout, **kw, padding=padding, transpose_kernel=flip, rngs=_rngs()
-    )
+    x, features, kwargs = _conv(d, "transpose", ("pairs", 3))
+    make = lambda: nnx.ConvTranspose(x.shape[-1], features, **kwargs, rngs=_rngs())
     return Nnx(make, (x,), _nnx_call())
 
 
@@ -460,31 +681,53 @@ def nnx_embed_attend(d):
 
 def _nnx_norm(cls):
     def build(d):
-        groups = d.int(2, 3)
-        x = d.normal(d.int(2, 3), d.int(2, 4), groups * d.int(2, 3))
-        kwargs = dict(use_bias=d.flag(), use_scale=d.flag()) if cls is not nnx.RMSNorm else {}
-        if cls is nnx.GroupNorm:
-            kwargs["num_groups"] = groups
-        return Nnx(lambda: cls(x.shape[-1], **kwargs, rngs=_rngs()), (x,), _nnx_call())
+        x, kwargs, call = _norm(d, cls.__name__, "offset")
+        return Nnx(lambda: cls(x.shape[-1], **kwargs, rngs=_rngs()), (x,), _nnx_call(**call))
 
     return build
 
 
 def nnx_batch_norm_train(d):
-    x = d.normal(d.int(2, 4), d.int(2, 3), d.int(2, 5))
-    make = lambda: nnx.BatchNorm(x.shape[-1], use_running_average=False, rngs=_rngs())
-    return Nnx(make, (x,), _nnx_call())
+    x, kwargs, call = _norm(d, "BatchNorm", "masked")
+    momentum = d.pick(0.9, 0.99)
+    make = lambda: nnx.BatchNorm(
+        x.shape[-1], use_running_average=False, momentum=momentum, **kwargs, rngs=_rngs()
+    )
+    return Nnx(make, (x,), _nnx_call(**call))
 
 
 def nnx_batch_norm_eval(d):
-    x = d.normal(d.int(2, 4), d.int(2, 3), d.int(2, 5))
+    x, kwargs, _ = _norm(d, "BatchNorm", "offset")
     mean, var = d.normal(x.shape[-1]), d.positive(x.shape[-1])
 
     def make():
-        model = nnx.BatchNorm(x.shape[-1], use_running_average=True, rngs=_rngs())
+        model = nnx.BatchNorm(x.shape[-1], use_running_average=True, **kwargs, rngs=_rngs())
         model.mean[...], model.var[...] = mean, var
         return model
 
+    return Nnx(make, (x,), _nnx_call())
+
+
+def _nnx_wrapped(d):
+    x, layer, features, kwargs = _wrapped(d)
+    if layer == "Conv":
+        return x, lambda rngs: nnx.Conv(x.shape[-1], features, **kwargs, rngs=rngs)
+    return x, lambda rngs: nnx.Linear(x.shape[-1], features, rngs=rngs)
+
+
+def nnx_spectral_norm(d):
+    x, layer = _nnx_wrapped(d)
+    update, steps = d.flag(), d.pick(2, 1)
+    make = lambda: nnx.SpectralNorm(
+        layer(_rngs()), n_steps=steps, update_stats=update, rngs=_rngs()
+    )
+    return Nnx(make, (x,), _nnx_call())
+
+
+def nnx_weight_norm(d):
+    x, layer = _nnx_wrapped(d)
+    scale, axes = d.flag(), d.pick(-1, None)
+    make = lambda: nnx.WeightNorm(layer(_rngs()), use_scale=scale, feature_axes=axes, rngs=_rngs())
     return Nnx(make, (x,), _nnx_call())
 
 
@@ -538,22 +781,32 @@ def _nnx_rnn(cell):
 
 
 class _NnxBlock(nnx.Module):
-    def __init__(self, features, rngs):
-        self.norm = nnx.LayerNorm(features, rngs=rngs)
+    """``_Block`` in NNX: LayerNorm or BatchNorm (train), Linear, tanh, dropout or not."""
+
+    def __init__(self, features, batch_norm, dropout, rngs):
+        self.norm = (nnx.BatchNorm if batch_norm else nnx.LayerNorm)(features, rngs=rngs)
         self.dense = nnx.Linear(features, features, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, deterministic=False, rngs=rngs) if dropout else None
 
     def __call__(self, x):
-        return jnp.tanh(self.dense(self.norm(x)))
+        x = jnp.tanh(self.dense(self.norm(x)))
+        return self.dropout(x) if self.dropout else x
+
+
+def _nnx_blocks(count, block, rngs):
+    """``count`` blocks stacked along a leading axis, each with RNG streams of its own."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return _NnxBlock(**block, rngs=rngs)
+
+    return create(rngs)
 
 
 class NnxScan(nnx.Module):
-    def __init__(self, features, length, rngs):
-        @nnx.split_rngs(splits=length)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return _NnxBlock(features, rngs)
-
-        self.blocks = create(rngs)
+    def __init__(self, block, length, rngs):
+        self.blocks = _nnx_blocks(length, block, rngs)
 
     def __call__(self, x):
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
@@ -564,22 +817,67 @@ class NnxScan(nnx.Module):
 
 
 class NnxRemat(nnx.Module):
-    def __init__(self, features, rngs):
-        self.first, self.second = _NnxBlock(features, rngs), _NnxBlock(features, rngs)
+    def __init__(self, block, rngs):
+        self.first, self.second = _NnxBlock(**block, rngs=rngs), _NnxBlock(**block, rngs=rngs)
 
     def __call__(self, x):
         call = nnx.remat(lambda block, x: block(x))
         return call(self.second, call(self.first, x))
 
 
+class NnxVmap(nnx.Module):
+    """An ensemble: ``members`` blocks, each applied to its slice of the input."""
+
+    def __init__(self, block, members, rngs):
+        self.blocks = _nnx_blocks(members, block, rngs)
+
+    def __call__(self, x):
+        @nnx.vmap(in_axes=(0, 0), out_axes=0)
+        def forward(block, x):
+            return block(x)
+
+        return forward(self.blocks, x)
+
+
+@nnx.jit
+def _jitted(block, x):
+    return block(x)
+
+
+class NnxJit(nnx.Module):
+    def __init__(self, block, rngs):
+        self.block = _NnxBlock(**block, rngs=rngs)
+
+    def __call__(self, x):
+        return _jitted(self.block, x)
+
+
+def _nnx_block(d, features, split):
+    return dict(features=features, **_block(d, split))
+
+
 def nnx_scan(d):
-    x, length = d.normal(d.int(2, 3), d.int(2, 6)), d.int(2, 3)
-    return Nnx(lambda: NnxScan(x.shape[-1], length, _rngs()), (x,), _nnx_call())
+    x, length = d.normal(d.int(2, 3), d.int(4, 6)), d.int(2, 3)
+    block = _nnx_block(d, x.shape[-1], True)
+    return Nnx(lambda: NnxScan(block, length, _rngs()), (x,), _nnx_call())
 
 
 def nnx_remat(d):
-    x = d.normal(d.int(2, 3), d.int(4, 8))  # a LayerNorm of 2 features has no gradient
-    return Nnx(lambda: NnxRemat(x.shape[-1], _rngs()), (x,), _nnx_call())
+    x = d.normal(d.int(2, 3), d.int(4, 8))
+    block = _nnx_block(d, x.shape[-1], False)
+    return Nnx(lambda: NnxRemat(block, _rngs()), (x,), _nnx_call())
+
+
+def nnx_vmap(d):
+    x = d.normal(d.int(2, 3), d.int(2, 3), d.int(4, 6))
+    block = _nnx_block(d, x.shape[-1], True)
+    return Nnx(lambda: NnxVmap(block, x.shape[0], _rngs()), (x,), _nnx_call())
+
+
+def nnx_jit(d):
+    x = d.normal(d.int(2, 3), d.int(4, 6))
+    block = _nnx_block(d, x.shape[-1], False)
+    return Nnx(lambda: NnxJit(block, _rngs()), (x,), _nnx_call())
 
 
 def nnx_masked_scores(d):
@@ -599,14 +897,19 @@ ZOO = {
         "DenseGeneral": linen_dense_general,
         "Einsum": linen_einsum,
         "Conv": linen_conv,
+        "ConvLocal": linen_conv_local,
         "ConvTranspose": linen_conv_transpose,
         "Embed": linen_embed,
         "Embed.attend": linen_embed_attend,
         "LayerNorm": _linen_norm(nn.LayerNorm),
         "RMSNorm": _linen_norm(nn.RMSNorm),
         "GroupNorm": _linen_norm(nn.GroupNorm),
+        "InstanceNorm": _linen_norm(nn.InstanceNorm),
         "BatchNorm-train": linen_batch_norm_train,
         "BatchNorm-eval": linen_batch_norm_eval,
+        "SpectralNorm": linen_spectral_norm,
+        "WeightNorm": linen_weight_norm,
+        "norm-16bit-reductions": linen_norm_16bit_reductions,
         "MultiHeadDotProductAttention": linen_attention,
         "MultiHeadDotProductAttention-decode": linen_attention_decode,
         "Dropout": linen_dropout,
@@ -616,6 +919,8 @@ ZOO = {
         "RNN-MGUCell": _linen_rnn(nn.MGUCell),
         "scan": linen_scan,
         "remat": linen_remat,
+        "vmap": linen_vmap,
+        "jit": linen_jit,
         "masked-scores-1e9": linen_masked_scores,
         "softmax-plus-1e5": linen_shifted_softmax,
     },
@@ -630,8 +935,11 @@ ZOO = {
         "LayerNorm": _nnx_norm(nnx.LayerNorm),
         "RMSNorm": _nnx_norm(nnx.RMSNorm),
         "GroupNorm": _nnx_norm(nnx.GroupNorm),
+        "InstanceNorm": _nnx_norm(nnx.InstanceNorm),
         "BatchNorm-train": nnx_batch_norm_train,
         "BatchNorm-eval": nnx_batch_norm_eval,
+        "SpectralNorm": nnx_spectral_norm,
+        "WeightNorm": nnx_weight_norm,
         "MultiHeadAttention": nnx_attention,
         "MultiHeadAttention-decode": nnx_attention_decode,
         "Dropout": nnx_dropout,
@@ -640,6 +948,8 @@ ZOO = {
         "RNN-SimpleCell": _nnx_rnn(nnx.SimpleCell),
         "scan": nnx_scan,
         "remat": nnx_remat,
+        "vmap": nnx_vmap,
+        "jit": nnx_jit,
         "masked-scores-1e9": nnx_masked_scores,
         "softmax-plus-1e5": nnx_shifted_softmax,
     },
@@ -681,8 +991,13 @@ def nnx_function(case: Nnx, path: str, policy: str):
 
 
 def _cotangent(shape):
-    """A fixed, irregular cotangent (cheaper to compile than a random one)."""
-    return jnp.sin(jnp.arange(np.prod(shape), dtype=jnp.float32) * 2.1 + 0.5).reshape(shape)
+    """A fixed, irregular cotangent (cheaper to compile than a random one): 0.5 +
+    sin(theta i + 0.5), theta the golden angle. It was sin(2.1 i + 0.5), of mean 0 and a
+    step within 0.3% of 2 pi / 3: every 3 elements summed to ~0, a bias's gradient was
+    ~400x smaller than its terms, and the 16-bit rounding of those terms (which no policy
+    avoids) exceeded K eps of it."""
+    steps = jnp.arange(np.prod(shape), dtype=jnp.float32) * (np.pi * (3 - np.sqrt(5)))
+    return (0.5 + jnp.sin(steps + 0.5)).reshape(shape)
 
 
 def evaluate(api, case, path, policy):
@@ -768,16 +1083,37 @@ XFAIL = {  # (api, layer, test) -> (the exception, the limit), each reproduced a
 }
 
 
+_STATISTICS = (
+    "a jaxamp defect: the policies guide promises normalisation statistics in float32, but "
+    "under a mixed apply_policy a Linen {} with force_float32_reductions=False reduces in "
+    "the policy's 16-bit dtype, as Flax's own dtype=bfloat16 layer does, and mixes the "
+    "two: its fast variance is mean(x**2) rounded to 16 bits minus mean(x)**2 in float32 "
+    "(the square reads the mean before its cast), off by ~eps * mean(x**2); where "
+    "|mean| >> std (here 16 + N(0, 1)) the output is off by up to 1/sqrt(epsilon). "
+    "autocast (a float32 model) is exact"
+)
+DEFECTS = {  # (api, layer, test) -> a jaxamp defect: a strict xfail, so a fix shows as XPASS
+    ("linen", "norm-16bit-reductions", "mixed"): (
+        AssertionError,
+        _STATISTICS.format("LayerNorm, GroupNorm, InstanceNorm or BatchNorm (train)"),
+    ),
+}
+
+
 def _cases(test):
     params = []
     for api, layers in ZOO.items():
         for name in layers:
-            raises, reason = XFAIL.get((api, name, test), (None, None))
-            # Not strict: whether XLA computes the bfloat16 add with excess precision (and
-            # so passes) changes with the program it compiles (jax_remat3 makes it pass).
-            marks = (
-                [pytest.mark.xfail(raises=raises, reason=reason, strict=False)] if raises else []
-            )
+            marks = []
+            if (api, name, test) in XFAIL:
+                # Not strict: whether XLA computes the bfloat16 add with excess precision
+                # (and so passes) changes with the program it compiles (jax_remat3 makes
+                # it pass).
+                raises, reason = XFAIL[api, name, test]
+                marks.append(pytest.mark.xfail(raises=raises, reason=reason, strict=False))
+            if (api, name, test) in DEFECTS:
+                raises, reason = DEFECTS[api, name, test]
+                marks.append(pytest.mark.xfail(raises=raises, reason=reason, strict=True))
             params.append(pytest.param(api, name, marks=marks))
     return params
 
@@ -816,60 +1152,90 @@ def check_mixed(api, name, draw, combinations):
 
 # No shrinking: the draws are small already, and a strict xfail would shrink on every run.
 _PHASES = (Phase.explicit, Phase.reuse, Phase.generate)
-_FAST = settings(max_examples=FAST, deadline=None, phases=_PHASES)
-_SLOW = settings(max_examples=SLOW, deadline=None, phases=_PHASES)
+
+
+def _examples(check, api, name, *, slow, **kwargs):
+    """``check(api, name, draw, **kwargs)`` on the layer's hypothesis examples, the
+    simplest first (CI's one)."""
+    examples = SLOW * (WIDER if name in WIDE else 1) if slow else FAST
+
+    @settings(max_examples=examples, deadline=None, phases=_PHASES)
+    @given(data=st.data())
+    def run(data):
+        check(api, name, data.draw, **kwargs)
+
+    run()
 
 
 @pytest.mark.parametrize(("api", "name"), _cases("identity"))
-@_FAST
-@given(data=st.data())
-def test_float32_policy_is_the_identity(api, name, data):
-    check_identity(api, name, data.draw)
+def test_float32_policy_is_the_identity(api, name):
+    _examples(check_identity, api, name, slow=False)
 
 
 @pytest.mark.parametrize(("api", "name"), _cases("mixed"))
-@_FAST
-@given(data=st.data())
-def test_mixed_policy_is_within_tolerance(api, name, data):
-    check_mixed(api, name, data.draw, MIXED_FAST)
+def test_mixed_policy_is_within_tolerance(api, name):
+    _examples(check_mixed, api, name, slow=False, combinations=MIXED_FAST)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("api", "name"), _cases("identity"))
-@_SLOW
-@given(data=st.data())
-def test_float32_policy_is_the_identity_slow(api, name, data):
-    check_identity(api, name, data.draw)
+def test_float32_policy_is_the_identity_slow(api, name):
+    _examples(check_identity, api, name, slow=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("api", "name"), _cases("mixed"))
-@_SLOW
-@given(data=st.data())
-def test_mixed_policy_is_within_tolerance_slow(api, name, data):
-    check_mixed(api, name, data.draw, MIXED_SLOW)
+def test_mixed_policy_is_within_tolerance_slow(api, name):
+    _examples(check_mixed, api, name, slow=True, combinations=MIXED_SLOW)
 
 
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.SimpleCell)
 
 
+_WRAPPED_KERNEL = (
+    "a jaxamp defect: under a mixed policy, init of a layer that Linen's {} wraps "
+    "(nn.transforms.map_variables, the layer a dataclass field) stores the layer's kernel "
+    "in the compute dtype (bfloat16: the layer alone's value rounded) where parameters "
+    "must stay float32; bias and scale stay float32"
+)
+
+
 @pytest.mark.parametrize(
-    ("module", "args", "method"),
+    ("module", "args", "kwargs", "method"),
     [
-        (nn.Dense(3), (np.ones((2, 4), np.float32),), None),
-        (LinenScan(4, 2), (np.ones((2, 4), np.float32),), None),
-        (nn.LSTMCell(3), ((np.zeros((2, 3), np.float32),) * 2, np.ones((2, 4), np.float32)), None),
+        (nn.Dense(3), (np.ones((2, 4), np.float32),), {}, None),
+        (LinenScan(4, length=2), (np.ones((2, 4), np.float32),), {}, None),
+        (
+            nn.LSTMCell(3),
+            ((np.zeros((2, 3), np.float32),) * 2, np.ones((2, 4), np.float32)),
+            {},
+            None,
+        ),
         # Flax's share_scope kept the RNGs the cell (a field) derived before it moved it.
-        *[(nn.RNN(cell(3)), (np.ones((2, 5, 4), np.float32),), None) for cell in _CELLS],
-        (nn.Embed(5, 4), (np.ones((2, 4), np.float32),), "attend"),
+        *[(nn.RNN(cell(3)), (np.ones((2, 5, 4), np.float32),), {}, None) for cell in _CELLS],
+        (nn.Embed(5, 4), (np.ones((2, 4), np.float32),), {}, "attend"),
+        pytest.param(
+            nn.WeightNorm(nn.Dense(3)),
+            (np.ones((2, 4), np.float32),),
+            {},
+            None,
+            marks=pytest.mark.xfail(strict=True, reason=_WRAPPED_KERNEL.format("WeightNorm")),
+        ),
+        pytest.param(
+            nn.SpectralNorm(nn.Conv(3, (2,))),
+            (np.ones((2, 5, 4), np.float32),),
+            {"update_stats": True},
+            None,
+            marks=pytest.mark.xfail(strict=True, reason=_WRAPPED_KERNEL.format("SpectralNorm")),
+        ),
     ],
 )
-def test_linen_init_under_a_policy_is_the_layer_alones(module, args, method):
+def test_linen_init_under_a_policy_is_the_layer_alones(module, args, kwargs, method):
     """The zoo's Linen paths start from the policy module's own ``init``; where that draws
     other variables than the layer alone, the zoo starts from the layer alone's, and this
     records the difference (float32 params: bit for bit under any policy)."""
-    want = _init(*args, method=method)(module)
-    got = _init(*args, method=method)(jaxamp.linen.apply_policy(module, "mixed_bfloat16"))
+    want = _init(*args, method=method, **kwargs)(module)
+    got = _init(*args, method=method, **kwargs)(jaxamp.linen.apply_policy(module, "mixed_bfloat16"))
     assert_identical(got, want, "init ")
 
 
