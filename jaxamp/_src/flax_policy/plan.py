@@ -30,6 +30,16 @@ from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
 from jaxamp._src.policy import Policy, get_policy
 
 EMBED_LAYERS: tuple[type, ...] = (nn.Embed, nnx.Embed)
+# Flax's weight reparametrisations: they normalise the wrapped layer's kernel (an l2 norm,
+# a power iteration) and hand it over in their ``dtype``. They keep float32 (the wrapped
+# layer casts the kernel in its matmul rule): in 16 bits the normalisation would round,
+# and Linen's ``init`` would store the 16-bit kernel in place of the float32 param.
+WEIGHT_WRAPPERS: tuple[type, ...] = (
+    nn.WeightNorm,
+    nn.SpectralNorm,
+    nnx.WeightNorm,
+    nnx.SpectralNorm,
+)
 _FLAX_ATTENTION_FNS = (nn.dot_product_attention, nnx.dot_product_attention)
 _AS_WRITTEN = contextvars.ContextVar("jaxamp_layers_as_written", default=False)
 
@@ -147,9 +157,18 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
     cast_output_to = matmul = None
     if hasattr(module, "param_dtype") and _is_float_setting(module.param_dtype):
         attrs["param_dtype"] = policy.param_dtype
-    if hasattr(module, "dtype") and _is_float_setting(module.dtype):
+    if (
+        hasattr(module, "dtype")
+        and _is_float_setting(module.dtype)
+        and not isinstance(module, WEIGHT_WRAPPERS)
+    ):
         attrs["dtype"] = policy.compute_dtype
     sixteen_bit = is_16bit(policy.compute_dtype)
+    if sixteen_bit and getattr(module, "force_float32_reductions", True) is False:
+        # Flax's flag to reduce in ``dtype``: a policy keeps every norm's statistics in
+        # float32 (with it off, Linen's fast variance mixed a 16-bit mean(x**2) with a
+        # float32 mean(x)**2, off by up to 1/sqrt(epsilon) where |mean| >> std)
+        attrs["force_float32_reductions"] = True
     # Under a float8 policy the matmuls no hook reaches (attention's two, Embed.attend) run
     # in the compute dtype, even float32: as the model wrote them, they would run in float8.
     narrow = sixteen_bit or policy.fp8 is not None
