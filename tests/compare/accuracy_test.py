@@ -21,6 +21,7 @@ from jaxamp._src.compare.accuracy import (
     paired_difference,
 )
 from jaxamp._src.compare.exact_tests import mcnemar, seeds_mcnemar
+from jaxamp._src.compare.report import table_rows
 
 
 @st.composite
@@ -150,6 +151,42 @@ def test_two_agreeing_seeds_are_no_less_sure_than_one():
     pooled = stats.binomtest(60, 60, 0.5, alternative="greater").pvalue
     assert two.p_worse == pytest.approx(pooled, rel=1e-9) and two.p_worse < 1e-18
     assert two.interval[1] < 0 and two.discordant == ((30, 0), (30, 0))
+
+
+def _seed(n, shared, only_fp32, only_variant):
+    """One seed's correctness: ``shared`` examples both get right, then ``only_fp32``
+    only fp32 does, then ``only_variant`` only the variant does; the rest neither."""
+    fp32, variant = np.zeros(n, bool), np.zeros(n, bool)
+    fp32[:shared] = variant[:shared] = True
+    fp32[shared : shared + only_fp32] = True
+    variant[shared + only_fp32 : shared + only_fp32 + only_variant] = True
+    return fp32, variant
+
+
+def test_seeds_that_spread_keep_each_seeds_own_verdict_beside_the_recipes():
+    """Two seeds each worse alone (20 to 2 and 9 to 2 of 118: scipy's binomial tests 1e-4
+    and 0.033) whose paired differences spread more than chance: the verdict, about the
+    recipe over training seeds, is the seeds' t-test (no difference with one degree of
+    freedom), and each seed's own exact verdict is kept beside it and shown in the table:
+    nothing one seed would have said is lost."""
+    seeds = [_seed(118, 60, 20, 2), _seed(118, 60, 9, 2)]
+    fp32, variant = [f for f, _ in seeds], [v for _, v in seeds]
+    paired = paired_difference(fp32, variant)
+    assert paired.test.startswith("t-test") and paired.verdict == "no difference detected"
+    alone = [
+        stats.binomtest(b, b + c, 0.5, alternative="greater").pvalue for b, c in ((20, 2), (9, 2))
+    ]
+    assert max(alone) < ALPHA
+    assert paired.seed_verdicts == ("worse", "worse")
+    runs = [
+        {"variant": "fp32", "test_accuracy_seeds": [0.6, 0.6], "test_correct_seeds": fp32},
+        {"variant": "bf16", "test_accuracy_seeds": [0.5, 0.6], "test_correct_seeds": variant},
+    ]
+    accuracy_against_fp32(runs)
+    assert runs[1]["accuracy_seed_verdicts"] == ["worse", "worse"]
+    header, _, row = table_rows({"runs": runs})
+    row = dict(zip(header, row, strict=True))
+    assert row["accuracy"] == "no difference detected (seeds alone: worse, worse)"
 
 
 @st.composite

@@ -69,6 +69,11 @@ class PairedDifference:
       discordant: per seed, ``(only_fp32, only_variant)``: the examples only fp32
         gets right, and those only the variant does.
       verdict: one of ``VERDICTS`` (not ``"baseline"``).
+      seed_verdicts: per seed, the verdict of McNemar's exact test on that seed alone.
+        Where the seeds spread more than chance (``test`` is the seeds' t-test), every
+        seed alone may find the variant worse while the verdict, about the recipe over
+        training seeds, finds no difference: two seeds cannot tell a real loss from
+        seed-to-seed spread (run more).
     """
 
     difference: float
@@ -79,6 +84,7 @@ class PairedDifference:
     noise: str
     discordant: tuple[tuple[int, int], ...]
     verdict: str
+    seed_verdicts: tuple[str, ...] = ()
 
 
 ONE_SEED_TEST = (
@@ -156,14 +162,28 @@ def paired_difference(
         p_worse, p_better = test.p_worse, test.p_better
         interval = exact_interval(test, seeds, n)
         name, noise = (ONE_SEED_TEST, ONE_SEED_NOISE) if seeds == 1 else (POOLED_TEST, POOLED_NOISE)
-    verdict = "no difference detected"
-    if p_worse < ALPHA:
-        verdict = "worse"
-    elif p_better < ALPHA:
-        verdict = "better"
-    return PairedDifference(
-        difference, interval, p_worse, p_better, name, noise, discordant, verdict
+    seed_verdicts = tuple(
+        _verdict(t.p_worse, t.p_better)
+        for t in (seeds_mcnemar(a[None], b[None]) for a, b in zip(f, v, strict=True))
     )
+    return PairedDifference(
+        difference,
+        interval,
+        p_worse,
+        p_better,
+        name,
+        noise,
+        discordant,
+        _verdict(p_worse, p_better),
+        seed_verdicts,
+    )
+
+
+def _verdict(p_worse: float, p_better: float) -> str:
+    """The verdict of one-sided p-values at ``ALPHA``."""
+    if p_worse < ALPHA:
+        return "worse"
+    return "better" if p_better < ALPHA else "no difference detected"
 
 
 def _seed_spread(deltas: np.ndarray) -> tuple[float, float, tuple[float, float]] | None:
@@ -244,6 +264,7 @@ def accuracy_against_fp32(runs: list[dict[str, Any]]) -> None:
             accuracy_noise_from=paired.noise,
             discordant=[list(d) for d in paired.discordant],
             accuracy_verdict=paired.verdict,
+            accuracy_seed_verdicts=list(paired.seed_verdicts),
         )
 
 

@@ -48,6 +48,11 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
         return "-"
     if key == "discordant":  # per seed (only fp32 right, only the variant right), summed
         return f"{sum(d[0] for d in value)} / {sum(d[1] for d in value)}"
+    if key == "accuracy_verdict":  # seeds alone that say otherwise: shown beside it
+        alone = record.get("accuracy_seed_verdicts") or []
+        if len(alone) > 1 and any(v != value for v in alone):
+            return f"{value} (seeds alone: {', '.join(alone)})"
+        return str(value)
     if isinstance(value, list):
         return fmt.format(*value)
     return fmt.format(value * _SCALED.get(key, 1))
