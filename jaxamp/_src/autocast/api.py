@@ -9,13 +9,17 @@ from typing import Any
 
 import jax
 
-from jaxamp._src.autocast import constants, fp8_state
+from jaxamp._src.autocast import constants, first_order, fp8_state, higher_order
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
 from jaxamp._src.policy import Policy, get_policy
+
+# The rule modules fill the interpreter's tables as they are imported. Every evaluation
+# comes through this module (jaxamp/__init__.py imports it), so none finds them empty.
+_RULE_MODULES = (first_order, higher_order)
 
 
 def autocast(
