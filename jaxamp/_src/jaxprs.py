@@ -5,7 +5,7 @@ that marks code to keep as traced."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax.extend as jex
@@ -98,6 +98,30 @@ def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
     if isinstance(jaxpr, jex.core.ClosedJaxpr):
         return jaxpr.jaxpr, jaxpr.consts
     return jaxpr, ()
+
+
+def sub_jaxprs(eqn: Any) -> Iterator[Any]:
+    """The open jaxprs an equation holds in its params (bodies, branches, rules)."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
+                yield open_jaxpr(item)[0]
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of ``jaxpr`` (closed or open) and of the jaxprs its equations hold,
+    in program order, each before those inside it.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(1.0)
+      >>> [e.primitive.name for e in equations(closed)]
+      ['jit', 'sin', 'mul']
+    """
+    for eqn in open_jaxpr(jaxpr)[0].eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from equations(sub)
 
 
 def _sub_jaxpr(eqn: Any) -> Any:

@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import jaxamp
+from jaxamp._src.jaxprs import equations
 from jaxamp.models import BasicBlock, BertClassifier, ResNet
 from tests.tiny_configs import TINY_BERT
 
@@ -35,23 +36,12 @@ def _inputs(n: int = 4, batch: int = 3):
     return w, x
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, those of its sub-jaxprs included, in program order."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    yield from _eqns(sub)
-
-
 def _traced(fun, *args):
     return jax.make_jaxpr(jax.jit(fun))(*args)
 
 
 def _find(jaxpr, name: str):
-    found = [e for e in _eqns(jaxpr) if e.primitive.name == name]
+    found = [e for e in equations(jaxpr) if e.primitive.name == name]
     assert found, f"no {name} in {jaxpr}"
     return found
 
@@ -171,7 +161,7 @@ def test_integer_and_boolean_values_are_never_cast():
     def non_float_converts(jaxpr):
         return sorted(
             (str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype))
-            for e in _eqns(jaxpr)
+            for e in equations(jaxpr)
             if e.primitive.name == "convert_element_type"
             and not (_float_dtypes(e.invars) and _float_dtypes(e.outvars))
         )
@@ -194,7 +184,7 @@ def _layer_norm(y):
 )
 def test_softmax_logsumexp_and_normalisation_run_in_float32(fun):
     jaxpr = _traced(jaxamp.autocast(lambda w, x: fun(x @ w)), *_inputs())
-    eqns = list(_eqns(jaxpr))
+    eqns = list(equations(jaxpr))
     # The matmul rule is one equation, its result 16-bit; everything after it is float32.
     rule = next(i for i, e in enumerate(eqns) if e.primitive.name == "amp_dot_general")
     assert _float_dtypes(eqns[rule].outvars) == {"bfloat16"}

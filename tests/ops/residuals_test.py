@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxamp
+from jaxamp._src.jaxprs import equations
 from jaxamp._src.ops.residuals import saved_residuals
 from jaxamp.models import BasicBlock, BertClassifier, BertConfig, ResNet
 
@@ -225,21 +226,10 @@ def test_linen_normalisation_layers_save_16_bit_residuals(norm, policy):
     jaxpr = jax.make_jaxpr(mixed)(variables["params"])
     reductions = [
         e
-        for e in _eqns(jaxpr.jaxpr)
+        for e in equations(jaxpr.jaxpr)
         if e.primitive.name == "reduce_sum" and int(np.prod(e.invars[0].aval.shape)) >= activation
     ]
     assert reductions and all(e.invars[0].aval.dtype == jnp.float32 for e in reductions)
-
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, inside checkpoints, custom derivatives and calls too."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
 
 
 DTYPE_OF = {"mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}

@@ -13,30 +13,12 @@ import jax.extend as jex
 import numpy as np
 
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
+from jaxamp._src.jaxprs import equations
 
 # ``id(literal): its value as written``, for the evaluation in progress.
 _WRITTEN: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
     "jaxamp_written_constants", default=None
 )
-
-
-def _sub_jaxprs(value: Any) -> Iterator[Any]:
-    if isinstance(value, jex.core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jex.core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _sub_jaxprs(item)
-
-
-def equations(jaxpr: Any) -> Iterator[Any]:
-    """Every equation of ``jaxpr`` and of the jaxprs its equations hold."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
-                yield from equations(sub)
 
 
 def _literals(jaxpr: Any) -> Iterator[tuple[tuple[str, str, int], Any]]:

@@ -24,7 +24,7 @@ from jaxamp._src.autocast.interpreter import (
 )
 from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
 from jaxamp._src.dtypes import is_floating, is_narrower, upcast
-from jaxamp._src.jaxprs import bind, open_jaxpr
+from jaxamp._src.jaxprs import bind, equations, open_jaxpr
 
 # --- Calls and rematerialization --------------------------------------------------------------
 
@@ -408,7 +408,7 @@ def _custom_jvp(eqn: Any, env: Env) -> list[Any]:
         jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
         # A rule that sums its tangent (softmax's) sums in float32: the transposed sum
         # of a 16-bit tangent would run in 16 bits. Others (relu's) take them as they are.
-        if any(e.primitive.name in _SUMS for e in constants.equations(jaxpr)):
+        if any(e.primitive.name in _SUMS for e in equations(jaxpr)):
             tangents = (tangents[0], tuple(map(upcast, tangents[1])))
         outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], config)
         n = len(out_zeros)

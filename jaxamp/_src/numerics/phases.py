@@ -9,7 +9,7 @@ from typing import Any
 
 import jax.extend as jex
 
-from jaxamp._src.jaxprs import open_jaxpr
+from jaxamp._src.jaxprs import equations, open_jaxpr, sub_jaxprs
 
 CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 CHECKPOINTS = ("checkpoint", "remat2")
@@ -91,13 +91,8 @@ def _scan_primal(eqn: Any, needed: Sequence[bool]) -> tuple[set[int], list[bool]
 
 
 def _all_equations(eqn: Any) -> set[int]:
-    found = {id(eqn)}
-    for value in eqn.params.values():
-        for closed in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(closed, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
-                for inner in open_jaxpr(closed)[0].eqns:
-                    found |= _all_equations(inner)
-    return found
+    """The ids of ``eqn`` and of every equation inside it."""
+    return {id(eqn), *(id(e) for sub in sub_jaxprs(eqn) for e in equations(sub))}
 
 
 def literal(atom: Any) -> bool:

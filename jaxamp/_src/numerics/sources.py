@@ -6,12 +6,10 @@ import contextlib
 import functools
 import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import jax.extend as jex
-
-from jaxamp._src.jaxprs import open_jaxpr
+from jaxamp._src.jaxprs import equations
 
 _LIBRARY = (os.sep + "site-packages" + os.sep, os.sep + "jaxamp" + os.sep + "_src" + os.sep)
 # jaxamp.models' code (it lives with the reference experiments): model code, not machinery
@@ -131,7 +129,7 @@ def custom_vjp_rules(jaxpr: Any) -> dict[Any, str]:
     """Per call site (see ``_bwd_call_site``), where the backward rule of each
     ``custom_vjp_call`` of ``jaxpr`` (a forward program, searched through) is."""
     found: dict[Any, str] = {}
-    for eqn in _equations(open_jaxpr(jaxpr)[0]):
+    for eqn in equations(jaxpr):
         if eqn.primitive.name != "custom_vjp_call" or "bwd" not in eqn.params:
             continue
         frames = _raw_frames(getattr(eqn.source_info, "traceback", None))
@@ -142,15 +140,6 @@ def custom_vjp_rules(jaxpr: Any) -> dict[Any, str]:
             if site is not None:
                 found.setdefault(site, where)
     return found
-
-
-def _equations(jaxpr: Any) -> Iterator[Any]:
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for closed in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(closed, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
-                    yield from _equations(open_jaxpr(closed)[0])
 
 
 def _rule_location(bwd: Any) -> str:
