@@ -81,6 +81,26 @@ def test_overflow_skips_with_params_and_inner_state_bit_for_bit_unchanged(dtype,
     assert int(state.consecutive_skips) == 0 and int(state.skipped_steps) == 1
 
 
+@pytest.mark.parametrize("skip_with", ["select", "cond"])
+@pytest.mark.parametrize("master_weights", ["float32", "kahan", "stochastic", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_skipped_step_keeps_every_bit_of_the_params_signed_zeros_too(
+    dtype, master_weights, skip_with
+):
+    """``optax.apply_updates(params, updates)`` after a skipped step is ``params`` bit for
+    bit: a zero update turned ``-0.0`` into ``+0.0`` (``-0.0 + 0.0``); the skip's updates
+    are ``-0.0``, which leaves every value as it is. Compared by bit pattern."""
+    params = {"w": jnp.array([-0.0, 0.0, -1.5, 2.0], dtype)}
+    tx = jaxamp.loss_scaled(optax.adam(1e-2), master_weights=master_weights, skip_with=skip_with)
+    state = tx.init(params)
+    grads = {"w": jnp.array([jnp.inf, 1.0, 1.0, 1.0], dtype)}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert not bool(state.last_finite)
+    new = optax.apply_updates(params, updates)
+    bits = lambda x: np.asarray(x).view(f"u{np.dtype(x.dtype).itemsize}")
+    np.testing.assert_array_equal(bits(new["w"]), bits(params["w"]))
+
+
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
 def test_any_non_finite_value_skips(bad):
     params = params_of(jnp.float32)

@@ -477,17 +477,28 @@ def _apply_or_skip(
         update_shapes = jax.eval_shape(apply, None)[0]
 
         def skip(_):
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+            zeros = jax.tree.map(lambda s: _no_change(s.shape, s.dtype), update_shapes)
             return zeros, state.inner_state, master_params, state.compensation
 
         return lax.cond(finite, apply, skip, None)
     new_updates, inner_state, master, compensation = apply(None)
     keep = lambda new, old: jnp.where(finite, new, old)
-    new_updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(finite, u, _no_change(u.shape, u.dtype)), new_updates
+    )
     inner_state = jax.tree.map(keep, inner_state, state.inner_state)
     master = jax.tree.map(keep, master, master_params)
     compensation = jax.tree.map(keep, compensation, state.compensation)
     return new_updates, inner_state, master, compensation
+
+
+def _no_change(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A skipped step's update: ``-0.0`` where ``dtype`` is inexact, which leaves every
+    value bit for bit (``-0.0 + -0.0`` is ``-0.0``, where ``-0.0 + 0.0`` is ``+0.0``),
+    else ``0``."""
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.full(shape, complex(-0.0, -0.0), dtype)
+    return jnp.full(shape, -0.0 if jnp.issubdtype(dtype, jnp.floating) else 0, dtype)
 
 
 def _next_state(
