@@ -1,5 +1,7 @@
 """Tests for jaxamp/_src/optim/gradients.py: scale_loss, get_loss_scale and value_and_grad."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +83,31 @@ def test_equinox_filter_grad():
 
 def test_scale_loss_upcasts_16_bit_losses():
     state = jaxamp.loss_scaled(optax.sgd(0.1)).init(PARAMS)
-    scaled = jaxamp.scale_loss(jnp.float16(2.0), state)
+    with pytest.warns(UserWarning, match="the loss is float16"):
+        scaled = jaxamp.scale_loss(jnp.float16(2.0), state)
     assert scaled.dtype == jnp.float32 and float(scaled) == 2.0 * 65536  # would overflow in f16
+    assert jaxamp.scale_loss(jnp.bfloat16(2.0), state).dtype == jnp.float32  # no warning
+
+
+def test_a_float16_loss_warns_that_its_backward_pass_overflows_at_the_default_scale():
+    """A float16 loss carries the scale in float16 through its backward pass: at 65536
+    every gradient is inf (jax.grad of the same function times the scale, the reference,
+    shows the overflow is float16's and not jaxamp's), so each such step is skipped.
+    ``jaxamp.value_and_grad`` says so at trace time, naming the fix."""
+    w = jnp.ones(4, jnp.float16)
+    loss = lambda w: jnp.sum((w * jnp.float16(0.5) - 1) ** 2) * jnp.float16(1e-3)
+    reference = jax.grad(lambda w: loss(w).astype(jnp.float32) * 65536.0)(w)
+    assert not np.isfinite(np.asarray(reference, np.float32)).any()
+    state = jaxamp.loss_scaled(optax.sgd(0.1)).init(w)
+    with pytest.warns(UserWarning, match="compute the loss in float32|Compute the loss in float32"):
+        _, grads = jax.jit(jaxamp.value_and_grad(loss))(w, opt_state=state)
+    assert not np.isfinite(np.asarray(grads, np.float32)).any()
+    # Computed in float32, the same loss scales: no warning, finite gradients.
+    loss32 = lambda w: jnp.sum((w.astype(jnp.float32) * 0.5 - 1) ** 2) * 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, grads = jax.jit(jaxamp.value_and_grad(loss32))(w, opt_state=state)
+    assert np.isfinite(np.asarray(grads, np.float32)).all()
 
 
 @pytest.mark.parametrize("has_aux", [False, True])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +33,10 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     """Multiplies ``loss`` by the current loss scale; use inside ``jax.grad`` and friends.
 
     A 16-bit loss is first cast to float32, so that the scaled value cannot
-    overflow (float16's largest value, 65504, is below the default scale).
+    overflow (float16's largest value, 65504, is below the default scale). Its
+    backward pass still carries the scale in the loss's dtype: a float16 loss
+    overflows there at a scale of 65536 (every such step is skipped), so it warns
+    (``FLOAT16_LOSS``): compute the loss in float32.
 
     Args:
       loss: a scalar loss.
@@ -42,10 +46,27 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     Returns:
       ``loss * scale`` in float32 (or the loss's dtype when that is wider).
     """
+    return _times_scale(loss, get_loss_scale(opt_state))
+
+
+FLOAT16_LOSS = (
+    "jaxamp: the loss is float16. Its backward pass carries the loss scale in float16, "
+    "whose largest value is 65504: at a scale of 65536 (the default start) every "
+    "gradient is inf and the step is skipped, so the scale never stays above 32768. "
+    "Compute the loss in float32: a policy with o=f32 returns float32 outputs, or cast "
+    "the model's output to float32 before the loss."
+)
+
+
+def _times_scale(loss: Any, scale: jax.Array) -> jax.Array:
+    """``loss * scale`` in float32 (or the loss's dtype where wider); warns for a float16
+    loss (``FLOAT16_LOSS``)."""
     loss = jnp.asarray(loss)
+    if loss.dtype == jnp.float16:
+        warnings.warn(FLOAT16_LOSS, stacklevel=4)
     if is_narrow(loss.dtype):
         loss = loss.astype(jnp.float32)
-    return loss * get_loss_scale(opt_state).astype(loss.dtype)
+    return loss * scale.astype(loss.dtype)
 
 
 def value_and_grad(
@@ -96,10 +117,7 @@ def value_and_grad(
         def scaled(*a: Any, **k: Any):
             out = fun(*a, **k)
             loss, aux = out if has_aux else (out, None)
-            loss_f32 = jnp.asarray(loss)
-            if is_narrow(loss_f32.dtype):
-                loss_f32 = loss_f32.astype(jnp.float32)
-            return loss_f32 * scale.astype(loss_f32.dtype), (loss, aux)
+            return _times_scale(loss, scale), (loss, aux)
 
         vg = transform(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = vg(*args, **kwargs)
