@@ -18,7 +18,7 @@ from jaxamp._src.optim.loss_scaled import loss_scaled
 from jaxamp._src.optim.recipes import optimizer_recipe
 from jaxamp._src.optim.scales import DynamicLossScale, NoOpLossScale, StaticLossScale
 from jaxamp._src.optim.state_dtype import with_state_dtype
-from jaxamp._src.policy import PRESETS, Fp8Recipe, Policy, cast_floating, get_policy
+from jaxamp._src.policy import PRESETS, Fp8Recipe, Policy, PolicyLike, cast_floating, get_policy
 
 __version__ = "0.2.0"
 
@@ -30,6 +30,7 @@ __all__ = (
     "Fp8Recipe",
     "NoOpLossScale",
     "Policy",
+    "PolicyLike",
     "StaticLossScale",
     "auto_policy",
     "autocast",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import operator
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeGuard, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +102,7 @@ class Fp8Recipe:
     amax_history_length: int = 1024
     margin: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.scaling, str):  # as the grammar reads it: "Delayed" is "delayed"
             object.__setattr__(self, "scaling", self.scaling.strip().lower())
         if self.scaling not in FP8_SCALINGS:
@@ -166,7 +166,7 @@ def _cast(tree: T, dtype: np.dtype, keep_float64: bool) -> T:
     """``cast_floating``; with ``keep_float64``, float64 leaves under ``jax_enable_x64``
     are left as they are (a policy's casts)."""
 
-    def cast(x):
+    def cast(x: Any) -> Any:
         if not is_floating_array(x) or x.dtype == dtype:
             return x
         return x if keep_float64 and is_float64(x.dtype) else x.astype(dtype)
@@ -207,7 +207,7 @@ class Policy:
     reduce_dtype: Any = None
     fp8: Any = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "fp8", _as_recipe(self.fp8))
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, canonical_dtype(getattr(self, field), field))
@@ -268,6 +268,18 @@ class Policy:
         if self.fp8 is not None:
             spec += f",{self.fp8.spec()}"
         return spec
+
+
+PolicyLike: TypeAlias = Policy | jmp.Policy | str
+"""What every ``policy`` argument takes: a ``Policy``, a ``jmp.Policy`` or a string naming
+one for ``get_policy`` (a preset, a dtype name or the ``p=,c=,o=`` grammar).
+
+Examples:
+  >>> def compute_dtype(policy: PolicyLike) -> str:
+  ...     return get_policy(policy).compute_dtype.name
+  >>> compute_dtype("mixed_bfloat16"), compute_dtype(Policy(compute_dtype="float16"))
+  ('bfloat16', 'float16')
+"""
 
 
 PRESETS: dict[str, Policy] = {
@@ -354,7 +366,7 @@ def _parse_grammar(spec: str) -> Policy:
     return Policy(parsed.param_dtype, parsed.compute_dtype, parsed.output_dtype, reduce, fp8)
 
 
-def is_policy_spec(value: Any) -> bool:
+def is_policy_spec(value: Any) -> TypeGuard[PolicyLike]:
     """Whether ``get_policy`` takes ``value``: a ``Policy``, a ``jmp.Policy`` or a string.
 
     Examples:
@@ -366,7 +378,7 @@ def is_policy_spec(value: Any) -> bool:
     return isinstance(value, (Policy, jmp.Policy, str))
 
 
-def get_policy(spec: str | Policy | jmp.Policy) -> Policy:
+def get_policy(spec: PolicyLike) -> Policy:
     """Returns the ``Policy`` named by ``spec``.
 
     Args:

@@ -490,8 +490,8 @@ def compute_dtype_name(value: Any) -> str | None:
     if value is None:
         return None
     if is_policy_spec(value):
-        spec = value.strip().lower() if isinstance(value, str) else value
-        return get_policy(hlo_dtype_name(spec)).compute_dtype.name
+        spec = hlo_dtype_name(value.strip().lower()) if isinstance(value, str) else value
+        return get_policy(spec).compute_dtype.name
     return canonical_dtype(value, "compute_dtype").name
 
 

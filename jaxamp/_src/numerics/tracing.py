@@ -19,7 +19,7 @@ from jaxamp._src.dtypes import is_narrow
 from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
 from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
-from jaxamp._src.policy import get_policy, is_policy_spec
+from jaxamp._src.policy import PolicyLike, get_policy, is_policy_spec
 
 
 class NotALoss(TypeError):
@@ -75,13 +75,13 @@ _CALLING: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVa
 
 
 def _scoped_class(cls: type, path: tuple[str, ...]) -> type:
-    def __call__(self, *args, **kwargs):
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         scoped = type(self)
         # the scope to open: the path below the module being called, when that is an
         # ancestor (its scope holds the path up to it), else the whole path
         caller = _CALLING.get()
         below = caller is not None and path[: len(caller)] == caller
-        name = "/".join(path[len(caller) :] if below else path)
+        name = "/".join(path[len(caller) :] if caller is not None and below else path)
         # the module's own class runs its call (jaxamp.nnx's policy wrappers look up the
         # class above their own), inside the scope
         self.__class__ = cls
@@ -96,7 +96,9 @@ def _scoped_class(cls: type, path: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
 
 
-def under_policy(fun: Callable[..., Any], policy: Any) -> tuple[Callable[..., Any], str | None]:
+def under_policy(
+    fun: Callable[..., Any], policy: PolicyLike | Callable[..., Any] | None
+) -> tuple[Callable[..., Any], str | None]:
     """``fun`` as the numerics tools run it under ``policy``, and how to name the policy.
 
     ``policy`` is what ``jaxamp.get_policy`` takes (a ``jaxamp.Policy``, a
@@ -107,7 +109,8 @@ def under_policy(fun: Callable[..., Any], policy: Any) -> tuple[Callable[..., An
     if policy is None:
         return fun, None
     if is_policy_spec(policy):
-        return autocast(fun, policy), str(get_policy(policy))
+        resolved = get_policy(policy)
+        return autocast(fun, resolved), str(resolved)
     if callable(policy):
         return policy, getattr(policy, "__name__", "the mixed-precision fun")
     raise TypeError(
@@ -154,15 +157,15 @@ def trace(
     n_args = len(pieces)
     pieces += rests
 
-    def merged(*values):
-        values, rest_values = list(values[:n_args]), values[n_args:]
+    def merged(*flat: Any) -> Any:
+        values, rest_values = list(flat[:n_args]), flat[n_args:]
         for i, (graphdef, r) in split.items():
             # fresh variables (copy=True): ones shared with the split state belong to an
             # outer trace, and a BatchNorm could not update its statistics in them
             values[i] = layer_scopes(nnx.merge(graphdef, values[i], rest_values[r], copy=True))
         return fun(*values, **kwargs)
 
-    def scaled(*values):
+    def scaled(*values: Any) -> Any:
         out = merged(*values)
         loss, aux = out if has_aux else (out, None)
         if not (hasattr(loss, "shape") and jnp.shape(loss) == () and is_floating(loss)):
