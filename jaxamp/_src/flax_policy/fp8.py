@@ -122,10 +122,10 @@ class LinenDelayed:
         meta = linen_meta(self.module, self.recipe)
         return Fp8DotGeneral(self.compute_dtype, self.recipe.margin, meta)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
         return self._rule()(*args, **kwargs)
 
-    def einsum(self, *args, **kwargs):
+    def einsum(self, *args: Any, **kwargs: Any) -> jax.Array:
         """``jnp.einsum`` in float8 with this layer's state."""
         return self._rule().einsum(*args, **kwargs)
 
@@ -418,15 +418,15 @@ class NnxDelayed(Fp8DotGeneral):
             "call the layer itself (its state is read there)."
         )
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
         return self._rule()(*args, **kwargs)
 
-    def einsum(self, *args, **kwargs):
+    def einsum(self, *args: Any, **kwargs: Any) -> jax.Array:
         """``jnp.einsum`` in float8 with the state of the layer being called."""
         return self._rule().einsum(*args, **kwargs)
 
 
-def nnx_delayed_call(self: nnx.Module, base_call: Any, *args, **kwargs):
+def nnx_delayed_call(self: nnx.Module, base_call: Any, *args: Any, **kwargs: Any) -> Any:
     """An NNX layer's call with its matmul hook given the layer's float8 state."""
     hook = getattr(self, "dot_general", None) or getattr(self, "einsum_op", None)
     rule = getattr(hook, "__self__", hook)

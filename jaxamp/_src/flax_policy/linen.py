@@ -7,7 +7,8 @@ import contextvars
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -20,7 +21,7 @@ from jaxamp._src.backend import auto_policy
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.ops.residuals import validate_residuals
-from jaxamp._src.policy import Policy, cast_floating, get_policy
+from jaxamp._src.policy import Policy, PolicyLike, cast_floating, get_policy
 
 
 @contextlib.contextmanager
@@ -62,7 +63,9 @@ class _Call:
 
     base: tuple[str, ...]
     inner: Any = None
-    seen: list = dataclasses.field(default_factory=list)
+    seen: list[tuple[tuple[tuple[str, ...], nn.Module], ...]] = dataclasses.field(
+        default_factory=list
+    )
 
 
 def _module_chain(module: nn.Module, call: _Call) -> tuple[tuple[tuple[str, ...], nn.Module], ...]:
@@ -127,7 +130,7 @@ def _holds(owner: nn.Module, module: nn.Module) -> bool:
     if module.parent is owner:
         return False
     for field in dataclasses.fields(owner):
-        value = getattr(owner, field.name, None)
+        value: Any = getattr(owner, field.name, None)
         if value is module:
             return True
         same_layer = isinstance(value, nn.Module) and type(value) is type(module)
@@ -148,14 +151,29 @@ def _cast_cache(module: nn.Module) -> None:
             scope.put_variable("cache", name, cast)
 
 
-def _lifted_policy(fn, scope, *args, config, residuals, delayed, **kwargs):
+def _lifted_policy(
+    fn: Callable[..., Any],
+    scope: Any,
+    *args: Any,
+    config: AutocastConfig,
+    residuals: str,
+    delayed: bool,
+    **kwargs: Any,
+) -> Any:
     """A Flax core transformation (like ``flax.core.lift.checkpoint``): ``fn`` evaluated by
     the autocast interpreter with ``config``, its variables and RNGs lifted through it.
     Under delayed float8 scaling (``delayed``), the layers' state goes in max-combined, one
     conversion per apply, so a layer run by several calls combines its state by max."""
 
-    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
-        def pure(variable_groups, rng_groups, *args, **kwargs):
+    def inner(
+        scope_fn: Callable[..., Any],
+        repack_fn: Callable[..., Any],
+        variable_groups: Any,
+        rng_groups: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Any, Any]:
+        def pure(variable_groups: Any, rng_groups: Any, *args: Any, **kwargs: Any) -> Any:
             scope = scope_fn(variable_groups, rng_groups)
             return fn(scope, *args, **kwargs), repack_fn(scope)
 
@@ -185,7 +203,7 @@ def _without_policy_modules(capture: Any) -> Any:
     else:
         keep = capture
 
-    def capture_filter(module, method_name):
+    def capture_filter(module: nn.Module, method_name: str) -> bool:
         return (
             not isinstance(module, PolicyModule)
             and method_name != _TARGET
@@ -195,13 +213,17 @@ def _without_policy_modules(capture: Any) -> Any:
     return capture_filter
 
 
-def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: _Call):
+def _interceptor(
+    root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: _Call
+) -> Callable[..., Any]:
     """The method interceptor that gives each layer its settings (see ``layer_plan.plan_layer``).
 
     Each layer's ``(path, module)`` chain is appended to ``call.seen``.
     """
 
-    def intercept(next_fun, args, kwargs, context):
+    def intercept(
+        next_fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], context: Any
+    ) -> Any:
         module = context.module
         if isinstance(module, PolicyModule) or layer_plan.running_as_written():
             return next_fun(*args, **kwargs)
@@ -230,7 +252,14 @@ def _interceptor(root: Policy, overrides: tuple[tuple[Any, Policy], ...], call: 
             out = layer_plan.carry_as_given(module, context.method_name, args, out, True)
         return out
 
-    def run(chain, module, next_fun, args, kwargs, context):
+    def run(
+        chain: tuple[tuple[tuple[str, ...], nn.Module], ...],
+        module: nn.Module,
+        next_fun: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: Any,
+    ) -> Any:
         policy = layer_plan.resolve_policy(root, overrides, chain)
         plan = layer_plan.plan_layer(module, policy, context.method_name)
         scope = layer_plan.layer_scope(root, policy)
@@ -259,7 +288,7 @@ def _root_policy(given: Policy, overrides: Any, module: nn.Module) -> Policy:
     return layer_plan.resolve_policy(given, overrides, [((), module)])
 
 
-def _share_scope(policy_module: nn.Module) -> None:
+def _share_scope(policy_module: PolicyModule) -> None:
     """Makes the policy module and the module it wraps share one scope, so that the
     variables sit where the module alone's would, as Flax's ``share_scope`` does, with two
     defects of it worked around. It picks which of the two moves by whether one scope is
@@ -271,13 +300,16 @@ def _share_scope(policy_module: nn.Module) -> None:
     initial values. A module bound elsewhere (made in a parent's compact method, with
     its own name) keeps its scope, and the policy module takes it, as in Flax."""
     module, scope = policy_module.module, policy_module.scope
+    assert scope is not None  # setup runs bound
     old = module.scope
     if old is None or (old.parent is not scope and old.path != (*scope.path, "module")):
         nn.share_scope(policy_module, module)
         return
     object.__setattr__(module, "scope", scope)
     for child in module._state.children.values():
-        inner = getattr(child, "scope", None) if isinstance(child, nn.Module) else None
+        if not isinstance(child, nn.Module):
+            continue
+        inner = getattr(child, "scope", None)
         if inner is None or inner.parent is not old:
             continue
         if isinstance(inner.name, str):
@@ -296,7 +328,9 @@ def _rederive(module: nn.Module, scope: Any) -> None:
     scope.debug_path = (*parent.debug_path, scope.name)
     scope.rngs = {key: LazyRng.create(rng, scope.name) for key, rng in parent.rngs.items()}
     for child in module._state.children.values():
-        inner = getattr(child, "scope", None) if isinstance(child, nn.Module) else None
+        if not isinstance(child, nn.Module):
+            continue
+        inner = getattr(child, "scope", None)
         if inner is not None and inner.parent is scope:
             _rederive(child, inner)
 
@@ -330,7 +364,7 @@ class PolicyModule(nn.Module):
     rules: AutocastRules | None = None
     given_policy: Policy | None = None
 
-    def setup(self):
+    def setup(self) -> None:
         _share_scope(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -344,11 +378,11 @@ class PolicyModule(nn.Module):
                 return functools.partial(self._run, name)  # its method, under the policy
             return getattr(module, name)  # a field of the wrapped module
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run("__call__", *args, **kwargs)
 
     @nn.nowrap
-    def sow(self, col, name, value, *args, **kwargs):
+    def sow(self, col: str, name: str, value: Any, *args: Any, **kwargs: Any) -> bool:
         """Flax's ``capture_intermediates`` records the wrapped module's calls; the policy
         module's own, at the same scope with the same values, are not recorded twice."""
         if col == "intermediates":
@@ -356,7 +390,14 @@ class PolicyModule(nn.Module):
         return super().sow(col, name, value, *args, **kwargs)
 
     @nn.nowrap
-    def clone(self, *, parent=None, _deep_clone=False, _reset_names=False, **updates):
+    def clone(
+        self,
+        *,
+        parent: Any = None,
+        _deep_clone: bool | weakref.WeakValueDictionary = False,
+        _reset_names: bool = False,
+        **updates: Any,
+    ) -> PolicyModule:
         """Like ``nn.Module.clone`` (``copy`` passes here too); a field of the wrapped module
         (``features=``, as read through) goes to a clone of the wrapped module, and the
         policy's settings are taken as ``apply_policy`` takes them."""
@@ -388,7 +429,7 @@ class PolicyModule(nn.Module):
         )
 
     @nn.nowrap
-    def _run(self, method: Any, *args, **kwargs):
+    def _run(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
         self._try_setup()  # shares the scope first, when ``init``/``apply`` call ``method`` bare
         self._check_nested()
@@ -396,7 +437,7 @@ class PolicyModule(nn.Module):
         call = _Call(tuple(self.scope.path) if self.scope is not None else ())
         interceptor = _interceptor(self.policy, self.overrides, call)
 
-        def target(mdl, *args, **kwargs):
+        def target(mdl: PolicyModule, *args: Any, **kwargs: Any) -> Any:
             inner = call.inner = mdl.module
             fn = getattr(type(inner), method) if isinstance(method, str) else method
             token = _OUTER.set((self.policy, self.overrides, call))
@@ -478,24 +519,26 @@ class PolicyModule(nn.Module):
         if isinstance(method, str) and method in type(self).__dict__:
             return method
 
-        def run(self, *args, **kwargs):
+        def run(self: PolicyModule, *args: Any, **kwargs: Any) -> Any:
             return self._run(method, *args, **kwargs)
 
-        run._jaxamp_policy_method = True
+        run.__dict__["_jaxamp_policy_method"] = True
         return run
 
     @nn.nowrap
-    def init_with_output(self, rngs, *args, method=None, **kwargs):
+    def init_with_output(
+        self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any
+    ) -> tuple[Any, Any]:
         """Like ``nn.Module.init_with_output``; params in each layer's ``param_dtype``."""
         return super().init_with_output(rngs, *args, method=self._method(method), **kwargs)
 
     @nn.nowrap
-    def init(self, rngs, *args, method=None, **kwargs):
+    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         """Like ``nn.Module.init``; params are created in each layer's ``param_dtype``."""
         return super().init(rngs, *args, method=self._method(method), **kwargs)
 
     @nn.nowrap
-    def apply(self, variables, *args, method=None, **kwargs):
+    def apply(self, variables: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
         """Like ``nn.Module.apply``, with the policy; outputs come back in ``output_dtype``.
 
         Floating inputs are cast to the compute dtype (integer inputs such as token
@@ -521,9 +564,9 @@ class PolicyModule(nn.Module):
 
 def apply_policy(
     module: nn.Module,
-    policy: str | Policy | None = None,
+    policy: PolicyLike | None = None,
     *,
-    overrides: Mapping[Any, Any] | None = None,
+    overrides: Mapping[str | type, PolicyLike] | None = None,
     residuals: str = "compute_dtype",
     rules: AutocastRules | None = None,
 ) -> PolicyModule:
@@ -595,13 +638,12 @@ def apply_policy(
     # A top-level model's wrapper takes the model's class name, so that the layer names
     # in its program read as the bare model's (``precision_report`` drops the wrapper's).
     name = type(module).__name__ if module.parent is None else None
-    overrides = layer_plan.normalize_overrides(overrides)
+    normalized = layer_plan.normalize_overrides(overrides)
     given = get_policy(policy)
-    policy = _root_policy(given, overrides, module)
     return PolicyModule(
         module,
-        policy,
-        overrides,
+        _root_policy(given, normalized, module),
+        normalized,
         validate_residuals(residuals),
         rules,
         given,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -17,7 +17,7 @@ from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.flax_policy.graph import is_node as is_graph_node
 from jaxamp._src.ops.residuals import validate_residuals
-from jaxamp._src.policy import Policy, cast_floating, get_policy
+from jaxamp._src.policy import Policy, PolicyLike, cast_floating, get_policy
 
 _POLICY_ATTR = "jaxamp_policy"
 _RESIDUALS_ATTR = "jaxamp_residuals"
@@ -32,7 +32,7 @@ _WRAPPED_ATTR = "_jaxamp_policy_wrapper"  # on the subclasses that wrap a layer
 _ORIGINALS_ATTR = "jaxamp_original_attributes"
 
 
-def iter_modules(model: nnx.Module):
+def iter_modules(model: nnx.Module) -> Iterator[tuple[Any, nnx.Module]]:
     iter_modules = getattr(nnx, "iter_modules", None)
     if iter_modules is not None:
         return iter_modules(model)
@@ -65,7 +65,7 @@ def _cast_caches(model: nnx.Module) -> None:
                     _set_value(variable, cast)
 
 
-def _policy_call(self, *args, **kwargs):
+def _policy_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a model under a policy: inputs cast, the call evaluated with the
     policy's rules (see ``jaxamp.linen.apply_policy``), outputs cast."""
     policy: Policy = getattr(self, _POLICY_ATTR)
@@ -81,7 +81,9 @@ def _policy_call(self, *args, **kwargs):
     config = AutocastConfig(policy, getattr(self, _RULES_ATTR), getattr(self, _OVERRIDES_ATTR))
     residuals = getattr(self, _RESIDUALS_ATTR)
 
-    def call(module, *args, **kwargs):  # cast in the program, as the Linen policy does
+    def call(
+        module: nnx.Module, *args: Any, **kwargs: Any
+    ) -> Any:  # cast in the program, as the Linen policy does
         with fp8_state.nnx_combined_state(iter_modules(module), combined):
             return policy.cast_to_output(_run_layer(module, base_call, args, kwargs))
 
@@ -97,7 +99,7 @@ def _policy_call(self, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def _as_written(tree: Any):
+def _as_written(tree: Any) -> Iterator[None]:
     """The layers of the modules in ``tree`` without the policy's settings, as their
     author wrote them, for the duration (see ``layer_plan.layers_as_written``)."""
     changed = []
@@ -116,7 +118,7 @@ def _as_written(tree: Any):
                 setattr(module, name, value)
 
 
-def _embed_call(self, *args, **kwargs):
+def _embed_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """``Embed.__call__`` that gathers in the table's dtype and casts the rows."""
     out = _own_call(self, *args, **kwargs)
     if layer_plan.running_as_written():
@@ -124,23 +126,24 @@ def _embed_call(self, *args, **kwargs):
     return cast_floating(out, getattr(self, _EMBED_DTYPE_ATTR))
 
 
-def _as_traced_call(self, *args, **kwargs):
+def _as_traced_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a layer an override keeps wider than the root policy (float32), or
     takes out of its float8 (see ``layer_plan.layer_scope``)."""
     with layer_plan.layer_scope(*getattr(self, _SCOPE_ATTR)):
         return _own_call(self, *args, **kwargs)
 
 
-def _embed_attend(self, *args, **kwargs):
+def _embed_attend(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """``Embed.attend`` (a tied output layer) as a compute-dtype matmul."""
     plan: layer_plan.LayerPlan = getattr(self, _ATTEND_PLAN_ATTR)
     float64 = layer_plan.has_float64((args, kwargs))  # a float64 query: as written
     if plan.matmul is None or layer_plan.running_as_written() or float64:
-        return type(self).__mro__[1].attend(self, *args, **kwargs)
+        embed: Any = type(self).__mro__[1]  # nnx.Embed, or a user's subclass of it
+        return embed.attend(self, *args, **kwargs)
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 
 
-def _own_call(self, *args, **kwargs):
+def _own_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """The layer's own ``__call__`` (every wrapper ends here), run by ``_run_layer``."""
     return _run_layer(self, type(self).__mro__[1].__call__, args, kwargs)
 
@@ -159,7 +162,7 @@ def _run_layer(module: nnx.Module, call: Any, args: Any, kwargs: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _layer_as_written(module: nnx.Module):
+def _layer_as_written(module: nnx.Module) -> Iterator[None]:
     """``module`` without the settings the policy gave it, for the duration (Flax computes
     a layer called with float64 inputs in float64; a policy leaves float64 as written)."""
     originals = getattr(module, _ORIGINALS_ATTR, None) or {}
@@ -177,7 +180,7 @@ def _keeping_carry(call: Any) -> Any:
     """A recurrent cell's ``call`` returning its new carry in the given carry's dtypes
     (see ``layer_plan.carry_as_given``)."""
 
-    def cell_call(self, *args, **kwargs):
+    def cell_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         return layer_plan.carry_as_given(self, "__call__", args, call(self, *args, **kwargs))
 
     return cell_call
@@ -198,7 +201,9 @@ def _subclass(cls: type, call_name: str) -> type:
     if issubclass(cls, nnx.RNNCellBase) and call_name != "policy":
         methods = {**methods, "__call__": _keeping_carry(methods["__call__"])}
 
-    def __reduce__(self):  # pickled as the original class plus the name of the wrapper
+    def __reduce__(
+        self: nnx.Module,
+    ) -> tuple[Any, ...]:  # pickled as the original class plus the name of the wrapper
         return _rebuild, (cls, call_name, self.__getstate__())
 
     namespace = {
@@ -240,9 +245,9 @@ def _swap_class(module: nnx.Module, call_name: str | None) -> None:
 
 def apply_policy(
     model: nnx.Module,
-    policy: str | Policy | None = None,
+    policy: PolicyLike | None = None,
     *,
-    overrides: Mapping[Any, Any] | None = None,
+    overrides: Mapping[str | type, PolicyLike] | None = None,
     residuals: str = "compute_dtype",
     rules: AutocastRules | None = None,
 ) -> nnx.Module:

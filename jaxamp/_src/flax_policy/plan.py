@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
+from types import FrameType
 from typing import Any
 
 import flax.linen as nn
@@ -29,7 +30,7 @@ from jaxamp._src.ops.fp8 import Fp8DotGeneral
 from jaxamp._src.ops.matmul import ConvGeneralDilated, DotGeneral
 from jaxamp._src.policy import Policy, get_policy
 
-EMBED_LAYERS: tuple[type, ...] = (nn.Embed, nnx.Embed)
+EMBED_LAYERS: tuple[type[nn.Embed], type[nnx.Embed]] = (nn.Embed, nnx.Embed)
 # Flax's weight reparametrisations: they normalise the wrapped layer's kernel (an l2 norm,
 # a power iteration) and hand it over in their ``dtype``. They keep float32 (the wrapped
 # layer casts the kernel in its matmul rule): in 16 bits the normalisation would round,
@@ -154,7 +155,8 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
     if writes_float64(module):  # a policy leaves float64 as written
         return LayerPlan()
     attrs: dict[str, Any] = {}
-    cast_output_to = matmul = None
+    cast_output_to: Any = None
+    matmul: DotGeneral | Fp8DotGeneral | LinenDelayed | None = None
     if hasattr(module, "param_dtype") and _is_float_setting(module.param_dtype):
         attrs["param_dtype"] = policy.param_dtype
     if (
@@ -277,7 +279,7 @@ def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool
     return out
 
 
-def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
+def run_unhooked(module: Any, plan: LayerPlan, *args: Any, **kwargs: Any) -> Any:
     """Runs a method Flax gives no matmul hook (``Embed.attend``, ``linen.Einsum``).
 
     Args:
@@ -290,6 +292,7 @@ def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
       What the method returns, with its matmul under the rule.
     """
     rule = plan.matmul
+    assert rule is not None  # the interceptor calls this only for a plan with a matmul
     if isinstance(module, EMBED_LAYERS):
         (query,) = args
         table = module.embedding
@@ -302,7 +305,9 @@ def run_unhooked(module: Any, plan: LayerPlan, *args, **kwargs):
     return _linen_einsum(module, rule, *args, **kwargs)
 
 
-def _linen_einsum(module: nn.Einsum, rule: Any, inputs, einsum_str=None):
+def _linen_einsum(
+    module: nn.Einsum, rule: Any, inputs: Any, einsum_str: str | None = None
+) -> jax.Array:
     """``flax.linen.Einsum.__call__`` with its contraction under the rule."""
     einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
     kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
@@ -465,7 +470,8 @@ def carry_as_given(
         return out
     carry, y = out
     given = args[0] if args else None
-    if jax.tree.structure(carry) != jax.tree.structure(given):
+    # jaxlib ships PyTreeDef in a compiled module without a stub: mypy sees no __ne__
+    if jax.tree.structure(carry) != jax.tree.structure(given):  # type: ignore[operator]
         return out
 
     def as_given(new: Any, old: Any) -> Any:
@@ -514,7 +520,8 @@ _LIBRARIES = (
 
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` of the first frame outside jaxamp, Flax and JAX (the user's call)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and (
         any(part in frame.f_code.co_filename for part in _LIBRARIES)
         or frame.f_code.co_filename.startswith("<frozen")

@@ -67,7 +67,7 @@ def softmax_float32(
     return jax.nn.softmax(x, axis=-1).astype(dtype)
 
 
-def _einsum_as_traced(*args, **kwargs) -> Array:
+def _einsum_as_traced(*args: Any, **kwargs: Any) -> Array:
     """``jnp.einsum`` in the dtype it is given, which autocast keeps (a float32 compute
     dtype under a float8 policy: the two attention matmuls stay out of float8)."""
     with jax.named_scope(FLOAT32_SCOPE):

@@ -175,7 +175,7 @@ def materialize(x: jax.Array, perm: Sequence[int]) -> jax.Array:
     return lax.optimization_barrier(y.reshape(-1)).reshape(y.shape)
 
 
-def _canonical_dot(lhs, rhs, dimension_numbers, precision):
+def _canonical_dot(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any) -> jax.Array:
     """``dot_general`` on operands laid out ``[batch, free, contracting]``, as matrices.
 
     Free and contracting dims are each collapsed into one, so XLA:CPU sees a
@@ -207,7 +207,14 @@ def _canonical_dot(lhs, rhs, dimension_numbers, precision):
     return out.reshape(*batch_shape, *lfree_shape, *rfree_shape)
 
 
-def gemm(lhs, rhs, dimension_numbers, precision, form: MatmulForm, out_sharding=None):
+def gemm(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    precision: Any,
+    form: MatmulForm,
+    out_sharding: Any = None,
+) -> jax.Array:
     """The one GEMM shape, in ``form``: 16-bit operands, float32 products and sums."""
     if form.upcast:
         lhs, rhs = lhs.astype(FLOAT32), rhs.astype(FLOAT32)

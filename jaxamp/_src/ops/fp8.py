@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -45,37 +45,37 @@ class _MaxRules:
     """Rules of the ``fp8_max32`` dtype: float32 values whose cotangents add by ``max``."""
 
     @staticmethod
-    def physical_element_aval(dtype):
+    def physical_element_aval(dtype: Any) -> Any:
         return jax.core.ShapedArray((), dtype.float_dtype)
 
     @staticmethod
-    def convert_from(dtype, other):
+    def convert_from(dtype: Any, other: Any) -> bool:
         return dtype.float_dtype == other
 
     @staticmethod
-    def convert_to(other, dtype):
+    def convert_to(other: Any, dtype: Any) -> bool:
         return dtype.float_dtype == other
 
     @staticmethod
-    def add(dtype, x, y):
+    def add(dtype: Any, x: Any, y: Any) -> Any:
         x, y = (lax.convert_element_type(v, dtype.float_dtype) for v in (x, y))
         return lax.convert_element_type(lax.max(x, y), dtype)
 
     @staticmethod
-    def zero(dtype):
+    def zero(dtype: Any) -> Any:
         return lax.convert_element_type(np.array(-np.inf, dtype.float_dtype), dtype)
 
     @staticmethod
-    def tangent_dtype(dtype):
+    def tangent_dtype(dtype: Any) -> Any:
         return dtype
 
     @staticmethod
-    def full(shape, fill_value, dtype):
+    def full(shape: Any, fill_value: Any, dtype: Any) -> Any:
         fill = lax.convert_element_type(fill_value, dtype.float_dtype)
         return lax.convert_element_type(lax.full(shape, fill, dtype.float_dtype), dtype)
 
     @staticmethod
-    def global_sharded_result_handler(aval, out_sharding, committed):
+    def global_sharded_result_handler(aval: Any, out_sharding: Any, committed: bool) -> Any:
         # Values made outside jit (an eager jax.grad) are arrays of their float32 values.
         physical = _pxla.global_result_handlers[_jax_core.ShapedArray](
             _jax_core.physical_aval(aval), out_sharding, committed
@@ -161,13 +161,13 @@ def max_combined(tree: Any) -> Any:
 
     # A custom_vjp of arrays, not of a list: see _as_custom_vjp.
     @jax.custom_vjp
-    def convert(*xs):
+    def convert(*xs: Any) -> tuple[Any, ...]:
         return tuple(lax.convert_element_type(x, MAX32) for x in xs)
 
-    def fwd(*xs):
+    def fwd(*xs: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         return convert(*xs), xs
 
-    def bwd(xs, cts):
+    def bwd(xs: tuple[Any, ...], cts: Any) -> tuple[Any, ...]:
         cts = [lax.convert_element_type(c, FLOAT32) for c in cts]
         return tuple(_unused_kept(list(xs), cts, todo_paths))
 
@@ -311,7 +311,7 @@ def _batch_amax(x: jax.Array) -> jax.Array:
 
 
 @_batch_amax.def_vmap
-def _amax_vmap(axis_size, in_batched, x):
+def _amax_vmap(axis_size: int, in_batched: Any, x: jax.Array) -> tuple[jax.Array, bool]:
     del axis_size, in_batched
     return _batch_amax(x), False
 
@@ -323,7 +323,9 @@ def _state_amax(x: jax.Array, state: jax.Array) -> jax.Array:
 
 
 @_state_amax.def_vmap
-def _state_amax_vmap(axis_size, in_batched, x, state):
+def _state_amax_vmap(
+    axis_size: int, in_batched: Any, x: jax.Array, state: jax.Array
+) -> tuple[jax.Array, bool]:
     x_batched, state_batched = in_batched
     if not (x_batched and state_batched):
         return _state_amax(x, state), False
@@ -342,7 +344,7 @@ def _first_order(x: jax.Array) -> jax.Array:
 
 
 @_first_order.defjvp
-def _first_order_jvp(primals, tangents):
+def _first_order_jvp(primals: Any, tangents: Any) -> Any:
     raise NotImplementedError(
         "second derivatives (jax.hessian, jax.grad of jax.grad) through jaxamp's float8 "
         "GEMMs are not supported: their passes quantize to float8, and the derivatives of "
@@ -361,13 +363,13 @@ def _poison(*amaxes: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------- the float8 GEMMs
 
 
-def _gemm(lhs, rhs, dimension_numbers, out_sharding=None):
+def _gemm(lhs: Any, rhs: Any, dimension_numbers: Any, out_sharding: Any = None) -> jax.Array:
     return lax.dot_general(
         lhs, rhs, dimension_numbers, preferred_element_type=FLOAT32, out_sharding=out_sharding
     )
 
 
-def _transpose_lhs(g, rhs, lhs, dimension_numbers):
+def _transpose_lhs(g: jax.Array, rhs: jax.Array, lhs: jax.Array, dimension_numbers: Any) -> Any:
     """``d_lhs = dot(g, rhs)`` in float32, in the layout (and sharding) of ``lhs``."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     lhs_ndim = lhs.ndim
@@ -380,10 +382,10 @@ def _transpose_lhs(g, rhs, lhs, dimension_numbers):
     x_contract_by_y = [int(d) for d in np.take(x_contract, np.argsort(y_contract))]
     order = [*x_batch, *x_kept, *x_contract_by_y]
     out = _gemm(g, rhs, dims, sharding_of_result(jax.typeof(lhs), order))
-    return jnp.transpose(out, np.argsort(order))
+    return jnp.transpose(out, [int(a) for a in np.argsort(order)])
 
 
-def _transpose_rhs(g, lhs, rhs, dimension_numbers):
+def _transpose_rhs(g: jax.Array, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any) -> Any:
     """``d_rhs = dot(g, lhs)`` in float32, in the layout (and sharding) of ``rhs``: ``g``
     first, as Flax's ``fp8_ops`` and JAX's transpose of ``dot_general`` order it (the
     other order sums the same products in another order, a last bit apart)."""
@@ -397,15 +399,19 @@ def _transpose_rhs(g, lhs, rhs, dimension_numbers):
     y_contract_by_x = [int(d) for d in np.take(y_contract, np.argsort(x_contract))]
     order = [*y_batch, *y_kept, *y_contract_by_x]
     out = _gemm(g, lhs, dims, sharding_of_result(jax.typeof(rhs), order))
-    return jnp.transpose(out, np.argsort(order))
+    return jnp.transpose(out, [int(a) for a in np.argsort(order)])
 
 
-def _current(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
+def _current(
+    lhs: Any, rhs: Any, dimension_numbers: Any, out_dtype: np.dtype, margin: int, sharding: Any
+) -> Any:
     static = (dimension_numbers, out_dtype, margin, sharding)
     return _as_custom_vjp(_current_fwd, _current_bwd, (lhs, rhs), static)
 
 
-def _as_custom_vjp(fwd, bwd, arrays, static):
+def _as_custom_vjp(
+    fwd: Callable[..., Any], bwd: Callable[..., Any], arrays: Any, static: tuple[Any, ...]
+) -> Any:
     """``fwd(*arrays, *static)[0]`` with the gradient ``bwd(*static, res, g)``, through a
     ``custom_vjp`` of the arrays' leaves alone, made once per set of static arguments and
     closing over them. A workaround in the open: under the next JAX's ``jax_custom_vjp3``
@@ -417,8 +423,10 @@ def _as_custom_vjp(fwd, bwd, arrays, static):
 
 
 @functools.cache
-def _flat_custom_vjp(fwd, bwd, treedef, static):
-    def unflat(leaves):
+def _flat_custom_vjp(
+    fwd: Callable[..., Any], bwd: Callable[..., Any], treedef: Any, static: tuple[Any, ...]
+) -> Any:
+    def unflat(leaves: Any) -> Any:
         return jax.tree.unflatten(treedef, leaves)
 
     gemm = jax.custom_vjp(lambda *leaves: fwd(*unflat(leaves), *static)[0])
@@ -442,7 +450,9 @@ def _restored(bits: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, E4M3)
 
 
-def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
+def _current_fwd(
+    lhs: Any, rhs: Any, dimension_numbers: Any, out_dtype: np.dtype, margin: int, sharding: Any
+) -> tuple[jax.Array, tuple[Any, ...]]:
     lhs, rhs = _first_order(lhs), _first_order(rhs)
     amax_l, amax_r = _amax(lhs), _amax(rhs)
     s_l, s_r = (scale_from_amax(a, E4M3, margin) for a in (amax_l, amax_r))
@@ -456,7 +466,14 @@ def _current_fwd(lhs, rhs, dimension_numbers, out_dtype, margin, sharding):
     return y.astype(out_dtype), res
 
 
-def _current_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
+def _current_bwd(
+    dimension_numbers: Any,
+    out_dtype: np.dtype,
+    margin: int,
+    sharding: Any,
+    res: tuple[Any, ...],
+    g: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
     q_l, s_l, q_r, s_r, lhs_like, rhs_like = res
     q_l, q_r = _restored(q_l), _restored(q_r)
     g = _first_order(g)
@@ -553,7 +570,9 @@ def checked_meta(meta: Fp8Meta, history_length: int | None, where: str) -> Fp8Me
     return meta
 
 
-def _next(x_amax, scale, history, dtype, margin):
+def _next(
+    x_amax: jax.Array, scale: Any, history: Any, dtype: Any, margin: int
+) -> tuple[jax.Array, jax.Array]:
     """The scale this step quantizes with (from the history before it) and the history with
     this step's amax pushed in front; a non-finite amax is pushed as 0 (no information: an
     inf would freeze the scale for the length of the history), so that the histories of
@@ -566,12 +585,28 @@ def _next(x_amax, scale, history, dtype, margin):
     return new_scale, jnp.roll(history32, shift=-1, axis=0).at[0].set(amax)
 
 
-def _delayed(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
+def _delayed(
+    lhs: Any,
+    rhs: Any,
+    meta: Fp8Meta,
+    dimension_numbers: Any,
+    out_dtype: np.dtype,
+    margin: int,
+    sharding: Any,
+) -> Any:
     static = (dimension_numbers, out_dtype, margin, sharding)
     return _as_custom_vjp(_delayed_fwd, _delayed_bwd, (lhs, rhs, meta), static)
 
 
-def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding):
+def _delayed_fwd(
+    lhs: Any,
+    rhs: Any,
+    meta: Fp8Meta,
+    dimension_numbers: Any,
+    out_dtype: np.dtype,
+    margin: int,
+    sharding: Any,
+) -> tuple[jax.Array, tuple[Any, ...]]:
     lhs, rhs = _first_order(lhs), _first_order(rhs)
     amax_l, amax_r = _amax(lhs, meta.input_scale), _amax(rhs, meta.kernel_scale)
     s_l, h_l = _next(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
@@ -585,7 +620,14 @@ def _delayed_fwd(lhs, rhs, meta, dimension_numbers, out_dtype, margin, sharding)
     return y.astype(out_dtype), res
 
 
-def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
+def _delayed_bwd(
+    dimension_numbers: Any,
+    out_dtype: np.dtype,
+    margin: int,
+    sharding: Any,
+    res: tuple[Any, ...],
+    g: jax.Array,
+) -> tuple[jax.Array, jax.Array, Fp8Meta]:
     q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
     q_l, q_r = _restored(q_l), _restored(q_r)
     g = _first_order(g)
@@ -600,7 +642,7 @@ def _delayed_bwd(dimension_numbers, out_dtype, margin, sharding, res, g):
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype), new
 
 
-def _out_dtype(lhs, rhs, preferred_element_type):
+def _out_dtype(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype:
     if preferred_element_type is not None:
         return np.dtype(preferred_element_type)
     return np.dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
@@ -686,14 +728,14 @@ class Fp8DotGeneral:
 
     def __call__(
         self,
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=None,
-        preferred_element_type=None,
-        out_sharding=None,
-        **kwargs,
-    ):
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
         if kwargs:
             raise TypeError(
                 f"jaxamp's float8 matmul got unexpected arguments {sorted(kwargs)}; it takes "
@@ -710,7 +752,7 @@ class Fp8DotGeneral:
             out_sharding=out_sharding,
         )
 
-    def einsum(self, subscripts, *operands, **kwargs):
+    def einsum(self, subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """``jnp.einsum`` whose contractions run in float8."""
         if kwargs.get("preferred_element_type") is None:
             kwargs["preferred_element_type"] = self.compute_dtype
@@ -718,7 +760,7 @@ class Fp8DotGeneral:
         if self.meta is not None:
             # jnp.einsum hashes its _dot_general (a static argument): the state's arrays go
             # in a closure, a new one per call, never reused from jnp.einsum's cache.
-            def dot_general(*args, **kw):
+            def dot_general(*args: Any, **kw: Any) -> jax.Array:
                 return self(*args, **kw)
 
         return jnp.einsum(subscripts, *operands, _dot_general=dot_general, **kwargs)

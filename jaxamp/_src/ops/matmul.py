@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -49,7 +50,8 @@ def _rule_precision(precision: Any) -> Any:
         return None
     if isinstance(precision, (str, list, tuple)):
         try:
-            precision = _canonicalize_precision(precision)
+            # jax's PrecisionLike omits the two-name list its body accepts (as lax.dot_general)
+            precision = _canonicalize_precision(precision)  # type: ignore[arg-type]
         except ValueError as e:
             strings = sorted(k for k in _PRECISION_STRINGS if isinstance(k, str))
             choices = [*strings, "a lax.Precision", "a lax.DotAlgorithmPreset name"]
@@ -75,18 +77,18 @@ amp_dot_general_p = jex.core.Primitive("amp_dot_general")
 
 
 def _dot_impl(
-    lhs,
-    rhs,
+    lhs: Any,
+    rhs: Any,
     *,
-    dimension_numbers,
-    compute_dtype,
-    out_dtype,
-    precision,
-    form,
-    sharding,
-    permutation,
-    platform=None,
-):
+    dimension_numbers: Any,
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+    precision: Any,
+    form: MatmulForm | None,
+    sharding: Any,
+    permutation: tuple[int, ...] | None,
+    platform: str | None = None,
+) -> Any:
     """The primitive's program, for ``platform`` (``None``: a GPU or TPU)."""
     if form is None:
         form = platform_form(platform, compute_dtype)
@@ -102,8 +104,16 @@ def _dot_impl(
 
 
 def _dot_abstract_eval(
-    lhs, rhs, *, dimension_numbers, compute_dtype, out_dtype, sharding, permutation, **_
-):
+    lhs: Any,
+    rhs: Any,
+    *,
+    dimension_numbers: Any,
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+    sharding: Any,
+    permutation: tuple[int, ...] | None,
+    **_: Any,
+) -> Any:
     out, _ = lax.dot_general_p.abstract_eval(
         lhs.update(dtype=compute_dtype, weak_type=False),
         rhs.update(dtype=compute_dtype, weak_type=False),
@@ -118,14 +128,14 @@ def _dot_abstract_eval(
     return out
 
 
-def _ranges_like(*xs):
+def _ranges_like(*xs: Sequence[Any]) -> Iterator[tuple[int, ...]]:
     start = 0
     for x in xs:
         yield tuple(range(start, start + len(x)))
         start += len(x)
 
 
-def sharding_of_result(aval: Any, order) -> Any:
+def sharding_of_result(aval: Any, order: Sequence[int]) -> Any:
     """The sharding a transposed GEMM's result takes: its operand's, in the result's order.
 
     ``None`` unless the operand's type lives on a mesh with ``Explicit`` axes: a
@@ -133,7 +143,7 @@ def sharding_of_result(aval: Any, order) -> Any:
     sharding (replicated, say) says how its result is laid out, as in JAX's
     transpose of ``dot_general``.
     """
-    sharding = getattr(aval, "sharding", None)
+    sharding: Any = getattr(aval, "sharding", None)
     spec = getattr(sharding, "spec", None)
     if spec is None or sharding.mesh.empty or not _has_explicit_axes(sharding.mesh):
         return None
@@ -144,17 +154,26 @@ def _has_explicit_axes(mesh: Any) -> bool:
     return any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _permutation(order) -> tuple[int, ...] | None:
+def _permutation(order: Sequence[int]) -> tuple[int, ...] | None:
     """The permutation that puts a GEMM result in ``order`` back in its operand's layout."""
     axes = tuple(int(a) for a in np.argsort(order))
     return None if axes == tuple(range(len(axes))) else axes
 
 
-def _dot_transpose_lhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation, **params):
+def _dot_transpose_lhs(
+    ct: Any,
+    lhs: Any,
+    rhs: Any,
+    *,
+    dimension_numbers: Any,
+    sharding: Any,
+    permutation: tuple[int, ...] | None,
+    **params: Any,
+) -> Any:
     """``d_lhs = dot(g, rhs)``: the activation gradient, under the rule."""
     del sharding
     if permutation is not None:  # the forward result was transposed: undo it on g
-        ct = jnp.transpose(ct, np.argsort(permutation))
+        ct = jnp.transpose(ct, [int(a) for a in np.argsort(permutation)])
     x_aval = lhs.aval
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = free_dims(x_aval.ndim, x_contract, x_batch)
@@ -173,12 +192,21 @@ def _dot_transpose_lhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation
     )
 
 
-def _dot_transpose_rhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation, **params):
+def _dot_transpose_rhs(
+    ct: Any,
+    lhs: Any,
+    rhs: Any,
+    *,
+    dimension_numbers: Any,
+    sharding: Any,
+    permutation: tuple[int, ...] | None,
+    **params: Any,
+) -> Any:
     """``d_rhs = dot(lhs, g)``: ``lhs`` first, so that a weight ``[in, out]`` gets its
     gradient in its own layout, with no transpose after the GEMM."""
     del sharding
     if permutation is not None:
-        ct = jnp.transpose(ct, np.argsort(permutation))
+        ct = jnp.transpose(ct, [int(a) for a in np.argsort(permutation)])
     y_aval = rhs.aval
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = free_dims(lhs.ndim, x_contract, x_batch)
@@ -197,11 +225,13 @@ def _dot_transpose_rhs(ct, lhs, rhs, *, dimension_numbers, sharding, permutation
     )
 
 
-def _bump(dims, b):
+def _bump(dims: Sequence[int], b: int) -> tuple[int, ...]:
     return tuple(int(d) + int(d >= b) for d in dims)
 
 
-def _batch_dimension_numbers(ndims, batch_dims, dimension_numbers):
+def _batch_dimension_numbers(
+    ndims: tuple[int, int], batch_dims: tuple[int | None, int | None], dimension_numbers: Any
+) -> tuple[Any, int]:
     """Dimension numbers with a ``vmap``-ed dimension added, as JAX's ``dot_general`` does:
     a batch dimension (first) when both operands are mapped, else a free dimension."""
     lhs_ndim, _ = ndims
@@ -216,13 +246,23 @@ def _batch_dimension_numbers(ndims, batch_dims, dimension_numbers):
         out_dim = len(lhs_batch) + sum(int(d < lbd) for d in lhs_free)
         lhs_batch, lhs_contract = _bump(lhs_batch, lbd), _bump(lhs_contract, lbd)
     else:
+        assert rbd is not None  # _dot_batch binds two unmapped operands itself
         rhs_free = free_dims(ndims[1] - 1, rhs_contract, rhs_batch)
         out_dim = lhs_ndim - len(lhs_contract) + sum(int(d < rbd) for d in rhs_free)
         rhs_batch, rhs_contract = _bump(rhs_batch, rbd), _bump(rhs_contract, rbd)
     return ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)), out_dim
 
 
-def _dot_batch(axis_data, args, dims, *, dimension_numbers, sharding, permutation, **params):
+def _dot_batch(
+    axis_data: Any,
+    args: Sequence[Any],
+    dims: tuple[int | None, int | None],
+    *,
+    dimension_numbers: Any,
+    sharding: Any,
+    permutation: tuple[int, ...] | None,
+    **params: Any,
+) -> tuple[Any, int | None]:
     lhs, rhs = args
     lbd, rbd = dims
     if lbd is None and rbd is None:
@@ -248,7 +288,7 @@ def _dot_batch(axis_data, args, dims, *, dimension_numbers, sharding, permutatio
     return out, out_dim
 
 
-def _dispatch(*args, **params):
+def _dispatch(*args: Any, **params: Any) -> Any:
     """An eager call: the primitive compiled for the backend its operands live on."""
     return _apply_primitive(amp_dot_general_p, *args, **params)
 
@@ -267,14 +307,14 @@ mlir.register_lowering(
 )
 
 
-def _normalize_dimension_numbers(dimension_numbers):
+def _normalize_dimension_numbers(dimension_numbers: Any) -> Any:
     (lc, rc), (lb, rb) = dimension_numbers
     return tuple(
         tuple(tuple(int(d) for d in dims) for dims in pair) for pair in ((lc, rc), (lb, rb))
     )
 
 
-def same_varying_axes(*operands):
+def same_varying_axes(*operands: Any) -> tuple[Any, ...]:
     """Inside ``shard_map``, marks each operand varying over the axes any of them varies over.
 
     A replicated weight times a sharded batch has a sharded cotangent. Marked
@@ -381,13 +421,27 @@ def amp_dot_general(
 amp_conv_general_dilated_p = jex.core.Primitive("amp_conv_general_dilated")
 
 
-def _conv_impl(lhs, rhs, *, conv_params, compute_dtype, out_dtype):
+def _conv_impl(
+    lhs: Any,
+    rhs: Any,
+    *,
+    conv_params: tuple[tuple[str, Any], ...],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+) -> Any:
     params = dict(conv_params, preferred_element_type=FLOAT32)
     lhs16, rhs16 = lhs.astype(compute_dtype), rhs.astype(compute_dtype)
     return lax.conv_general_dilated_p.bind(lhs16, rhs16, **params).astype(out_dtype)
 
 
-def _conv_abstract_eval(lhs, rhs, *, conv_params, compute_dtype, out_dtype):
+def _conv_abstract_eval(
+    lhs: Any,
+    rhs: Any,
+    *,
+    conv_params: tuple[tuple[str, Any], ...],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+) -> Any:
     out, _ = lax.conv_general_dilated_p.abstract_eval(
         lhs.update(dtype=compute_dtype, weak_type=False),
         rhs.update(dtype=compute_dtype, weak_type=False),
@@ -396,20 +450,37 @@ def _conv_abstract_eval(lhs, rhs, *, conv_params, compute_dtype, out_dtype):
     return out.update(dtype=out_dtype, weak_type=False)
 
 
-def _conv_transpose(rule, ct, lhs, rhs, *, conv_params, compute_dtype, out_dtype):
+def _conv_transpose(
+    rule: Callable[..., Any],
+    ct: Any,
+    lhs: Any,
+    rhs: Any,
+    *,
+    conv_params: tuple[tuple[str, Any], ...],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+) -> Any:
     del out_dtype
     params = dict(conv_params, preferred_element_type=FLOAT32)
     return rule(ct.astype(compute_dtype), lhs, rhs, **params)
 
 
-def _conv_batch(axis_data, args, dims, *, conv_params, compute_dtype, out_dtype):
+def _conv_batch(
+    axis_data: Any,
+    args: Sequence[Any],
+    dims: Sequence[int | None],
+    *,
+    conv_params: tuple[tuple[str, Any], ...],
+    compute_dtype: np.dtype,
+    out_dtype: np.dtype,
+) -> tuple[Any, int | None]:
     """JAX's batching of ``conv_general_dilated`` (reshapes around one convolution), with
     that convolution bound as the rule again."""
     plain_rule = batching.fancy_primitive_batchers[lax.conv_general_dilated_p]
     params = dict(conv_params, preferred_element_type=FLOAT32)
-    out_dims = []
+    out_dims: list[int | None] = []
 
-    def plain(lhs, rhs):
+    def plain(lhs: Any, rhs: Any) -> Any:
         out, out_dim = plain_rule(axis_data, (lhs, rhs), dims, **params)
         out_dims.append(out_dim)
         return out
@@ -449,7 +520,7 @@ mlir.register_lowering(
 )
 
 
-def _conv_params(lhs, rhs, kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+def _conv_params(lhs: Any, rhs: Any, kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The parameters ``lax.conv_general_dilated`` binds, in the primitive's own form."""
     conv = functools.partial(lax.conv_general_dilated, **kwargs, preferred_element_type=FLOAT32)
     shapes = [jax.ShapeDtypeStruct(np.shape(x), lhs.dtype) for x in (lhs, rhs)]
@@ -461,7 +532,13 @@ def _conv_params(lhs, rhs, kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...
     return tuple((k, v) for k, v in eqn.params.items() if k != "preferred_element_type")
 
 
-def _bind_conv(lhs, rhs, conv_params, compute: np.dtype, out: np.dtype) -> jax.Array:
+def _bind_conv(
+    lhs: Any,
+    rhs: Any,
+    conv_params: tuple[tuple[str, Any], ...],
+    compute: np.dtype,
+    out: np.dtype,
+) -> jax.Array:
     conv_params = tuple(
         (k, _rule_precision(v) if k == "precision" else v)
         for k, v in conv_params
@@ -529,7 +606,9 @@ def amp_conv_general_dilated(
     return _bind_conv(lhs, rhs, _conv_params(lhs.astype(compute), rhs, kwargs), compute, out)
 
 
-def amp_conv_from_params(lhs, rhs, params: dict[str, Any], compute_dtype: Any) -> jax.Array:
+def amp_conv_from_params(
+    lhs: Any, rhs: Any, params: dict[str, Any], compute_dtype: Any
+) -> jax.Array:
     """The rule on a traced ``conv_general_dilated``'s parameters (for ``autocast``)."""
     compute = np.dtype(compute_dtype)
     return _bind_conv(lhs, rhs, tuple(params.items()), compute, compute)
@@ -559,14 +638,14 @@ class DotGeneral:
 
     def __call__(
         self,
-        lhs,
-        rhs,
-        dimension_numbers,
-        precision=None,
-        preferred_element_type=None,
-        out_sharding=None,
-        **kwargs,
-    ):
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        out_sharding: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
         if kwargs:
             raise TypeError(
                 f"jaxamp's matmul rule got unexpected arguments {sorted(kwargs)}; it takes "
@@ -583,7 +662,7 @@ class DotGeneral:
             out_sharding=out_sharding,
         )
 
-    def einsum(self, subscripts, *operands, **kwargs):
+    def einsum(self, subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:
         """``jnp.einsum`` whose contractions run under the rule, in the compute dtype.
 
         ``jnp.einsum`` caches its traces by its ``_dot_general`` argument, so the rule is
@@ -602,5 +681,5 @@ class ConvGeneralDilated:
 
     compute_dtype: Any
 
-    def __call__(self, lhs, rhs, *args, **kwargs):
+    def __call__(self, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> jax.Array:
         return amp_conv_general_dilated(lhs, rhs, *args, compute_dtype=self.compute_dtype, **kwargs)

@@ -160,7 +160,7 @@ def checkpoint_residuals(fun: Callable[..., Any], residuals: str = "compute_dtyp
     policy = _POLICIES[residuals]
 
     @functools.wraps(fun)
-    def wrapped(*args):
+    def wrapped(*args: Any) -> Any:
         arrays, rebuild = partition_arrays(args)
         chosen = policy
         if policy is save_compute_dtype:
