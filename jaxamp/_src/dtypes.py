@@ -177,7 +177,7 @@ def float32_tree(tree: T) -> T:
       (dtype('float32'), False)
     """
 
-    def cast(x):
+    def cast(x: Any) -> Any:
         return x.astype(FLOAT32) if is_floating_array(x) and not is_float64(x.dtype) else x
 
     return jax.tree.map(cast, tree)

@@ -72,7 +72,9 @@ def _algorithm_accumulation(match: re.Match) -> str:
     return hlo_dtype_name(parts[-1])
 
 
-def _hlo_operands(operands: str, types: dict[str, tuple[str, tuple[int, ...]]]):
+def _hlo_operands(
+    operands: str, types: dict[str, tuple[str, tuple[int, ...]]]
+) -> list[tuple[str, tuple[int, ...]]]:
     """Operand ``(dtype, shape)`` pairs, from inline types or from their definitions."""
     inline = [
         (hlo_dtype_name(t), tuple(int(d) for d in dims.split(",") if d))

@@ -193,7 +193,15 @@ def _walk_function(
         yield from _walk_block(functions, block, name, prefix, times, (*stack, name), counter)
 
 
-def _walk_block(functions, block, function, prefix, times, stack, counter) -> Iterator[WalkedOp]:
+def _walk_block(
+    functions: dict[str, Any],
+    block: Any,
+    function: str,
+    prefix: str,
+    times: int | None,
+    stack: tuple[str, ...],
+    counter: Iterator[int],
+) -> Iterator[WalkedOp]:
     for inner in block.operations:
         operation = inner.operation
         index = next(counter)
@@ -212,6 +220,14 @@ def _walk_block(functions, block, function, prefix, times, stack, counter) -> It
                 yield from _walk_region(functions, region, function, prefix, times, stack, counter)
 
 
-def _walk_region(functions, region, function, prefix, times, stack, counter):
+def _walk_region(
+    functions: dict[str, Any],
+    region: Any,
+    function: str,
+    prefix: str,
+    times: int | None,
+    stack: tuple[str, ...],
+    counter: Iterator[int],
+) -> Iterator[WalkedOp]:
     for block in region.blocks:
         yield from _walk_block(functions, block, function, prefix, times, stack, counter)

@@ -108,7 +108,7 @@ class CompareConfig:
     seq_len: int | None = None
     vocab_size: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise OptionError(str(invalid_choice("model", self.model, MODELS)))
         for name in ("epochs", "batch_size", "seeds"):
@@ -256,7 +256,16 @@ class _Task:
     has_batch_stats: bool
     learning_rate: float
 
-    def apply(self, model, params, state, x, train: bool, rng, fp8=None):
+    def apply(
+        self,
+        model: Any,
+        params: Any,
+        state: Any,
+        x: Any,
+        train: bool,
+        rng: Any,
+        fp8: Any = None,
+    ) -> tuple[Any, Any]:
         """The logits and the updated ``state`` (BatchNorm statistics); ``fp8``, a delayed
         float8 policy's scaling state (the ``_overwrite_with_gradient`` collection), is
         read, never updated: its next value is its gradient."""
@@ -279,6 +288,10 @@ class _Task:
 
 def _task(config: CompareConfig, num_classes: int) -> _Task:
     if config.model == "bert":
+        # choose_model fills the shape fields the user left out
+        assert config.vocab_size is not None and config.hidden is not None
+        assert config.layers is not None and config.heads is not None
+        assert config.seq_len is not None
         bert = BertConfig(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden,
@@ -316,7 +329,7 @@ class _Run:
         variables: dict,
         config: CompareConfig,
         sample: tuple[Any, Any],
-    ):
+    ) -> None:
         self.variant, self.task = variant, task
         self.model = apply_policy(task.module, variant.policy)
         self.tx = variant.optimizer(optax.adam(task.learning_rate))
@@ -347,7 +360,7 @@ class _Run:
                 (self.params, self.fp8_state),
             )
 
-    def _initial_fp8_state(self, x) -> Any:
+    def _initial_fp8_state(self, x: Any) -> Any:
         """A delayed float8 policy's fresh scaling state (histories of zeros, scales of one)
         for this model, or ``{}``; the same for every seed."""
         fp8 = self.variant.policy.fp8
@@ -376,12 +389,24 @@ class _Run:
         self.divergence_loss_scale: dict[str, Any] | None = None
         self.recalibration_change: float | None = None
 
-    def _loss(self, params, state, x, y, rng, fp8=None):
+    def _loss(
+        self, params: Any, state: Any, x: Any, y: Any, rng: Any, fp8: Any = None
+    ) -> tuple[jax.Array, Any]:
         logits, new_state = self.task.apply(self.model, params, state, x, True, rng, fp8)
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), new_state
 
-    def _grads(self, params, state, fp8, opt_state, x, y, step, key):
+    def _grads(
+        self,
+        params: Any,
+        state: Any,
+        fp8: Any,
+        opt_state: Any,
+        x: Any,
+        y: Any,
+        step: Any,
+        key: Any,
+    ) -> tuple[Any, Any, Any]:
         """``((loss, state), grads, fp8)``: the float8 state, differentiated apart from the
         params, comes back as its gradient, its next value."""
         rng = jax.random.fold_in(key, step)
@@ -394,7 +419,17 @@ class _Run:
         out, (grads, fp8) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(params, fp8)
         return out, grads, fp8
 
-    def _step(self, params, state, fp8, opt_state, x, y, step, key):
+    def _step(
+        self,
+        params: Any,
+        state: Any,
+        fp8: Any,
+        opt_state: Any,
+        x: Any,
+        y: Any,
+        step: Any,
+        key: Any,
+    ) -> tuple[Any, ...]:
         (loss, state), grads, fp8 = self._grads(params, state, fp8, opt_state, x, y, step, key)
         # What float16 would flush to zero, without and with this step's loss scale: two
         # reductions over the gradients, well under 1% of a ResNet50 step.
@@ -413,18 +448,18 @@ class _Run:
         params = optax.apply_updates(params, updates)
         return params, state, fp8, opt_state, loss, underflow, finite
 
-    def scale_of(self, opt_state):
+    def scale_of(self, opt_state: Any) -> jax.Array:
         if self.variant.dynamic_loss_scaling:
             return find_loss_scaled_state(opt_state).loss_scale.scale
         return jnp.float32(1.0)
 
-    def loss_fn(self, rng, fp8: Any = None) -> Callable[..., Any]:
+    def loss_fn(self, rng: Any, fp8: Any = None) -> Callable[..., Any]:
         """The training loss of float32 ``params`` (cast to the policy's param dtype),
         traced as this variant's step traces it: for the numerics tools. A delayed float8
         variant reads ``fp8`` (default: its current state) as a constant."""
         fp8 = self.fp8_state if fp8 is None else fp8
 
-        def loss(params, state, x, y):
+        def loss(params: Any, state: Any, x: Any, y: Any) -> jax.Array:
             with self.variant.tracing(), warnings.catch_warnings():
                 # one step's values, not training: the state need not be differentiated
                 warnings.filterwarnings("ignore", "Delayed float8 scaling", UserWarning)
@@ -433,7 +468,7 @@ class _Run:
 
         return loss
 
-    def train_step(self, x, y, step: int) -> None:
+    def train_step(self, x: Any, y: Any, step: int) -> None:
         before = (self.params, self.state, self.fp8_state, self.opt_state)
         start = time.perf_counter()
         out = jax.block_until_ready(
@@ -449,7 +484,7 @@ class _Run:
         self.scales.append(self.scale_of(self.opt_state))
         self.underflow.append({"step": step, "unscaled": unscaled, "scaled": scaled})
 
-    def _diagnose(self, before, x, y, step: int) -> None:
+    def _diagnose(self, before: tuple[Any, Any, Any, Any], x: Any, y: Any, step: int) -> None:
         """Finds where the step that made a non-finite loss first went non-finite."""
         params, state, fp8, opt_state = before
         rng = jax.random.fold_in(self.key, step)
@@ -476,14 +511,14 @@ class _Run:
         self.recalibration_change = max(changes, default=0.0)
 
     def evaluate(self, dataset: data_lib.Dataset, batch_size: int) -> dict[str, Any]:
-        predictions = []
+        chunks = []
         x = dataset.test_x
         for start in range(0, len(x), batch_size):
             chunk = x[start : start + batch_size]
             padded = np.concatenate([chunk, np.repeat(chunk[:1], batch_size - len(chunk), 0)])
             logits = self.predict(self.params, self.state, self.fp8_state, padded)
-            predictions.append(np.asarray(jnp.argmax(logits, -1))[: len(chunk)])
-        predictions = np.concatenate(predictions)
+            chunks.append(np.asarray(jnp.argmax(logits, -1))[: len(chunk)])
+        predictions = np.concatenate(chunks)
         metrics = classification_metrics(dataset.test_y, predictions, dataset.num_classes)
         return {**metrics, "correct": (predictions == dataset.test_y).astype(int).tolist()}
 
@@ -539,7 +574,14 @@ _NOT_REPRODUCED = {
 }
 
 
-def _numerics_before_training(runs, task, variables, sample, config, log) -> dict | None:
+def _numerics_before_training(
+    runs: list[_Run],
+    task: _Task,
+    variables: dict,
+    sample: tuple[Any, Any],
+    config: CompareConfig,
+    log: Callable[[str], None],
+) -> dict | None:
     """Per-layer divergence of each variant from float32 at the initial weights, on the
     first training batch as training sees it (BatchNorm on the batch's statistics), each
     layer beside its floor; and the float16 range check when a variant computes in
@@ -551,7 +593,8 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
     params = variables["params"]
     state = variables.get("batch_stats", {})
 
-    def reference(params, state, x, y):  # the unmodified model in true float32
+    # the unmodified model in true float32
+    def reference(params: Any, state: Any, x: Any, y: Any) -> jax.Array:
         with jax.default_matmul_precision("highest"):
             logits, _ = task.apply(task.module, params, state, x, True, rng)
             loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
@@ -591,14 +634,18 @@ def _numerics_before_training(runs, task, variables, sample, config, log) -> dic
     return check
 
 
-def _step_on(run: _Run, rng, params, state, x, y) -> Callable[[Any], tuple[Any, Any, Any]]:
+def _step_on(
+    run: _Run, rng: Any, params: Any, state: Any, x: Any, y: Any
+) -> Callable[[Any], tuple[Any, Any, Any]]:
     """``run``'s training step on the divergence's examples, its params left as they are:
     ``opt_state -> (loss finite, step taken, opt_state after)``, jitted; the optimizer's
     own finiteness check and loss-scale rule decide."""
     loss = run.loss_fn(rng)
 
     @jax.jit
-    def step(opt_state, params, run_params, state, x, y):
+    def step(
+        opt_state: Any, params: Any, run_params: Any, state: Any, x: Any, y: Any
+    ) -> tuple[Any, Any, Any]:
         value, grads = value_and_grad(loss)(params, state, x, y, opt_state=opt_state)
         _, opt_state = run.tx.update(grads, opt_state, run_params)
         return jnp.isfinite(value), find_loss_scaled_state(opt_state).last_finite, opt_state

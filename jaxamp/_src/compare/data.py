@@ -83,7 +83,7 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     result: list[bool] = []
 
-    def connect():
+    def connect() -> None:
         try:
             with socket.create_connection((parsed.hostname, port), timeout=timeout):
                 result.append(True)
@@ -96,7 +96,7 @@ def reachable(url: str, timeout: float = 3.0) -> bool:
     return bool(result and result[0])
 
 
-def fashion_mnist_builder(data_dir: str | None = None):
+def fashion_mnist_builder(data_dir: str | None = None) -> Any:
     """tfds' FashionMNIST builder, encoding images with Pillow (TensorFlow not needed)."""
     import PIL.Image
     import tensorflow_datasets as tfds
@@ -107,7 +107,9 @@ def fashion_mnist_builder(data_dir: str | None = None):
         class FashionMNIST(mnist.FashionMNIST):
             name = "fashion_mnist"
 
-            def _generate_examples(self, num_examples, data_path, label_path):
+            def _generate_examples(
+                self, num_examples: int, data_path: str, label_path: str
+            ) -> Iterator[tuple[int, dict[str, Any]]]:
                 images = mnist._extract_mnist_images(data_path, num_examples)
                 labels = mnist._extract_mnist_labels(label_path, num_examples)
                 for index, (image, label) in enumerate(zip(images, labels, strict=True)):
@@ -424,7 +426,7 @@ def batches(
     starts = range(0, len(x) - batch_size + 1, batch_size)
     buffer: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
 
-    def produce():
+    def produce() -> None:
         for start in starts:
             idx = order[start : start + batch_size]
             buffer.put(put((x[idx], y[idx])))

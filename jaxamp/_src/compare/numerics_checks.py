@@ -247,7 +247,7 @@ def first_step_taken(
       was skipped, in order), ``used`` (the scale of the first step taken, ``None`` when
       none was) and ``loss_finite``.
     """
-    record = {"initial": float(scale_of(opt_state)), "overflowed": [], "used": None}
+    record: dict[str, Any] = {"initial": float(scale_of(opt_state)), "overflowed": [], "used": None}
     for _ in range(limit):
         scale = float(scale_of(opt_state))
         loss_finite, took_step, opt_state = step(opt_state)
@@ -512,7 +512,10 @@ def plot_series(run: dict[str, Any], phase: str) -> dict[str, list[Any]]:
 
 
 # the rows plot_series marks, drawn along the bottom (and not finite: the top) of the axes
-_MARKS = (("near_zero", "v", "≈0 in fp32"), ("identical", "s", "0: identical"))
+_MARKS: tuple[tuple[str, str, str], ...] = (
+    ("near_zero", "v", "≈0 in fp32"),
+    ("identical", "s", "0: identical"),
+)
 _MARKS += (("not_finite", "^", "not finite"),)
 
 
@@ -553,9 +556,9 @@ def _plot_phase(ax: Any, runs: list[dict[str, Any]], phase: str) -> None:
             marked.add("flagged")
         for key, marker, _ in _MARKS:
             height = 0.97 - 0.03 * i if key == "not_finite" else 0.03 + 0.03 * i
-            xs = series[key]
-            ax.plot(xs, [height] * len(xs), marker, color=color, markersize=4, transform=along)
-            marked |= {key} if xs else set()
+            at = series[key]
+            ax.plot(at, [height] * len(at), marker, color=color, markersize=4, transform=along)
+            marked |= {key} if at else set()
     for key, marker, text in _MARKS:  # one legend entry per kind of mark, in grey
         if key in marked:
             ax.plot([], [], marker, color="grey", label=text)

@@ -203,7 +203,7 @@ def _plots(report: dict[str, Any], out: Path) -> list[Path]:
 
     paths = []
 
-    def save(fig, name):
+    def save(fig: Any, name: str) -> None:
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)

@@ -129,7 +129,7 @@ def get_variant(name: str) -> Variant:
         raise invalid_choice("variant", name, VARIANTS) from e
 
 
-def default_variants(device=None) -> list[str]:
+def default_variants(device: jax.Device | None = None) -> list[str]:
     """``fp32`` against the mixed precision this device would train in.
 
     On a CPU, where ``auto_policy`` keeps float32 as the default, ``bf16`` is compared with

@@ -160,7 +160,7 @@ def _apply(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None
         for x, s in zip(invals, in_specs, strict=True)
     ]
 
-    def per_shard(*xs):
+    def per_shard(*xs: Any) -> tuple[Any, ...]:
         outs = bind(eqn, [x.reshape(x.shape[k:]) for x in xs], params)
         return tuple(o.reshape((1,) * k + o.shape) for o in outs)
 
@@ -354,7 +354,7 @@ def evaluate(
 
     shards = _SHARDS.get()
 
-    def read(atom):
+    def read(atom: Any) -> Any:
         if not isinstance(atom, jex.core.Literal):
             return values[atom]
         if shards is None:
@@ -365,7 +365,7 @@ def evaluate(
     if shards is not None:  # a constant is the same on every shard
         consts = [jnp.broadcast_to(c, shards.sizes + jnp.shape(c)) for c in consts]
 
-    def tag(atom):
+    def tag(atom: Any) -> Any:
         return constant if isinstance(atom, jex.core.Literal) else tagged.get(atom)
 
     values.update(zip(jaxpr.constvars, consts, strict=True))
@@ -382,12 +382,28 @@ def evaluate(
     return [read(v) for v in jaxpr.outvars], [tag(v) for v in jaxpr.outvars]
 
 
-def _inner(closed: Any, invals, tags, ctx, stack, iteration, where) -> tuple[list, list]:
+def _inner(
+    closed: Any,
+    invals: Sequence[Any],
+    tags: Sequence[Any] | None,
+    ctx: _Context,
+    stack: str,
+    iteration: tuple[int, ...],
+    where: str,
+) -> tuple[list[Any], list[Any]]:
     jaxpr, consts = open_jaxpr(closed)
     return evaluate(jaxpr, consts, invals, ctx, stack, iteration, tags, where)
 
 
-def _evaluate_eqn(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list, list]:
+def _evaluate_eqn(
+    eqn: Any,
+    invals: Sequence[Any],
+    tags: Sequence[Any],
+    ctx: _Context,
+    stack: str,
+    iteration: tuple[int, ...],
+    where: str,
+) -> tuple[list[Any], list[Any]]:
     name = eqn.primitive.name
     inners = phases.inner_jaxprs(eqn)
     if inners or name in ("scan", "while"):
@@ -421,7 +437,16 @@ def _same_on_every_shard(x: Any) -> Any:
     return a.flat[0] if a.size and bool(np.all(a == a.flat[0])) else None
 
 
-def _shard_map(eqn, shards, invals, tags, ctx, stack, iteration, where) -> tuple[list, list]:
+def _shard_map(
+    eqn: Any,
+    shards: _Shards,
+    invals: Sequence[Any],
+    tags: Sequence[Any],
+    ctx: _Context,
+    stack: str,
+    iteration: tuple[int, ...],
+    where: str,
+) -> tuple[list[Any], list[Any]]:
     """A ``shard_map``'s body evaluated on its shards (see ``_Shards``)."""
     p = eqn.params
     args = [_to_shards(x, s, shards) for x, s in zip(invals, p["in_specs"], strict=True)]
@@ -434,7 +459,15 @@ def _shard_map(eqn, shards, invals, tags, ctx, stack, iteration, where) -> tuple
     return outs, out_tags
 
 
-def _primitive(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list, list]:
+def _primitive(
+    eqn: Any,
+    invals: Sequence[Any],
+    tags: Sequence[Any],
+    ctx: _Context,
+    stack: str,
+    iteration: tuple[int, ...],
+    where: str,
+) -> tuple[list[Any], list[Any]]:
     """One primitive (or an equation run whole), visited and tagged."""
     outs = _bind_widened(eqn, invals) if _WIDEN.get() else _apply(eqn, invals)
     site = _site(eqn, stack, iteration, ctx, where)
@@ -448,7 +481,15 @@ def _primitive(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list, l
     return outs, out_tags
 
 
-def _scan(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list[Any], list[Any]]:
+def _scan(
+    eqn: Any,
+    invals: Sequence[Any],
+    tags: Sequence[Any],
+    ctx: _Context,
+    stack: str,
+    iteration: tuple[int, ...],
+    where: str,
+) -> tuple[list[Any], list[Any]]:
     p = eqn.params
     n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
     consts, carry = invals[:n_consts], list(invals[n_consts : n_consts + n_carry])
@@ -494,7 +535,15 @@ def _empty(aval: Any) -> Any:
     return jnp.zeros((shards.sizes if shards is not None else ()) + aval.shape, aval.dtype)
 
 
-def _while(eqn, invals, tags, ctx, stack, iteration, where) -> tuple[list[Any], list[Any]]:
+def _while(
+    eqn: Any,
+    invals: Sequence[Any],
+    tags: Sequence[Any],
+    ctx: _Context,
+    stack: str,
+    iteration: tuple[int, ...],
+    where: str,
+) -> tuple[list[Any], list[Any]]:
     p = eqn.params
     n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]

@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.optim.gradients import get_loss_scale
+from jaxamp._src.policy import PolicyLike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ def find_nonfinite(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    policy: Any = None,
+    policy: PolicyLike | Callable[..., Any] | None = None,
     has_aux: bool = False,
     loss_scale: Any = None,
     grad: bool = True,
@@ -255,7 +256,13 @@ class _Origins:
         self.faults: list[NonFinite] = []
         self.strict: list[bool] = []  # made from finite inputs (else: fed a constant)
 
-    def op(self, site: evaluator.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
+    def op(
+        self,
+        site: evaluator.Site,
+        tags: Sequence[Any],
+        inputs: Sequence[Any],
+        outputs: Sequence[Any],
+    ) -> tuple[list[Any], bool]:
         bad = [not evaluator.finite(o) for o in outputs]
         if constant(tags, inputs, bad):
             return [CONSTANT] * len(outputs), False
@@ -277,7 +284,7 @@ class _Origins:
     def merge(self, tags: Sequence[Any]) -> Any:
         return merge_tags(tags)
 
-    def _fault(self, site: evaluator.Site, inputs, output) -> NonFinite:
+    def _fault(self, site: evaluator.Site, inputs: Sequence[Any], output: Any) -> NonFinite:
         return NonFinite(
             phase=site.phase,
             layer=site.layer,

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
-import jmp
 import numpy as np
 
 from jaxamp._src.numerics import evaluator, tracing
 from jaxamp._src.numerics.find_nonfinite import scale_of
-from jaxamp._src.policy import Policy
+from jaxamp._src.policy import PolicyLike
 
 # A layer whose float32 value has an RMS below this fraction of the typical RMS of its
 # pass (the median over the model's layers) is "near zero" (see LayerDiff.scale_error).
@@ -65,26 +64,28 @@ class NumericsDiff:
     Attributes:
       layers: one ``LayerDiff`` per (layer, phase), in the float32 run's order.
       gradients: ``(path, relative error)`` of each gradient leaf (``fun``'s gradient
-        with respect to ``argnums``), e.g. ``("[0]['params']['Dense_0']['kernel']", 0.004)``.
-      loss: ``(float32 loss, policy loss)``.
+        with respect to ``argnums``), e.g. ``("[0]['params']['Dense_0']['kernel']", 0.004)``;
+        the error is ``None`` where the two runs' gradients differ in shape.
+      loss: ``(float32 loss, policy loss)``, or ``None`` where ``fun``'s value is not a
+        scalar.
     """
 
     layers: tuple[LayerDiff, ...]
-    gradients: tuple[tuple[str, float], ...]
-    loss: tuple[float, float]
+    gradients: tuple[tuple[str, float | None], ...]
+    loss: tuple[float, float] | None
 
     def worst(self, n: int = 5, phase: str | None = None) -> list[LayerDiff]:
         """The ``n`` layers that depart most (of ``phase`` when given)."""
         rows = [r for r in self.layers if r.relative_error is not None]
         rows = [r for r in rows if phase is None or r.phase == phase]
-        return sorted(rows, key=lambda r: -r.relative_error)[:n]
+        return sorted(rows, key=lambda r: -cast(float, r.relative_error))[:n]
 
     def table(self) -> str:
         """A text table: per layer, the relative error of its output and its gradient."""
         by_layer: dict[str, dict[str, LayerDiff]] = {}
         for r in self.layers:
             by_layer.setdefault(r.layer, {})[r.phase] = r
-        rows = [("layer", "activation rel. error", "gradient rel. error")]
+        rows: list[tuple[str, ...]] = [("layer", "activation rel. error", "gradient rel. error")]
         for layer, phases in by_layer.items():
             cells = [
                 "-" if r is None or r.relative_error is None else f"{r.relative_error:.2e}"
@@ -186,7 +187,7 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
     order of its operations inside a layer may differ between the two programs."""
     last: dict[str, Any] = {}
 
-    def visit(site: evaluator.Site, inputs, outputs) -> None:
+    def visit(site: evaluator.Site, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         if site.primitive == "convert_element_type" or site.phase != "forward":
             return  # a cast of a value is not a new value of the layer
         if evaluator.LOSS_SCALE_SCOPE in site.name_stack:
@@ -195,8 +196,9 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
         if floating:
             last[site.layer] = floating[-1]
 
-    outs, _ = evaluator.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
-    return last, outs
+    result = evaluator.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
+    assert result is not None  # visit never stops the run
+    return last, result[0]
 
 
 _VARIABLE_VALUE = ("value", "raw_value")  # the array of an nnx.Variable, below its path
@@ -234,7 +236,7 @@ def numerics_diff(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    policy: Policy | jmp.Policy | str | Callable[..., Any] | None = None,
+    policy: PolicyLike | Callable[..., Any] | None = None,
     has_aux: bool = False,
     loss_scale: Any = None,
     grad: bool = True,

@@ -21,6 +21,7 @@ from jaxamp._src.numerics.find_nonfinite import (
     scale_of,
 )
 from jaxamp._src.numerics.ranges import LayerRange, RangeReport, Recommendation, beyond_float16
+from jaxamp._src.policy import PolicyLike
 
 __all__ = ["LayerRange", "RangeReport", "Recommendation", "range_report"]
 
@@ -28,7 +29,7 @@ __all__ = ["LayerRange", "RangeReport", "Recommendation", "range_report"]
 class _Accumulator:
     """Running statistics of one (layer, phase)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.max_abs, self.size, self.nonzero = 0.0, 0, 0
         self.below_normal, self.below_subnormal = 0, 0
         self.nonfinite, self.nonfinite_float32 = 0, 0
@@ -88,7 +89,13 @@ class _Measure:
         self.stats: dict[tuple[str, str], _Accumulator] = {}
         self.nonfinite: list[tuple[str, str]] = []  # (layer, phase), in the order made
 
-    def op(self, site: evaluator.Site, tags, inputs, outputs) -> tuple[list[Any], bool]:
+    def op(
+        self,
+        site: evaluator.Site,
+        tags: Sequence[Any],
+        inputs: Sequence[Any],
+        outputs: Sequence[Any],
+    ) -> tuple[list[Any], bool]:
         bad = [not evaluator.finite(o) for o in outputs]
         out_tags: list[Any]
         if constant(tags, inputs, bad):
@@ -106,7 +113,9 @@ class _Measure:
         return merge_tags(tags)
 
     @staticmethod
-    def _made(site: evaluator.Site, inputs, outputs, bad) -> frozenset:
+    def _made(
+        site: evaluator.Site, inputs: Sequence[Any], outputs: Sequence[Any], bad: list[bool]
+    ) -> frozenset[str]:
         """Where an operation that makes a new inf or NaN makes it. In float32 when its
         output is held there; when, made of finite 16-bit inputs, it is not finite
         computed in float32 either (``log(0)``); or when fed an inf or NaN constant
@@ -127,7 +136,7 @@ class _Measure:
                     return frozenset({_WIDE})
         return frozenset({_NARROW})
 
-    def _count(self, site: evaluator.Site, outputs, tags) -> None:
+    def _count(self, site: evaluator.Site, outputs: Sequence[Any], tags: Sequence[Any]) -> None:
         key = (site.layer, site.phase)
         for out, sixteen, tag in zip(outputs, site.sixteen_bit, tags, strict=True):
             if evaluator.is_floating(out) and self.counted(sixteen):
@@ -151,7 +160,7 @@ def range_report(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    policy: Any = None,
+    policy: PolicyLike | Callable[..., Any] | None = None,
     has_aux: bool = False,
     loss_scale: Any = None,
     grad: bool = True,
@@ -216,7 +225,7 @@ def range_report(
     scale = scale_of(loss_scale)
     target, described = tracing.under_policy(fun, policy)
 
-    def measure(args, kwargs, scale) -> RangeReport:
+    def measure(args: tuple[Any, ...], kwargs: dict[str, Any], scale: Any) -> RangeReport:
         traced, forward_only = tracing.trace_or_forward(
             "range_report",
             target,

@@ -14,7 +14,7 @@ from jaxamp._src.dtypes import is_floating_array, is_narrow
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.optim.loss_scaled import count_16bit
 from jaxamp._src.optim.opt_state import find_loss_scaled_state
-from jaxamp._src.policy import Policy, get_policy
+from jaxamp._src.policy import PolicyLike, get_policy
 
 
 def get_loss_scale(opt_state: Any) -> jax.Array:
@@ -114,7 +114,7 @@ def value_and_grad(
     def wrapped(*args: Any, opt_state: Any, **kwargs: Any) -> tuple[Any, Any]:
         scale = get_loss_scale(opt_state)
 
-        def scaled(*a: Any, **k: Any):
+        def scaled(*a: Any, **k: Any) -> tuple[Any, tuple[Any, Any]]:
             out = fun(*a, **k)
             loss, aux = out if has_aux else (out, None)
             return _times_scale(loss, scale), (loss, aux)
@@ -174,7 +174,7 @@ def _check_params_seen(grads: Any, argnums: Any, there: int, written: str) -> No
 
 
 def reduce_gradients(
-    grads: Any, axis_name: str, policy: str | Policy = "mixed_bfloat16", mean: bool = True
+    grads: Any, axis_name: str, policy: PolicyLike = "mixed_bfloat16", mean: bool = True
 ) -> Any:
     """All-reduces gradients over a mapped axis in the policy's reduction dtype.
 
@@ -198,7 +198,7 @@ def reduce_gradients(
     dtype = policy.grad_reduce_dtype
     reduce = lax.pmean if mean else lax.psum
 
-    def one(g):
+    def one(g: Any) -> Any:
         if not is_floating_array(g):
             return g
         with jax.named_scope(FLOAT32_SCOPE):  # as traced under autocast: the dtype asked for

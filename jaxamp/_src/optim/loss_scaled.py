@@ -160,7 +160,7 @@ def _finite_leaves(grads: Any, inv_scale: jax.Array) -> Any:
     """Per gradient leaf, whether it is finite once unscaled (see ``_unscaled_finite``):
     a tree of boolean scalars, ``True`` for leaves that are not floating or are empty."""
 
-    def check(g):
+    def check(g: Any) -> jax.Array:
         if not is_inexact_array(g) or g.size == 0:
             return jnp.asarray(True)
         return jnp.all(jnp.isfinite(_unscale(g, inv_scale)))
@@ -420,7 +420,7 @@ def _check_finite(
     """Whether every unscaled gradient is finite, on every device of ``axis_name``; and
     the record of the non-finite leaves (with ``record_nonfinite``)."""
 
-    def every_device(ok):
+    def every_device(ok: jax.Array) -> jax.Array:
         if config.axis_name is None:
             return ok
         return lax.pmin(ok.astype(jnp.int32), config.axis_name) > 0
@@ -454,7 +454,7 @@ def _apply_or_skip(
     else:
         inner_params = params
 
-    def apply(_):
+    def apply(_: None) -> tuple[Any, Any, Any, Any]:
         new_updates, inner_state = config.inner.update(
             grads, state.inner_state, inner_params, **extra_args
         )
@@ -476,7 +476,7 @@ def _apply_or_skip(
     if config.skip_with == "cond":
         update_shapes = jax.eval_shape(apply, None)[0]
 
-        def skip(_):
+        def skip(_: None) -> tuple[Any, Any, Any, Any]:
             zeros = jax.tree.map(lambda s: _no_change(s.shape, s.dtype), update_shapes)
             return zeros, state.inner_state, master_params, state.compensation
 

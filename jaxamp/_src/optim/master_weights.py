@@ -59,7 +59,7 @@ def adopt_changes(master: Any, params: Any) -> Any:
     a projection, surgery) is kept, not undone by the next step. One comparison per
     element; placeholders are kept as they are."""
 
-    def adopt(m, p):
+    def adopt(m: Any, p: Any) -> Any:
         if not is_narrow_array(p):
             return m
         return jnp.where(
@@ -81,7 +81,7 @@ def valid_compensation(params: Any, compensation: Any) -> Any:
     sums by less than half a unit in the last place of ``p``.
     """
 
-    def fit(p, c):
+    def fit(p: Any, c: Any) -> Any:
         if not is_narrow_array(p):
             return c
         p32, c32 = p.astype(jnp.float32), c.astype(jnp.float32)
@@ -115,7 +115,7 @@ def step_master(master: Any, updates: Any, params: Any) -> tuple[Any, Any]:
     applies it; integer and boolean params take none. Both keep their placeholder.
     """
 
-    def step(m, u, p):
+    def step(m: Any, u: Any, p: Any) -> tuple[Any, Any]:
         if not is_inexact_array(p):
             return jnp.zeros_like(p), m
         if not is_narrow_array(p):
@@ -138,7 +138,7 @@ def apply(
     if recipe == "kahan":
         compensation = valid_compensation(params, compensation)
 
-        def kahan(u, p, c):
+        def kahan(u: Any, p: Any, c: Any) -> tuple[Any, Any]:
             if not is_narrow_array(p):
                 return u, c
             y = u + c.astype(jnp.float32)
@@ -153,7 +153,7 @@ def apply(
     if recipe == "stochastic":
         keys = leaf_keys(step_key(key_data, step), params)
 
-        def stochastic(u, p, k):
+        def stochastic(u: Any, p: Any, k: Any) -> Any:
             if not is_narrow_array(p):
                 return u
             new = stochastic_round(p.astype(jnp.float32) + u, p.dtype, k)

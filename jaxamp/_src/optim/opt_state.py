@@ -47,7 +47,7 @@ def hide_never_cast(state: Any) -> Any:
     kinds = tuple(_NEVER_CAST)
     is_kind = lambda x: isinstance(x, kinds)
 
-    def hide(node):
+    def hide(node: Any) -> Any:
         if not is_kind(node):
             return node
         fields = next(f for kind, f in _NEVER_CAST.items() if isinstance(node, kind))

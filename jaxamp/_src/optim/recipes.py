@@ -9,7 +9,7 @@ import optax
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim.loss_scaled import loss_scaled
 from jaxamp._src.optim.state_dtype import with_state_dtype
-from jaxamp._src.policy import get_policy
+from jaxamp._src.policy import Policy, get_policy
 
 # Named recipes: the params' policy and the optimizer wrapper, picked in one place.
 OPTIMIZER_RECIPES = {
@@ -25,7 +25,7 @@ state rounding dtype)``."""
 
 def optimizer_recipe(
     name: str, inner: optax.GradientTransformation, **loss_scaled_kwargs: Any
-) -> tuple[Any, optax.GradientTransformationExtraArgs]:
+) -> tuple[Policy, optax.GradientTransformationExtraArgs]:
     """``(policy, optimizer)`` of a named recipe of ``OPTIMIZER_RECIPES``.
 
     ``float32_params`` is standard AMP (float32 params, bfloat16 compute);

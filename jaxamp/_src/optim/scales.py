@@ -117,7 +117,7 @@ class StaticLossScale:
     scale: float
     dynamic = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         object.__setattr__(self, "scale", _check_scale("StaticLossScale.scale", self.scale))
 
     def init(self) -> LossScaleState:
@@ -181,7 +181,7 @@ class DynamicLossScale:
     hysteresis: int = 1
     dynamic = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _normalize(
             self,
             ("init_scale", "growth_factor", "backoff_factor", "min_scale", "max_scale"),

@@ -62,7 +62,7 @@ def _references(like: Any) -> tuple[dict[Any, list[list[Any]]], set[int]]:
     refs: dict[Any, list[list[Any]]] = {}
     sizes: set[int] = set()
 
-    def visit(treedef, shapes):
+    def visit(treedef: Any, shapes: list[Any]) -> None:
         refs.setdefault(treedef, []).append(shapes)
         size = sum(int(np.prod(s)) for s in shapes if s is not None)
         if size:
@@ -87,7 +87,7 @@ def _statistics(state: Any, like: Any) -> list[tuple[Any, ...] | None]:
     state = hide_never_cast(state)
     refs, sizes = _references(like)
 
-    def params_like(node):
+    def params_like(node: Any) -> bool:
         return jax.tree.structure(node, is_leaf=is_masked) in refs
 
     out: list[Any] = []
@@ -352,7 +352,7 @@ def with_state_dtype(
     name = _name(inner)
     inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params):
+    def init_fn(params: Any) -> StateDtypeState:
         state = inner.init(params)
         if _contains_loss_scaled(state):
             raise ValueError(
@@ -388,7 +388,9 @@ def with_state_dtype(
             count=jnp.zeros([], jnp.int32),
         )
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(
+        updates: Any, state: StateDtypeState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, StateDtypeState]:
         stored = state.inner_state
         # the updates have the params' structure and shapes (params may be None)
         targets = [

@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -48,7 +49,7 @@ class BertLayer(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x, mask, train: bool = False):
+    def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool = False) -> jax.Array:
         cfg = self.config
         dense = functools.partial(nn.Dense, kernel_init=_init, dtype=self.dtype)
         norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_eps, dtype=self.dtype)
@@ -84,7 +85,13 @@ class BertClassifier(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, train: bool = False):
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+        train: bool = False,
+    ) -> jax.Array:
         cfg = self.config
         embed = functools.partial(nn.Embed, embedding_init=_init, dtype=self.dtype)
         dense = functools.partial(nn.Dense, kernel_init=_init, dtype=self.dtype)

@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -42,7 +43,7 @@ class GPT2Block(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x, mask, train: bool = False):
+    def __call__(self, x: jax.Array, mask: jax.Array | None, train: bool = False) -> jax.Array:
         cfg = self.config
         dense = functools.partial(nn.Dense, kernel_init=_init, dtype=self.dtype)
         norm = functools.partial(nn.LayerNorm, epsilon=cfg.layer_norm_eps, dtype=self.dtype)
@@ -81,7 +82,7 @@ class GPT2LMHeadModel(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, input_ids, train: bool = False):
+    def __call__(self, input_ids: jax.Array, train: bool = False) -> jax.Array:
         cfg = self.config
         length = input_ids.shape[-1]
         if length > cfg.max_position:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 # torchvision's BatchNorm defaults: momentum 0.1 (Flax: 0.9), eps 1e-5.
@@ -23,7 +24,7 @@ class BottleneckBlock(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x, train: bool = True):
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
         conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal, dtype=self.dtype)
         norm = functools.partial(_BatchNorm, use_running_average=not train, dtype=self.dtype)
         residual = x
@@ -47,7 +48,7 @@ class BasicBlock(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x, train: bool = True):
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
         conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_he_normal, dtype=self.dtype)
         norm = functools.partial(_BatchNorm, use_running_average=not train, dtype=self.dtype)
         residual = x
@@ -80,7 +81,7 @@ class ResNet(nn.Module):
     dtype: Any = None
 
     @nn.compact
-    def __call__(self, x, train: bool = True):
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
         x = nn.Conv(
             self.width,
             (7, 7),
