@@ -1,9 +1,22 @@
-"""The one shape of jaxamp's errors for a bad value: it names the value and the valid choices."""
+"""The shapes of jaxamp's messages: a bad value named with the valid choices; a guide linked."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
+
+# Where the guides are read outside the repository (a message cites them by this link).
+DOCS_URL = "https://github.com/jaxamp/jaxamp/blob/main/docs"
+
+
+def guide(page: str, section: str = "") -> str:
+    """The link to a guide page (and a section's anchor) that messages and docstrings cite.
+
+    Examples:
+      >>> guide("fp8.md", "limits")
+      'https://github.com/jaxamp/jaxamp/blob/main/docs/guides/fp8.md#limits'
+    """
+    return f"{DOCS_URL}/guides/{page}" + (f"#{section}" if section else "")
 
 
 def valid_choices(choices: Iterable[Any], *, quote: bool = False) -> str:

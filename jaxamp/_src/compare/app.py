@@ -47,7 +47,8 @@ class CompareConfig:
         the jaxamp compare guide, guides/compare.md), in its shape for this machine
         except for the shape fields below that differ from their defaults.
       variants: variant names, each once, ``"fp32"`` (the baseline) among them, or
-        ``None`` for ``jaxamp.default_variants``.
+        ``None`` for this machine's defaults
+        (``jaxamp._src.compare.variants.default_variants``).
       epochs: passes over the training examples.
       batch_size: examples per step.
       train_examples: training examples used (``None``: all).
@@ -56,7 +57,8 @@ class CompareConfig:
       seed: initialisation, shuffling and dropout seed (of the first run).
       seeds: runs with seeds ``seed, seed + 1, ...``; each variant's test accuracy is
         read against fp32's paired by seed and by example (``jaxamp._src.compare.accuracy``).
-      data: ``"auto"``, ``"tfds"`` or ``"embedded"`` (see ``jaxamp.data.load_dataset``).
+      data: ``"auto"``, ``"tfds"`` or ``"embedded"``
+        (``jaxamp._src.compare.data.load_dataset``).
       data_dir: tensorflow-datasets data directory (``data`` ``"tfds"`` or ``"auto"``;
         refused beside ``"embedded"``, which never reads it).
       bn_recalibration: before evaluation, run this many training batches through the
@@ -674,7 +676,7 @@ def compare(
         ``model_choice`` says to what, and why).
       log: where to say which model runs, and that the dataset fell back to the
         embedded one.
-      dataset: a ``jaxamp.data.Dataset`` to use instead of the model's own
+      dataset: a ``jaxamp._src.compare.data.Dataset`` to use instead of the model's own
         (NHWC float32 images for ResNets, int32 token ids for BERT).
 
     Returns:

@@ -11,7 +11,7 @@ import jax
 import optax
 
 from jaxamp._src.backend import auto_policy
-from jaxamp._src.errors import invalid_choice
+from jaxamp._src.errors import DOCS_URL, invalid_choice
 from jaxamp._src.optim.loss_scaled import loss_scaled
 from jaxamp._src.optim.recipes import OPTIMIZER_RECIPES, optimizer_recipe
 from jaxamp._src.optim.scales import DynamicLossScale, NoOpLossScale
@@ -155,5 +155,5 @@ def default_variants(device: jax.Device | None = None) -> list[str]:
 FP16_ON_CPU = (
     "fp16 is not among the default variants on a CPU: XLA:CPU has no float16 GEMM "
     "kernels (not even with avx512_fp16), so float16 runs slower than float32 there "
-    "(docs/benchmarks.md); --variants fp32,bf16,fp16 compares it too, with its loss scaling"
+    f"({DOCS_URL}/benchmarks.md); --variants fp32,bf16,fp16 compares it too, with its loss scaling"
 )

@@ -17,6 +17,7 @@ from flax.linen import fp8_ops as flax_fp8_ops
 from jax import lax
 
 from jaxamp._src.dtypes import FLOAT32
+from jaxamp._src.errors import guide
 from jaxamp._src.flax_policy.graph import is_node
 from jaxamp._src.ops.fp8 import (
     MAX32,
@@ -94,13 +95,13 @@ def _missing_state(module: Any, flax_message: str) -> str:
             "variable_broadcast. nn.RNN (and nn.Bidirectional) broadcasts only the params "
             "and cannot take it: keep it out of delayed scaling with an override, "
             "overrides={nn.RNN: 'mixed_float8'} (current scaling) or a 16-bit policy "
-            "(guides/fp8.md)."
+            f"({guide('fp8.md')})."
         )
     return (
         f"the float8 layer {path} found no '{STATE_COLLECTION}' collection in the "
         "variables apply was given: delayed scaling keeps its state there. Pass it beside "
         f"the params, {{'params': params, '{STATE_COLLECTION}': state}}, with the state init "
-        "made (guides/fp8.md)."
+        f"made ({guide('fp8.md')})."
     )
 
 
@@ -215,7 +216,7 @@ def max_combined_groups(groups: Any, delayed: bool, scope: Any, own: str) -> Any
             "nn.scan with the state broadcast) its state adds instead of taking the max; "
             "one call, or a state on the scanned or mapped axis, is right as it is. Apply "
             "the policy to the outermost module, or pass the state through "
-            "jaxamp.ops.max_combined before apply, which also silences this (guides/fp8.md).",
+            f"jaxamp.ops.max_combined before apply, which also silences this ({guide('fp8.md')}).",
             stacklevel=2,
         )
     return out

@@ -18,6 +18,7 @@ from flax.core.scope import LazyRng
 from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
+from jaxamp._src.errors import guide
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.ops.residuals import validate_residuals
@@ -502,7 +503,7 @@ class PolicyModule(nn.Module):
             "policy decides its layers, so its own dtypes, float8 setting and overrides "
             "would not apply. Give them as overrides of the outer policy, on the bare "
             f"module: overrides={{{given_text}}} (a class key applies to every instance in the "
-            "model; guides/policies.md)."
+            f"model; {guide('policies.md')})."
         )
 
     @nn.nowrap

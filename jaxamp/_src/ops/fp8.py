@@ -25,6 +25,7 @@ from jax._src.interpreters import pxla as _pxla
 from jax._src.sharding_impls import canonicalize_sharding
 
 from jaxamp._src.dtypes import FLOAT32, is_floating
+from jaxamp._src.errors import guide
 from jaxamp._src.jaxprs import FP8_SCOPE, varying_axes
 from jaxamp._src.ops.forms import free_dims
 from jaxamp._src.ops.matmul import same_varying_axes, sharding_of_result
@@ -232,7 +233,7 @@ def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
             "(params, variables['_overwrite_with_gradient']); NNX, nnx.grad(loss, argnums="
             "nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))) and "
             "jaxamp.nnx.update_fp8_state; autocast, jax.grad(lambda p, s: f(p, x, "
-            "fp8_state=s), argnums=(0, 1)) (guides/fp8.md).",
+            f"fp8_state=s), argnums=(0, 1)) ({guide('fp8.md')}).",
             stacklevel=4,
         )
 
@@ -349,7 +350,7 @@ def _first_order_jvp(primals: Any, tangents: Any) -> Any:
         "second derivatives (jax.hessian, jax.grad of jax.grad) through jaxamp's float8 "
         "GEMMs are not supported: their passes quantize to float8, and the derivatives of "
         "the quantized values would be cast to float8 unscaled. Take one derivative, or "
-        "compute second derivatives under a 16-bit policy (guides/fp8.md, Limits)."
+        f"compute second derivatives under a 16-bit policy ({guide('fp8.md', 'limits')})."
     )
 
 

@@ -18,7 +18,7 @@ from jaxamp._src.dtypes import (
     is_inexact_array,
     is_narrow_array,
 )
-from jaxamp._src.errors import invalid_choice
+from jaxamp._src.errors import guide, invalid_choice
 from jaxamp._src.ops.fp8 import state_paths
 from jaxamp._src.optim import master_weights as masters
 from jaxamp._src.optim.scales import DynamicLossScale, LossScale, LossScaleState
@@ -341,7 +341,7 @@ def _refuse_fp8_state(tree: Any, what: str) -> None:
             "and state apart and set the state to its gradient: Linen, "
             "jax.grad(loss, argnums=(0, 1))(params, variables['_overwrite_with_gradient']); "
             "NNX, grads = jaxamp.nnx.update_fp8_state(model, grads) before the optimizer "
-            "(guides/fp8.md)."
+            f"({guide('fp8.md')})."
         )
 
 
