@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -9,7 +10,9 @@ from typing import Any
 
 import jax
 
-from jaxamp._src.autocast import constants, first_order, fp8_state, higher_order
+from jaxamp._src.autocast import constants, first_order, fp8_state, graphs, higher_order
+from jaxamp._src.autocast.context import CallContext
+from jaxamp._src.autocast.graphs import GraphSplitter, Nodes
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
@@ -79,54 +82,17 @@ def autocast(
             f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
             "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
-    run = interpreted(fun, AutocastConfig(policy, rules), residuals)
+    config = AutocastConfig(policy, rules)
     if policy.fp8 is not None and policy.fp8.scaling == "delayed":
+        run = _interpreter(fun, config, residuals)  # takes the call's Store first
         return fp8_state.with_state(run, policy.fp8.amax_history_length)
-    return run
-
-
-class _NoGraph:
-    """Arguments without graph nodes: the whole tree is passed as it is."""
-
-    @staticmethod
-    def is_node(x: Any) -> bool:
-        return False
-
-    @staticmethod
-    def split(tree: Any) -> tuple[Any, Any, list[Any]]:
-        return _Whole(), None, [tree]
-
-    @staticmethod
-    def state_values(state: Any) -> dict[Any, Any]:
-        return {}
-
-    @staticmethod
-    def changed_state(before: Any, merged: Any) -> Any:
-        return None
-
-
-class _Whole:
-    def merge(self, state: Any, others: list[Any]) -> tuple[Any, list[Any]]:
-        return others[0], []
-
-    def update(self, new_state: Any) -> None:
-        pass
-
-
-# How arguments that hold state (NNX graph nodes) are split off for a pure trace: set by
-# ``jaxamp._src.flax_policy.graph`` when Flax's NNX is in use, so autocast needs JAX alone.
-_GRAPH: list[Any] = [_NoGraph]
-
-
-def use_graph_nodes(graph: Any) -> None:
-    """Makes ``interpreted`` split the graph nodes ``graph`` knows (see ``_NoGraph``)."""
-    _GRAPH[0] = graph
+    return interpreted(fun, config, residuals)
 
 
 def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any] | None]:
-    """``(callee, method)``: a method bound to an NNX graph node as the node (split like
-    an argument) and its function; anything else as ``(fun, None)``."""
-    if inspect.ismethod(fun) and _GRAPH[0].is_node(fun.__self__):
+    """``(callee, method)``: a method bound to a graph node (an NNX module's) as the node
+    (split like an argument) and its function; anything else as ``(fun, None)``."""
+    if inspect.ismethod(fun) and graphs.splitter_for(fun.__self__).is_node(fun.__self__):
         return fun.__self__, fun.__func__
     return fun, None
 
@@ -150,13 +116,14 @@ def interpreted(
     """``fun`` evaluated by the autocast interpreter with ``config``'s policy and rules.
 
     Shared by ``autocast`` and the policies' ``apply``. Non-array arguments are
-    held static. NNX graph nodes (``fun`` itself, the object of a bound method, and
+    held static. Graph nodes (NNX's: ``fun`` itself, the object of a bound method, and
     the modules, ``nnx.Optimizer``, ``nnx.Rngs``, other ``nnx.Pytree`` objects and
     ``nnx.Variable`` leaves anywhere in the arguments' pytrees) are split together
     into their state, so the traced program is pure and references they share stay
     shared; the variables the call changes (BatchNorm statistics, RNG counts, an
     optimizer's step and moments) are put back into them afterwards, as a call
-    outside the interpreter would.
+    outside the interpreter would: each call takes the registered splitter that knows
+    a node among its arguments (``graphs.splitter_for``), or none.
 
     ``as_written`` (for the policies, whose layers run in 16 bits as traced) maps
     ``(callee, args, kwargs)`` to a context in which it runs as its author wrote it. Where the
@@ -164,84 +131,142 @@ def interpreted(
     context with float32 inputs, and each constant the 16-bit trace rounded to
     ``inf`` (``x + 1e5`` in float16) is evaluated with the value written there.
     """
-    policy = config.policy
+    run = _interpreter(fun, config, residuals, as_written)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return run(None, *args, **kwargs)
+
+    return wrapped
+
+
+def _interpreter(
+    fun: Callable[..., Any],
+    config: AutocastConfig,
+    residuals: str,
+    as_written: Callable[[Any], Any] | None = None,
+) -> Callable[..., Any]:
+    """``interpreted``'s function taking the call's delayed float8 scaling state first:
+    ``run(store, *args, **kwargs)`` (``None``: none; see ``fp8_state.with_state``)."""
     validate_residuals(residuals)
-    if not is_narrow(policy.compute_dtype) or policy.fp8 is not None:
+    if not is_narrow(config.policy.compute_dtype) or config.policy.fp8 is not None:
         # A float8 GEMM keeps its own residuals (its float8 operands and scales); the
         # compute_dtype mode's recomputation around it gave NaN gradients (tested).
         residuals = "all"
     callee, method = _callee_and_method(fun)
+    run = _Interpreted(config, residuals, as_written, callee, method)
 
     @functools.wraps(fun)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        store = fp8_state.take()  # delayed float8 scaling's state, for this call only
-        graph = _GRAPH[0]
-        nodes, state, others = graph.split((callee, args, kwargs))
-        arrays, rebuild_inputs = partition_arrays((state, others))
-        rebuild_outputs = []
+    def with_store(store: fp8_state.Store | None, *args: Any, **kwargs: Any) -> Any:
+        return run(store, *args, **kwargs)
 
-        def traced(*arrays):
+    return with_store
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interpreted:
+    """What ``interpreted`` fixes for every call; each call makes the rest (its trace, the
+    constants as written, its ``CallContext``) and passes it down."""
+
+    config: AutocastConfig
+    residuals: str
+    as_written: Callable[[Any], Any] | None
+    callee: Any
+    method: Callable[..., Any] | None
+
+    def __call__(self, store: fp8_state.Store | None, *args: Any, **kwargs: Any) -> Any:
+        tree = (self.callee, args, kwargs)
+        graph = graphs.splitter_for(tree)  # NO_GRAPH where no argument is a graph node
+        nodes, state, others = graph.split(tree)
+        arrays, rebuild_inputs = partition_arrays((state, others))
+        closed, rebuild_outputs = self._trace(graph, nodes, rebuild_inputs, arrays)
+        written, consts = self._as_written(nodes, rebuild_inputs, arrays, closed)
+        evaluate = checkpoint_residuals(
+            _evaluation(closed, consts, written, self.config, store, arrays), self.residuals
+        )
+        if store is not None and store.state is None:  # init_fp8_state: the GEMMs' keys
+            jax.eval_shape(evaluate, arrays)
+            return None
+        out, new_state = rebuild_outputs(evaluate(arrays))
+        nodes.update(new_state)
+        return out
+
+    def _call(self, tree: Any) -> Any:
+        callee, args, kwargs = tree
+        if self.method is None:
+            return callee(*args, **kwargs)
+        return self.method(callee, *args, **kwargs)
+
+    def _trace(
+        self, graph: GraphSplitter, nodes: Nodes, rebuild_inputs: Any, arrays: list[Any]
+    ) -> tuple[Any, Callable[[Any], Any]]:
+        """``(closed, rebuild_outputs)``: the call traced on its arrays, pure (the nodes'
+        state in, the state it changed out), and a function from its outputs to
+        ``(output, changed state)``."""
+        rebuild_outputs: list[Callable[[Any], Any]] = []
+
+        def traced(*arrays: Any) -> list[Any]:
             state, others = rebuild_inputs(arrays)
             before = graph.state_values(state)
-            (call_callee, call_args, call_kwargs), merged = nodes.merge(state, others)
-            if method is None:
-                out = call_callee(*call_args, **call_kwargs)
-            else:
-                out = method(call_callee, *call_args, **call_kwargs)
+            tree, merged = nodes.merge(state, others)
+            out = self._call(tree)
             out_arrays, rebuild = partition_arrays((out, graph.changed_state(before, merged)))
             rebuild_outputs.append(rebuild)
             return out_arrays
 
         closed = jax.make_jaxpr(traced)(*arrays)
-        written, consts = {}, list(closed.consts)
-        if as_written is not None and (
+        return closed, rebuild_outputs[0]
+
+    def _as_written(
+        self, nodes: Nodes, rebuild_inputs: Any, arrays: list[Any], closed: Any
+    ) -> tuple[dict[int, Any], list[Any]]:
+        """``(written, consts)``: the values the program wrote for the literals a 16-bit
+        trace rounded to ``inf``, and ``closed``'s constants, each such one as written
+        (the function traced again in ``as_written``'s context, on float32 inputs)."""
+        consts = list(closed.consts)
+        if self.as_written is None or not (
             constants.rounded_to_inf(closed.jaxpr) or constants.consts_hold_inf(closed)
         ):
+            return {}, consts
+        as_written = self.as_written
 
-            def traced_as_written(*arrays):
-                state, others = rebuild_inputs(arrays)
-                merged, _ = nodes.merge(state, others)
-                call_callee, call_args, call_kwargs = merged
-                with as_written(merged):
-                    if method is None:
-                        return call_callee(*call_args, **call_kwargs)
-                    return method(call_callee, *call_args, **call_kwargs)
+        def traced_as_written(*arrays: Any) -> Any:
+            state, others = rebuild_inputs(arrays)
+            tree, _ = nodes.merge(state, others)
+            with as_written(tree):
+                return self._call(tree)
 
-            wide = jax.make_jaxpr(traced_as_written)(*map(_as_float32_shape, arrays))
-            written = constants.written_values(closed.jaxpr, wide.jaxpr)
-            for i, value in constants.written_consts(closed, wide).items():
-                consts[i] = value
+        wide = jax.make_jaxpr(traced_as_written)(*map(_as_float32_shape, arrays))
+        for i, value in constants.written_consts(closed, wide).items():
+            consts[i] = value
+        return constants.written_values(closed.jaxpr, wide.jaxpr), consts
 
-        def evaluate_traced(traced_arrays):  # constants closed over: the rules see their values
-            if store is not None:  # the arguments' names, for the float8 GEMMs' state
-                fp8_state.rename(store, arrays, traced_arrays)
-            with (
-                constants.evaluating_with(written),
-                constants.watching() as kept,
-                fp8_state.running(store),
-            ):
-                outs = eval_jaxpr(closed.jaxpr, consts, traced_arrays, config)
-            if written or kept:  # an output a constant made wider keeps its value (sown state)
-                return [
-                    out if wide else cast
-                    for out, cast, wide in zip(
-                        outs,
-                        cast_to_traced(outs, closed.jaxpr.outvars),
-                        map(_wider_than_traced, outs, closed.jaxpr.outvars),
-                        strict=True,
-                    )
-                ]
-            return cast_to_traced(outs, closed.jaxpr.outvars)
 
-        evaluate = checkpoint_residuals(evaluate_traced, residuals)
-        if store is not None and store.state is None:  # init_fp8_state: the GEMMs' keys
-            jax.eval_shape(evaluate, arrays)
-            return None
-        out, new_state = rebuild_outputs[0](evaluate(arrays))
-        nodes.update(new_state)
-        return out
+def _evaluation(
+    closed: Any,
+    consts: list[Any],
+    written: dict[int, Any],
+    config: AutocastConfig,
+    store: fp8_state.Store | None,
+    arrays: list[Any],
+) -> Callable[[list[Any]], list[Any]]:
+    """The evaluation of ``closed`` with the rules on the call's arrays (``consts`` closed
+    over, not arguments, so the rules see their values), with a ``CallContext`` made for
+    each evaluation: ``config``, the constants as written and the float8 ``store``."""
 
-    return wrapped
+    def evaluate_traced(traced_arrays: list[Any]) -> list[Any]:
+        if store is not None:  # the arguments' names, for the float8 GEMMs' state
+            fp8_state.rename(store, arrays, traced_arrays)
+        context = CallContext(config, written, closed.jaxpr, store)
+        outs = eval_jaxpr(closed.jaxpr, consts, traced_arrays, context)
+        cast = cast_to_traced(outs, closed.jaxpr.outvars)
+        if not written and not context.kept.noted:
+            return cast
+        # An output a constant made wider keeps its value (sown state).
+        wider = map(_wider_than_traced, outs, closed.jaxpr.outvars)
+        return [out if wide else c for out, c, wide in zip(outs, cast, wider, strict=True)]
+
+    return evaluate_traced
 
 
 def autocast_float32(fun: Callable[..., Any]) -> Callable[..., Any]:

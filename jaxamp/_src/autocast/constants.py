@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -14,11 +12,6 @@ import numpy as np
 
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_floating
 from jaxamp._src.jaxprs import equations
-
-# ``id(literal): its value as written``, for the evaluation in progress.
-_WRITTEN: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
-    "jaxamp_written_constants", default=None
-)
 
 
 def _literals(jaxpr: Any) -> Iterator[tuple[tuple[str, str, int], Any]]:
@@ -172,20 +165,10 @@ def written_consts(closed: Any, wide: Any) -> dict[int, Any]:
     return found
 
 
-@contextlib.contextmanager
-def evaluating_with(values: dict[int, Any]) -> Iterator[None]:
-    """Makes ``written_value`` see ``values`` while the interpreter evaluates."""
-    token = _WRITTEN.set({**(_WRITTEN.get() or {}), **values})
-    try:
-        yield
-    finally:
-        _WRITTEN.reset(token)
-
-
-def may_keep_wide(jaxpr: Any) -> bool:
+def may_keep_wide(jaxpr: Any, written: Mapping[int, Any]) -> bool:
     """Whether evaluating ``jaxpr`` may keep a value wider than traced: it holds a constant
-    evaluated with its written value, or narrows a weakly typed value to 16 bits."""
-    written = _WRITTEN.get()
+    evaluated with its value in ``written`` (``written_values``), or narrows a weakly typed
+    value to 16 bits."""
     if written and any(id(atom) in written for _, atom in _literals(jaxpr)):
         return True
     return any(
@@ -194,37 +177,3 @@ def may_keep_wide(jaxpr: Any) -> bool:
         and is_16bit(eqn.params.get("new_dtype"))
         for eqn in equations(jaxpr)
     )
-
-
-# Set while an evaluation is watched: each value the interpreter keeps wider than traced,
-# so that it keeps its value, appends to it.
-_KEPT: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
-    "jaxamp_kept_wide", default=None
-)
-
-
-def note_kept_wide() -> None:
-    """Records that the interpreter kept a value wider than traced (see ``watching``)."""
-    kept = _KEPT.get()
-    if kept is not None:
-        kept.append(True)
-
-
-@contextlib.contextmanager
-def watching() -> Iterator[list[bool]]:
-    """A list that is non-empty after the block if a value was kept wider than traced."""
-    outer = _KEPT.get()
-    kept: list[bool] = []
-    token = _KEPT.set(kept)
-    try:
-        yield kept
-    finally:
-        _KEPT.reset(token)
-        if kept and outer is not None:
-            outer.append(True)
-
-
-def written_value(atom: Any) -> Any:
-    """The value the program wrote for the literal ``atom``, or ``None`` (as traced)."""
-    written = _WRITTEN.get()
-    return None if not written else written.get(id(atom))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast import constants, fp8_state
+from jaxamp._src.autocast import fp8_state
 from jaxamp._src.autocast.interpreter import (
     RULES,
     Env,
@@ -52,7 +52,7 @@ def _planned_inputs(eqn: Any, env: Env, wanted: Sequence[Any] | None = None) -> 
         target = functools.reduce(jnp.promote_types, [dtypes[i] for i in strong or members])
         if any(_overflows(env.read(atoms[i]), target) for i in members if _is_weak(atoms[i])):
             target = np.dtype(jnp.promote_types(target, FLOAT32))
-            constants.note_kept_wide()
+            env.context.kept.note()
         for i in members:
             dtypes[i] = target
     return [env.read_as(a, d) for a, d in zip(atoms, dtypes, strict=True)]
@@ -259,7 +259,7 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
         dims,
         None,
         out,
-        meta=fp8_state.meta_here(_source(env, lhs), _source(env, rhs)),
+        meta=fp8_state.meta_here(env.context.fp8, _source(env, lhs), _source(env, rhs)),
         margin=env.policy.fp8.margin,
         out_sharding=eqn.params.get("out_sharding"),
     )
@@ -309,19 +309,22 @@ def _traced_matmul(eqn: Any, env: Env) -> list[Any]:
     ):
         return as_traced(eqn, env)
     policy = dataclasses.replace(env.policy, compute_dtype=np.dtype(lhs_dtype))
-    return cast_to_traced(_compute(eqn, Env(AutocastConfig(policy, env.rules), env)), eqn.outvars)
+    context = env.context.with_config(AutocastConfig(policy, env.rules))
+    return cast_to_traced(_compute(eqn, Env(context, env)), eqn.outvars)
 
 
 # --- Broadcasts: gradients summed in float32 --------------------------------------------------
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _broadcast(x: Any, shape: tuple[int, ...], dims: tuple[int, ...]):
+def _broadcast(x: Any, shape: tuple[int, ...], dims: tuple[int, ...]) -> Any:
     return lax.broadcast_in_dim(x, shape, dims)
 
 
 @_broadcast.defjvp
-def _broadcast_jvp(shape, dims, primals, tangents):
+def _broadcast_jvp(
+    shape: tuple[int, ...], dims: tuple[int, ...], primals: Any, tangents: Any
+) -> tuple[Any, Any]:
     """The tangent is broadcast in float32, so the transpose JAX derives from it (the
     backward pass) sums the cotangent in float32 and rounds the sum once."""
     (x,), (t,) = primals, tangents
@@ -442,7 +445,7 @@ def _convert(eqn: Any, env: Env) -> list[Any]:
     if getattr(atom.aval, "weak_type", False) and _overflows(value, new_dtype):
         # A Python scalar JAX narrows to a 16-bit operand's dtype (``jnp.where(m, s, -1e9)``
         # traced in float16): it keeps the value written, in float32, not ``inf``.
-        constants.note_kept_wide()
+        env.context.kept.note()
         return [np.asarray(value, jnp.promote_types(current, FLOAT32))]
     if (
         getattr(atom.aval, "weak_type", False)
@@ -452,7 +455,7 @@ def _convert(eqn: Any, env: Env) -> list[Any]:
     ):
         # The same, computed from constants (``s + jnp.arange(n) * 1e5``) or selected by a
         # mask (``s + jnp.where(mask, 0.0, -1e9)``): kept wide.
-        constants.note_kept_wide()
+        env.context.kept.note()
         return [lax.convert_element_type(value, jnp.promote_types(current, FLOAT32))]
     (out,) = bind(eqn, [value])
     if is_floating(current) and is_floating(new_dtype) and is_narrower(new_dtype, current):
@@ -508,7 +511,7 @@ def _gather_summing_in_float32(eqn: Any, table: Any, *indices: Any) -> Any:
 
 
 @_gather_summing_in_float32.defjvp
-def _gather_summing_in_float32_jvp(eqn, primals, tangents):
+def _gather_summing_in_float32_jvp(eqn: Any, primals: Any, tangents: Any) -> tuple[Any, Any]:
     indices = primals[1:]
     t32 = bind(eqn, [tangents[0].astype(FLOAT32), *indices])[0]
     return bind(eqn, primals)[0], t32.astype(tangents[0].dtype)

@@ -3,10 +3,9 @@ per GEMM of the traced program, named by its operands (guides/fp8.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,24 +21,17 @@ from jaxamp._src.ops.fp8 import (
 
 
 @dataclasses.dataclass
-class _Store:
+class Store:
     """The state of one call: ``state`` (``None`` while ``init_fp8_state`` collects the keys),
     the names of the call's arrays (``id: (array, [names])``, an array passed twice has
-    two), and how many GEMMs each pair of operand names has had so far."""
+    two), and how many GEMMs each pair of operand names has had so far. The call makes it
+    and hands it to its own evaluation alone (``CallContext.fp8``)."""
 
     state: Mapping[str, Any] | None
     history_length: int
     names: dict[int, tuple[Any, list[str]]] = dataclasses.field(default_factory=dict)
     collected: dict[str, Fp8Meta] = dataclasses.field(default_factory=dict)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-_ACTIVE: list[_Store] = []
-
-
-def active() -> _Store | None:
-    """The store of the delayed-scaling call being evaluated, or ``None``."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def _is_array(x: Any) -> bool:
@@ -81,21 +73,21 @@ def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
     return jax.tree.map(one, (args, kwargs), is_leaf=opaque)
 
 
-def _named(store: _Store, args: Any, kwargs: Any) -> tuple[Any, Any]:
+def _named(store: Store, args: Any, kwargs: Any) -> tuple[Any, Any]:
     """``(args, kwargs)`` as ``_distinct`` gives them, their arrays' names in ``store``."""
     args, kwargs = _distinct(args, kwargs)
     store.names = _argument_names(args, kwargs)
     return args, kwargs
 
 
-def _names_of(store: _Store, value: Any) -> list[str]:
+def _names_of(store: Store, value: Any) -> list[str]:
     """The names of ``value``: one per place an argument array sits (one array passed at
     two places has two), ``["·"]`` for a computed value."""
     entry = store.names.get(id(value))
     return list(entry[1]) if entry is not None and entry[0] is value else ["·"]
 
 
-def rename(store: _Store | None, before: Sequence[Any], after: Sequence[Any]) -> None:
+def rename(store: Store | None, before: Sequence[Any], after: Sequence[Any]) -> None:
     """The values ``after`` take the names of ``before``: the same arguments seen by a trace
     (an abstract trace of the call, a body's parameters). An array that appears twice in
     ``before`` gives its names in order, so each position keeps its own, as under ``jit``."""
@@ -113,14 +105,14 @@ def rename(store: _Store | None, before: Sequence[Any], after: Sequence[Any]) ->
         store.names[id(new)] = (new, [entry[1][min(k, len(entry[1]) - 1)]])
 
 
-def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
-    """The state of the GEMM being evaluated, or ``None`` for current scaling.
+def meta_here(store: Store | None, lhs: Any, rhs: Any) -> Fp8Meta | None:
+    """The state in ``store`` of the GEMM being evaluated, or ``None`` for current scaling
+    (no store).
 
     A GEMM is named by its operands: the argument each comes from (``x @ params['w1']``,
     through casts and transposes) or ``·`` for a computed value, and a count where the
     same pair of names has come before (a layer called twice, slices of one weight), so
     that GEMMs of other operands, present in one trace and not another, change nothing."""
-    store = active()
     if store is None:
         return None
     pairs = [f"{a} @ {b}" for a in _names_of(store, lhs) for b in _names_of(store, rhs)]
@@ -150,49 +142,19 @@ def meta_here(lhs: Any, rhs: Any) -> Fp8Meta | None:
     return checked_meta(meta, store.history_length, f"the GEMM '{key}' of fp8_state")
 
 
-@contextlib.contextmanager
-def running(store: _Store | None) -> Iterator[None]:
-    """Evaluation with ``store``'s state (nothing for ``None``)."""
-    if store is None:
-        yield
-        return
-    _ACTIVE.append(store)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-# The store of a call on its way to autocast's evaluation: taken once, by the outermost
-# interpreted call, so that a policy's own evaluation while autocast traces never sees it.
-_HANDED: list[_Store | None] = [None]
-
-
-@contextlib.contextmanager
-def _handing(store: _Store) -> Iterator[_Store]:
-    previous, _HANDED[0] = _HANDED[0], store
-    try:
-        yield store
-    finally:
-        _HANDED[0] = previous
-
-
-def take() -> _Store | None:
-    """The store handed to this call (``None`` if none was), handed to no other call."""
-    store, _HANDED[0] = _HANDED[0], None
-    return store
-
-
 @dataclasses.dataclass(frozen=True)
 class _Delayed:
-    """What ``init_fp8_state`` needs of a function ``with_state`` made."""
+    """What ``init_fp8_state`` needs of a function ``with_state`` made: ``evaluate`` takes
+    the call's ``Store`` first."""
 
     evaluate: Callable[..., Any]
     history_length: int
 
 
 def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., Any]:
-    """``fun`` (autocast's evaluation) taking the delayed-scaling state as ``fp8_state=``."""
+    """``fun`` (autocast's evaluation, ``fun(store, *args, **kwargs)``) taking the
+    delayed-scaling state as ``fp8_state=``: each call makes its own ``Store`` of it and
+    hands it to ``fun``, which passes it down to its evaluation alone."""
 
     @functools.wraps(fun)
     def call(*args: Any, fp8_state: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -208,12 +170,12 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
                 f"its jaxamp.ops.Fp8Meta), got {type(fp8_state).__name__}."
             )
         warn_if_state_is_not_differentiated((args, kwargs), fp8_state)
-        store = _Store(max_combined(dict(fp8_state)), history_length)
+        store = Store(max_combined(dict(fp8_state)), history_length)
         args, kwargs = _named(store, args, kwargs)
         # Under jax.disable_jit() lax.cond would run one branch and the other's GEMMs would
         # not be counted, shifting the names of the GEMMs after it: traced as under jit.
-        with _handing(store), jax.disable_jit(False):
-            return fun(*args, **kwargs)
+        with jax.disable_jit(False):
+            return fun(store, *args, **kwargs)
 
     call._jaxamp_delayed = _Delayed(fun, history_length)  # type: ignore[attr-defined]
     return call
@@ -258,12 +220,12 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
             "init_fp8_state expects a function jaxamp.autocast made with a delayed-scaling "
             f"policy (e.g. 'mixed_float8_delayed'), got {fun!r}."
         )
-    store = _Store(None, delayed.history_length)
+    store = Store(None, delayed.history_length)
 
     def collect(args: Any, kwargs: Any) -> None:
         args, kwargs = _named(store, args, kwargs)
-        with _handing(store), jax.disable_jit(False):
-            delayed.evaluate(*args, **kwargs)  # traced abstractly, nothing written back
+        with jax.disable_jit(False):
+            delayed.evaluate(store, *args, **kwargs)  # traced abstractly, nothing written back
 
     leaves, tree = jax.tree.flatten((args, kwargs))
     shapes = [isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast import constants, fp8_state
+from jaxamp._src.autocast import fp8_state
+from jaxamp._src.autocast.context import CallContext
 from jaxamp._src.autocast.interpreter import (
     Env,
     Handler,
@@ -22,7 +23,7 @@ from jaxamp._src.autocast.interpreter import (
     register_higher_order,
     traced_dtype,
 )
-from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
+from jaxamp._src.autocast.rules import primitive_names
 from jaxamp._src.dtypes import is_floating, is_narrower, upcast
 from jaxamp._src.jaxprs import bind, equations, open_jaxpr
 
@@ -32,12 +33,12 @@ from jaxamp._src.jaxprs import bind, equations, open_jaxpr
 def _inline(key: str) -> Handler:
     """A call (``jit``, ``closed_call``): its body is evaluated in place, with the rules."""
 
-    def evaluate(eqn, env):
+    def evaluate(eqn: Any, env: Env) -> list[Any]:
         if key not in eqn.params:
             return as_traced(eqn, env)
         jaxpr, consts = open_jaxpr(eqn.params[key])
         args = [env.read(a) for a in eqn.invars]
-        return eval_jaxpr(jaxpr, consts, args, env.config, env.record)
+        return eval_jaxpr(jaxpr, consts, args, env.context, env.record)
 
     return evaluate
 
@@ -57,9 +58,9 @@ def _rematerialized(closed: Any, params: dict[str, Any], eqn: Any, env: Env) -> 
 
     outer = [env.read(a) for a in eqn.invars]
 
-    def body(*args):
-        fp8_state.rename(fp8_state.active(), outer, args)  # the arguments keep their names
-        return eval_jaxpr(jaxpr, consts, args, env.config)
+    def body(*args: Any) -> Any:
+        fp8_state.rename(env.context.fp8, outer, args)  # the arguments keep their names
+        return eval_jaxpr(jaxpr, consts, args, env.context)
 
     remat = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
@@ -91,10 +92,10 @@ def _hi_primitive(eqn: Any, env: Env) -> list[Any]:
 # --- Control flow -----------------------------------------------------------------------------
 
 
-def _closed_body(closed: Any, config: AutocastConfig) -> Callable[..., list[Any]]:
-    """A function evaluating a ``ClosedJaxpr`` with the rules."""
+def _closed_body(closed: Any) -> Callable[..., list[Any]]:
+    """A function evaluating a ``ClosedJaxpr`` with the rules: ``body(context, *args)``."""
     jaxpr, consts = open_jaxpr(closed)
-    return lambda *args: eval_jaxpr(jaxpr, consts, args, config)
+    return lambda context, *args: eval_jaxpr(jaxpr, consts, args, context)
 
 
 def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
@@ -115,20 +116,22 @@ def _promoted_to_outputs(dtypes: Sequence[Any], outs: Sequence[Any]) -> list[Any
     ]
 
 
-def _output_dtypes(atoms: Sequence[Any], bodies: Sequence[Any], *cases: Any) -> list[Any]:
+def _output_dtypes(
+    atoms: Sequence[Any], bodies: Sequence[Any], context: CallContext, *cases: Any
+) -> list[Any]:
     """The dtypes control-flow outputs (a loop's carry, a ``cond``'s results) take: their
     traced dtypes, widened where a body holds a constant its 16-bit trace rounded to
     ``inf`` (``a + 1e5`` in float16) and so gives a wider value. ``cases`` are functions
-    from the current dtypes to the abstract outputs of each body."""
+    from the current dtypes and a context (``context`` watched) to the abstract outputs
+    of each body."""
     dtypes = [np.dtype(d) if is_floating(d := traced_dtype(a)) else None for a in atoms]
-    if not any(constants.may_keep_wide(open_jaxpr(b)[0]) for b in bodies):
+    if not any(context.may_keep_wide(open_jaxpr(b)[0]) for b in bodies):
         return dtypes
     for _ in range(len(dtypes) + 1):  # a loop's carry widens at most once per entry
-        wider = dtypes
-        with constants.watching() as kept:
-            for case in cases:
-                wider = _promoted_to_outputs(wider, case(wider))
-        if not kept or wider == dtypes:
+        wider, watched = dtypes, context.watching()
+        for case in cases:
+            wider = _promoted_to_outputs(wider, case(wider, watched))
+        if not watched.kept.noted or wider == dtypes:
             break
         dtypes = wider
     return dtypes
@@ -145,13 +148,17 @@ def _abstract(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def _cond(eqn: Any, env: Env) -> list[Any]:
     index, *operands = (env.read(a) for a in eqn.invars)
     closed = eqn.params["branches"]
-    bodies = [_closed_body(b, env.config) for b in closed]
+    bodies = [_closed_body(b) for b in closed]
     dtypes = _output_dtypes(
         eqn.outvars,
         closed,
-        *[lambda _, body=body: jax.eval_shape(body, *operands) for body in bodies],
+        env.context,
+        *[
+            lambda _, w, body=body: jax.eval_shape(lambda *a: body(w, *a), *operands)
+            for body in bodies
+        ],
     )
-    branches = [lambda *a, body=body: _cast_to(body(*a), dtypes) for body in bodies]
+    branches = [lambda *a, body=body: _cast_to(body(env.context, *a), dtypes) for body in bodies]
     return list(lax.switch(index, branches, *operands))
 
 
@@ -162,17 +169,17 @@ def _while(eqn: Any, env: Env) -> list[Any]:
     n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = values[:n_cond], values[n_cond : n_cond + n_body]
     carry = values[n_cond + n_body :]
-    cond = _closed_body(p["cond_jaxpr"], env.config)
-    body = _closed_body(p["body_jaxpr"], env.config)
+    cond, body, context = _closed_body(p["cond_jaxpr"]), _closed_body(p["body_jaxpr"]), env.context
     dtypes = _output_dtypes(
         eqn.outvars,
         [p["body_jaxpr"]],
-        lambda d: jax.eval_shape(lambda c: body(*body_consts, *c), _abstract(carry, d)),
+        context,
+        lambda d, w: jax.eval_shape(lambda c: body(w, *body_consts, *c), _abstract(carry, d)),
     )
     return list(
         lax.while_loop(
-            lambda c: cond(*cond_consts, *c)[0],
-            lambda c: _cast_to(body(*body_consts, *c), dtypes),
+            lambda c: cond(context, *cond_consts, *c)[0],
+            lambda c: _cast_to(body(context, *body_consts, *c), dtypes),
             _cast_to(carry, dtypes),
         )
     )
@@ -188,18 +195,19 @@ def _scan(eqn: Any, env: Env) -> list[Any]:
         values[n_consts : n_consts + n_carry],
         values[n_consts + n_carry :],
     )
-    body = _closed_body(p["jaxpr"], env.config)
+    body, context = _closed_body(p["jaxpr"]), env.context
     x_slices = [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in xs]
     dtypes = _output_dtypes(
         eqn.outvars[:n_carry],
         [p["jaxpr"]],
-        lambda d: jax.eval_shape(
-            lambda c, x: body(*consts, *c, *x)[:n_carry], _abstract(carry, d), x_slices
+        context,
+        lambda d, w: jax.eval_shape(
+            lambda c, x: body(w, *consts, *c, *x)[:n_carry], _abstract(carry, d), x_slices
         ),
     )
 
-    def step(carry, xs):
-        outs = body(*consts, *carry, *xs)
+    def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = body(context, *consts, *carry, *xs)
         return _cast_to(outs[:n_carry], dtypes), outs[n_carry:]
 
     carry, ys = lax.scan(
@@ -227,9 +235,9 @@ def _shard_map(eqn: Any, env: Env) -> list[Any]:
 
     outer = [env.read(a) for a in eqn.invars]
 
-    def body(*args):
-        fp8_state.rename(fp8_state.active(), outer, args)  # the arguments keep their names
-        return tuple(eval_jaxpr(jaxpr, consts, args, env.config))
+    def body(*args: Any) -> Any:
+        fp8_state.rename(env.context.fp8, outer, args)  # the arguments keep their names
+        return tuple(eval_jaxpr(jaxpr, consts, args, env.context))
 
     mapped = shard_map(
         body,
@@ -248,13 +256,13 @@ def _shard_map(eqn: Any, env: Env) -> list[Any]:
 _CUSTOM_VJP3_PARAMS = {"traced", "fwd", "bwd", "symbolic_zeros", "static_argnums", "opt_remat"}
 
 
-def _ruled_function(fun: Callable[..., Any], config: AutocastConfig) -> Callable[..., Any]:
+def _ruled_function(fun: Callable[..., Any], context: CallContext) -> Callable[..., Any]:
     """``fun`` (of array pytrees) traced and evaluated with the rules, its outputs cast
     back to their traced dtypes: the same signature, 16-bit inside."""
 
-    def ruled(*args):
+    def ruled(*args: Any) -> Any:
         closed, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
-        outs = jex.core.jaxpr_as_fun(_with_rules(closed, config))(*jax.tree.leaves(args))
+        outs = jex.core.jaxpr_as_fun(_with_rules(closed, context))(*jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return ruled
@@ -264,7 +272,7 @@ def _custom_vjp3(prim: Any, eqn: Any, env: Env) -> list[Any]:
     """A ``jax.custom_vjp`` function under ``jax_custom_vjp3`` (``CustomVJPTraced``):
     bound again as ``_custom_vjp`` does, with its primal and forward functions evaluated
     with the rules and its backward function as written."""
-    config = without_fp8(env.config)
+    context = without_fp8(env.context)
     p = prim.params
     if p["symbolic_zeros"]:
         raise NotImplementedError(
@@ -278,16 +286,17 @@ def _custom_vjp3(prim: Any, eqn: Any, env: Env) -> list[Any]:
     dynamic = [a for i, a in enumerate(args) if i not in static]
     traced = p["traced"]
 
-    def primal(*dynamic):
-        outs = jex.core.jaxpr_as_fun(_with_rules(traced.jaxpr, config))(*jax.tree.leaves(dynamic))
+    def primal(*dynamic: Any) -> Any:
+        ruled = _with_rules(traced.jaxpr, context)
+        outs = jex.core.jaxpr_as_fun(ruled)(*jax.tree.leaves(dynamic))
         return jax.tree.unflatten(traced.out_tree, outs)
 
-    def fwd(*full):
-        def fwd_of_dynamic(*dynamic):
+    def fwd(*full: Any) -> Any:
+        def fwd_of_dynamic(*dynamic: Any) -> Any:
             it = iter(dynamic)
             return p["fwd"](*[full[i] if i in static else next(it) for i in range(len(full))])
 
-        return _ruled_function(fwd_of_dynamic, config)(
+        return _ruled_function(fwd_of_dynamic, context)(
             *[a for i, a in enumerate(full) if i not in static]
         )
 
@@ -303,25 +312,27 @@ def _custom_vjp3(prim: Any, eqn: Any, env: Env) -> list[Any]:
     return bind(eqn, values, {**eqn.params, "_prim": rebuilt})
 
 
-def without_fp8(config: AutocastConfig) -> AutocastConfig:
-    """``config`` for the inside of a ``custom_jvp``/``custom_vjp`` function: its GEMMs run
+def without_fp8(context: CallContext) -> CallContext:
+    """``context`` for the inside of a ``custom_jvp``/``custom_vjp`` function: its GEMMs run
     under the 16-bit matmul rule, not in float8. A float8 GEMM has a custom VJP of its own,
     which JAX can neither differentiate in forward mode (a JVP rule's tangents) nor
     transpose; and a JVP rule runs instead of the body only under differentiation, so
     delayed scaling would find a different set of GEMMs in each."""
+    config = context.config
     if config.policy.fp8 is None:
-        return config
-    return dataclasses.replace(config, policy=dataclasses.replace(config.policy, fp8=None))
+        return context
+    policy = dataclasses.replace(config.policy, fp8=None)
+    return context.with_config(dataclasses.replace(config, policy=policy))
 
 
-def _with_rules(closed: Any, config: AutocastConfig) -> Any:
+def _with_rules(closed: Any, context: CallContext) -> Any:
     """``closed`` (a ``ClosedJaxpr``) evaluated with the rules and traced again, its
     outputs cast back to their traced dtypes: the same signature, 16-bit inside."""
     jaxpr, consts = open_jaxpr(closed)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
 
-    def body(*args):
-        return cast_to_traced(eval_jaxpr(jaxpr, consts, args, config), jaxpr.outvars)
+    def body(*args: Any) -> Any:
+        return cast_to_traced(eval_jaxpr(jaxpr, consts, args, context), jaxpr.outvars)
 
     return jax.make_jaxpr(body)(*specs)
 
@@ -334,7 +345,7 @@ def _custom_vjp(eqn: Any, env: Env) -> list[Any]:
     traced in: a custom backward pass is the user's numerics. The forward jaxpr comes
     from ``fwd_jaxpr_thunk`` (a JAX-internal parameter); with other parameters (another
     JAX version) it is refused."""
-    config = without_fp8(env.config)
+    context = without_fp8(env.context)
     p = eqn.params
     if not {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees"} <= set(p):
         raise NotImplementedError(
@@ -344,14 +355,14 @@ def _custom_vjp(eqn: Any, env: Env) -> list[Any]:
         )
     thunk = p["fwd_jaxpr_thunk"]
 
-    def fwd_with_rules(*zeros):
+    def fwd_with_rules(*zeros: Any) -> tuple[Any, Any]:
         fwd = jex.core.ClosedJaxpr(*thunk.call_wrapped(*zeros))
-        ruled = _with_rules(fwd, config)
+        ruled = _with_rules(fwd, context)
         return ruled.jaxpr, ruled.consts
 
     params = dict(
         p,
-        call_jaxpr=_with_rules(p["call_jaxpr"], config),
+        call_jaxpr=_with_rules(p["call_jaxpr"], context),
         fwd_jaxpr_thunk=jex.linear_util.wrap_init(
             fwd_with_rules, debug_info=getattr(thunk, "debug_info", None)
         ),
@@ -386,7 +397,7 @@ def _custom_jvp(eqn: Any, env: Env) -> list[Any]:
     those. The JVP rule's jaxpr comes from the equation's ``jvp_jaxpr_fun`` (a
     JAX-internal parameter); with other parameters (another JAX version) the function
     runs as traced."""
-    config = without_fp8(env.config)
+    context = without_fp8(env.context)
     p = eqn.params
     if not {"call_jaxpr", "jvp_jaxpr_fun", "num_consts"} <= set(p):
         return as_traced(eqn, env)
@@ -394,15 +405,15 @@ def _custom_jvp(eqn: Any, env: Env) -> list[Any]:
     body, body_consts = open_jaxpr(p["call_jaxpr"])
     values = [env.read(a) for a in eqn.invars]
 
-    def primal(consts, args):
-        return eval_jaxpr(body, body_consts, [*consts, *args], config)
+    def primal(consts: tuple[Any, ...], args: tuple[Any, ...]) -> list[Any]:
+        return eval_jaxpr(body, body_consts, [*consts, *args], context)
 
     @jax.custom_jvp
-    def call(consts, args):
+    def call(consts: tuple[Any, ...], args: tuple[Any, ...]) -> list[Any]:
         return primal(consts, args)
 
     @call.defjvp
-    def call_jvp(primals, tangents):
+    def call_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
         consts, args = primals
         dtypes = [y.dtype for y in jax.eval_shape(primal, consts, args)]
         jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*[False] * len(args))
@@ -410,7 +421,7 @@ def _custom_jvp(eqn: Any, env: Env) -> list[Any]:
         # of a 16-bit tangent would run in 16 bits. Others (relu's) take them as they are.
         if any(e.primitive.name in _SUMS for e in equations(jaxpr)):
             tangents = (tangents[0], tuple(map(upcast, tangents[1])))
-        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], config)
+        outs = eval_jaxpr(jaxpr, jvp_consts, [*args, *tangents[1]], context)
         n = len(out_zeros)
         primals_out = [y.astype(d) for y, d in zip(outs[:n], dtypes, strict=True)]
         nonzero = iter(outs[n:])

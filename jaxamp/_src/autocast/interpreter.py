@@ -11,8 +11,7 @@ import jax.extend as jex
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast import constants
-from jaxamp._src.autocast.rules import AutocastConfig
+from jaxamp._src.autocast.context import CallContext
 from jaxamp._src.dtypes import is_floating
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.jaxprs import bind, eqn_context, in_float32_scope
@@ -40,16 +39,18 @@ class _Record:
 
 
 class Env:
-    """Values of one jaxpr's variables, and the casts made of them (each made once)."""
+    """Values of one jaxpr's variables, and the casts made of them (each made once), with
+    the ``CallContext`` of the call evaluating it (``env.context``), which every program
+    evaluated inside takes in turn."""
 
     def __init__(
         self,
-        config: AutocastConfig,
+        context: CallContext,
         parent: Env | None = None,
         record: _Record | None = None,
     ):
-        self.policy, self.rules = config.policy, config.rules
-        self.config = config
+        self.policy, self.rules = context.config.policy, context.config.rules
+        self.context = context
         self.values: dict[Any, Any] = {} if parent is None else parent.values
         self.casts: dict[tuple[Any, str], Any] = {} if parent is None else parent.casts
         self.record: _Record = parent.record if parent is not None else record or _Record()
@@ -80,7 +81,7 @@ class Env:
         the function (``jnp.arange(n) * 1e5``) and has at most ``limit`` elements; else
         ``None``."""
         if isinstance(value, jex.core.Literal):
-            written = constants.written_value(value)
+            written = self.context.written_value(value)
             return np.asarray(value.val if written is None else written)
         if not isinstance(value, jax.core.Tracer):
             if isinstance(value, (bool, int, float)):
@@ -135,13 +136,13 @@ class Env:
 
     def read(self, atom: Any) -> Any:
         if isinstance(atom, jex.core.Literal):
-            written = constants.written_value(atom)
+            written = self.context.written_value(atom)
             return atom.val if written is None else written
         return self.values[atom]
 
     def dtype(self, atom: Any) -> Any:
         if isinstance(atom, jex.core.Literal):
-            written = constants.written_value(atom)
+            written = self.context.written_value(atom)
             return getattr(atom.aval, "dtype", None) if written is None else written.dtype
         return getattr(self.values[atom], "dtype", None)
 
@@ -314,17 +315,18 @@ def eval_jaxpr(
     jaxpr: Any,
     consts: Sequence[Any],
     args: Sequence[Any],
-    config: AutocastConfig,
+    context: CallContext,
     record: _Record | None = None,
 ) -> list[Any]:
-    """Evaluates ``jaxpr`` on ``args`` with the autocast rules; returns its outputs.
+    """Evaluates ``jaxpr`` on ``args`` with the autocast rules and what the call gave it
+    (``context``: a handler passes its ``env.context``); returns its outputs.
 
-    Where no policy of ``config`` narrows anything (``AutocastConfig.as_traced``: a
-    float32 policy), the program is evaluated as traced, rules and all: the identity.
+    Where no policy of ``context.config`` narrows anything (``AutocastConfig.as_traced``:
+    a float32 policy), the program is evaluated as traced, rules and all: the identity.
     ``record`` (internal) is the caller's, for calls evaluated inline."""
-    if config.as_traced:
+    if context.config.as_traced:
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
-    env = Env(config, record=record)
+    env = Env(context, record=record)
     env.values.update(zip(jaxpr.constvars, consts, strict=True))
     env.values.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:

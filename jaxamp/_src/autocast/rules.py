@@ -227,7 +227,7 @@ class AutocastRules:
     float32: frozenset[str] = FLOAT32_PRIMITIVES
     promote: frozenset[str] = PROMOTE_PRIMITIVES
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for field in ("compute", "float32", "promote"):
             object.__setattr__(self, field, _primitive_names(getattr(self, field), field))
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxamp._src.autocast import api
+from jaxamp._src.autocast import graphs
 
 
 def is_node(x: Any) -> bool:
@@ -92,4 +92,7 @@ def changed_state(before: dict[Any, tuple[Any, ...]], merged: Any) -> Any:
     return nnx.from_flat_state(changed) if changed else None
 
 
-api.use_graph_nodes(sys.modules[__name__])  # autocast splits NNX graph nodes from now on
+# This module is the splitter for NNX graph nodes: autocast's interpreter takes it for a
+# call whose arguments hold one, and only then (see jaxamp._src.autocast.graphs).
+SPLITTER: graphs.GraphSplitter = sys.modules[__name__]
+graphs.register_graph_splitter("nnx", SPLITTER)

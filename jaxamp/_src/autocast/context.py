@@ -1,0 +1,74 @@
+"""What one call of an autocast function gives every evaluation inside it, passed down."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from jaxamp._src.autocast import constants, fp8_state
+from jaxamp._src.autocast.rules import AutocastConfig
+
+
+class KeptWide:
+    """Whether an evaluation kept a value wider than traced (a constant evaluated with its
+    written value, a weakly typed value too large for 16 bits), so that the value keeps
+    its width where the program returns it. A flag made by ``watch`` tells its parent too."""
+
+    def __init__(self, parent: KeptWide | None = None):
+        self.noted = False
+        self._parent = parent
+
+    def note(self) -> None:
+        """Records that a value was kept wider than traced, here and in every parent."""
+        flag: KeptWide | None = self
+        while flag is not None:
+            flag.noted = True
+            flag = flag._parent
+
+    def watch(self) -> KeptWide:
+        """A fresh flag whose notes reach this one too (an abstract evaluation of a loop's
+        body, asking whether it widens the carry)."""
+        return KeptWide(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallContext:
+    """Everything an evaluation reads besides its program and its values, made by the call
+    (``jaxamp._src.autocast.api``) and handed down by the interpreter: each ``Env`` holds
+    one, and every nested evaluation (a call, a loop's body, a custom rule) takes its
+    ``Env``'s. Nothing is read from a global, so calls in other threads, and calls nested
+    in one another, never see each other's.
+
+    Attributes:
+      config: the policy and the rule table.
+      written: ``id(literal): float32 value`` for the constants a 16-bit trace rounded to
+        ``inf``, evaluated with the value the program wrote (``constants.written_values``).
+      program: the jaxpr those literals belong to, held so that their ids stay theirs.
+      fp8: the delayed float8 scaling state of the call (``None``: current scaling).
+      kept: whether a value was kept wider than traced (see ``KeptWide``).
+    """
+
+    config: AutocastConfig
+    written: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+    program: Any = None
+    fp8: fp8_state.Store | None = None
+    kept: KeptWide = dataclasses.field(default_factory=KeptWide)
+
+    def with_config(self, config: AutocastConfig) -> CallContext:
+        """This context with another policy or rule table (a custom rule's inside, a
+        matmul traced in 16 bits)."""
+        return dataclasses.replace(self, config=config)
+
+    def watching(self) -> CallContext:
+        """This context with a fresh ``kept`` flag that reports to this one's."""
+        return dataclasses.replace(self, kept=self.kept.watch())
+
+    def written_value(self, atom: Any) -> Any:
+        """The value the program wrote for the literal ``atom``, or ``None`` (as traced)."""
+        return self.written.get(id(atom)) if self.written else None
+
+    def may_keep_wide(self, jaxpr: Any) -> bool:
+        """Whether evaluating ``jaxpr`` may keep a value wider than traced (see
+        ``constants.may_keep_wide``)."""
+        return constants.may_keep_wide(jaxpr, self.written)
