@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from jaxamp._src.errors import guide
 from jaxamp._src.ops.fp8 import (
     Fp8Meta,
     as_meta,
@@ -162,7 +163,7 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
             raise TypeError(
                 "a function autocast runs with delayed float8 scaling takes its state as "
                 "fp8_state=: make it with jaxamp.init_fp8_state(f, *args), pass it, and take "
-                "its gradient as the next state (guides/fp8.md)."
+                f"its gradient as the next state ({guide('fp8.md')})."
             )
         if not isinstance(fp8_state, Mapping):
             raise TypeError(
