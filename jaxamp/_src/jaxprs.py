@@ -100,17 +100,23 @@ def open_jaxpr(jaxpr: Any) -> tuple[Any, Sequence[Any]]:
     return jaxpr, ()
 
 
-def sub_jaxprs(eqn: Any) -> Iterator[Any]:
-    """The open jaxprs an equation holds in its params (bodies, branches, rules)."""
+def sub_jaxprs(eqn: Any, *, hi: bool = False) -> Iterator[Any]:
+    """The open jaxprs an equation holds in its params (bodies, branches, rules); with
+    ``hi``, also the body a param object holds as ``.jaxpr`` (the ``_prim`` of a "hi"
+    primitive: ``RematTraced`` under ``jax_remat3``)."""
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(item, (jex.core.ClosedJaxpr, jex.core.Jaxpr)):
                 yield open_jaxpr(item)[0]
+            elif hi and isinstance(
+                getattr(item, "jaxpr", None), (jex.core.ClosedJaxpr, jex.core.Jaxpr)
+            ):
+                yield open_jaxpr(item.jaxpr)[0]
 
 
-def equations(jaxpr: Any) -> Iterator[Any]:
+def equations(jaxpr: Any, *, hi: bool = False) -> Iterator[Any]:
     """Every equation of ``jaxpr`` (closed or open) and of the jaxprs its equations hold,
-    in program order, each before those inside it.
+    in program order, each before those inside it (``hi``: see ``sub_jaxprs``).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -120,8 +126,8 @@ def equations(jaxpr: Any) -> Iterator[Any]:
     """
     for eqn in open_jaxpr(jaxpr)[0].eqns:
         yield eqn
-        for sub in sub_jaxprs(eqn):
-            yield from equations(sub)
+        for sub in sub_jaxprs(eqn, hi=hi):
+            yield from equations(sub, hi=hi)
 
 
 def _sub_jaxpr(eqn: Any) -> Any:

@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 import jaxamp
-from jaxamp._src.jaxprs import equations
+from jaxamp._src.jaxprs import equations as _equations
 from jaxamp.models import BasicBlock, BertClassifier, ResNet
 from tests.tiny_configs import TINY_BERT
 
@@ -41,7 +41,7 @@ def _traced(fun, *args):
 
 
 def _find(jaxpr, name: str):
-    found = [e for e in equations(jaxpr) if e.primitive.name == name]
+    found = [e for e in _equations(jaxpr, hi=True) if e.primitive.name == name]
     assert found, f"no {name} in {jaxpr}"
     return found
 
@@ -161,7 +161,7 @@ def test_integer_and_boolean_values_are_never_cast():
     def non_float_converts(jaxpr):
         return sorted(
             (str(e.invars[0].aval.dtype), str(e.outvars[0].aval.dtype))
-            for e in equations(jaxpr)
+            for e in _equations(jaxpr, hi=True)
             if e.primitive.name == "convert_element_type"
             and not (_float_dtypes(e.invars) and _float_dtypes(e.outvars))
         )
@@ -184,7 +184,7 @@ def _layer_norm(y):
 )
 def test_softmax_logsumexp_and_normalisation_run_in_float32(fun):
     jaxpr = _traced(jaxamp.autocast(lambda w, x: fun(x @ w)), *_inputs())
-    eqns = list(equations(jaxpr))
+    eqns = list(_equations(jaxpr, hi=True))
     # The matmul rule is one equation, its result 16-bit; everything after it is float32.
     rule = next(i for i, e in enumerate(eqns) if e.primitive.name == "amp_dot_general")
     assert _float_dtypes(eqns[rule].outvars) == {"bfloat16"}

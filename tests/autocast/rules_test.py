@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from jaxamp._src.jaxprs import equations
+from jaxamp._src.jaxprs import equations as _equations
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 
@@ -100,7 +100,7 @@ def test_cumsum_runs_in_float32(dtype, run):
 
 
 def _dtypes_of(fun, x, primitive):
-    eqns = [e for e in equations(jax.make_jaxpr(fun)(x)) if e.primitive.name == primitive]
+    eqns = [e for e in _equations(jax.make_jaxpr(fun)(x), hi=True) if e.primitive.name == primitive]
     assert eqns, primitive
     return {str(v.aval.dtype) for e in eqns for v in (*e.invars, *e.outvars)}
 
@@ -133,7 +133,7 @@ def test_vector_dot_promotes_to_the_widest_operand():
         return jnp.dot(h[0], w[0])  # a vector dot of a 16-bit and a float32 vector
 
     w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
-    dots = [e for e in equations(jax.make_jaxpr(jaxamp.autocast(fun))(w, x))]
+    dots = [e for e in _equations(jax.make_jaxpr(jaxamp.autocast(fun))(w, x), hi=True)]
     vector = [e for e in dots if e.primitive.name == "dot_general"]
     assert vector and {str(v.aval.dtype) for v in vector[0].invars} == {"float32"}
 

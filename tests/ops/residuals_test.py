@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp._src.jaxprs import equations
+from jaxamp._src.jaxprs import equations as _equations
 from jaxamp._src.ops.residuals import saved_residuals
 from jaxamp.models import BasicBlock, BertClassifier, BertConfig, ResNet
 
@@ -226,7 +226,7 @@ def test_linen_normalisation_layers_save_16_bit_residuals(norm, policy):
     jaxpr = jax.make_jaxpr(mixed)(variables["params"])
     reductions = [
         e
-        for e in equations(jaxpr.jaxpr)
+        for e in _equations(jaxpr.jaxpr, hi=True)
         if e.primitive.name == "reduce_sum" and int(np.prod(e.invars[0].aval.shape)) >= activation
     ]
     assert reductions and all(e.invars[0].aval.dtype == jnp.float32 for e in reductions)
