@@ -18,7 +18,7 @@ from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastR
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
-from jaxamp._src.policy import Policy, get_policy
+from jaxamp._src.policy import PolicyLike, get_policy
 
 # The rule modules fill the interpreter's tables as they are imported. Every evaluation
 # comes through this module (jaxamp/__init__.py imports it), so none finds them empty.
@@ -27,7 +27,7 @@ _RULE_MODULES = (first_order, higher_order)
 
 def autocast(
     fun: Callable[..., Any],
-    policy: str | Policy = "mixed_bfloat16",
+    policy: PolicyLike = "mixed_bfloat16",
     *,
     rules: AutocastRules | None = None,
     residuals: str = "compute_dtype",
