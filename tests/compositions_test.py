@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jaxamp
-from tests.train_steps import loss_scaled_step
+from tests.helpers.train_steps import loss_scaled_step
 
 LR = 0.05
 STEPS = 6

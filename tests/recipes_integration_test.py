@@ -32,7 +32,7 @@ import jaxamp
 from examples import distributed_train
 from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.state_dtype import StateDtypeState
-from tests.train_steps import apply_step
+from tests.helpers.train_steps import apply_step
 
 RECIPES = list(jaxamp.optim.OPTIMIZER_RECIPES)
 # The fields of LossScaledState that a skipped step must leave exactly as they were

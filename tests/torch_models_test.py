@@ -18,7 +18,7 @@ from jaxamp.models import (  # noqa: E402
     ResNet18,
     ResNet50,
 )
-from tests.tiny_configs import TINY_BERT, TINY_GPT2  # noqa: E402
+from tests.helpers.tiny_configs import TINY_BERT, TINY_GPT2  # noqa: E402
 
 TOKENS = jnp.zeros((1, 8), jnp.int32)
 

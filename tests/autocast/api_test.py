@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec
 import jaxamp
 from jaxamp._src.jaxprs import equations as _equations
 from jaxamp.models import BasicBlock, BertClassifier, ResNet
-from tests.tiny_configs import TINY_BERT
+from tests.helpers.tiny_configs import TINY_BERT
 
 MIXED = ["mixed_bfloat16", "mixed_float16"]
 POLICIES = [*MIXED, "float32"]

@@ -14,7 +14,7 @@ from flax.linen import fp8_ops
 
 import jaxamp
 from jaxamp.ops import fp8_dot_general, init_meta, max_combined
-from tests.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
+from tests.helpers.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
 
 DN = (((1,), (0,)), ((), ()))
 

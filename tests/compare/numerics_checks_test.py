@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import jaxamp
-from tests.gated_net import GatedNet, X
+from tests.helpers.gated_net import GatedNet, X
 
 
 def _gated_divergence_report():
     """compare's divergence records of fp32 and bf16 for a tiny model with a zero-init gate
-    (tests/gated_net.py): its output and its branch's gradients are 0."""
+    (tests/helpers/gated_net.py): its output and its branch's gradients are 0."""
     import jax
 
     from jaxamp._src.compare import numerics_checks as in_compare

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp.ops import FP8_STATE_COLLECTION as STATE
-from tests.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
+from tests.helpers.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
 
 assert STATE == fp8_ops.OVERWRITE_WITH_GRADIENT
 

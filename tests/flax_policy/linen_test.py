@@ -14,7 +14,7 @@ from flax.training import train_state
 
 import jaxamp
 from jaxamp.models import BasicBlock, BertClassifier, ResNet
-from tests.tiny_configs import TINY_BERT
+from tests.helpers.tiny_configs import TINY_BERT
 
 DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 

@@ -14,7 +14,7 @@ from jax import lax
 import jaxamp
 from jaxamp._src.flax_policy.plan import nnx_promote_keeping_kernel
 from jaxamp._src.ops.matmul import DotGeneral
-from tests.nnx_models import ConvBlock, ResNet, Transformer
+from tests.helpers.nnx_models import ConvBlock, ResNet, Transformer
 
 DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 IMAGES = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
-from tests.gated_net import gated_setup
+from tests.helpers.gated_net import gated_setup
 from tests.numerics.nets import LinenNet, NnxNet, X, nnx_loss
 
 

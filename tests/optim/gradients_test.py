@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp import DynamicLossScale
-from tests.train_steps import loss_scaled_step
+from tests.helpers.train_steps import loss_scaled_step
 
 PARAMS = {"w": jnp.array([1.0, 2.0])}
 

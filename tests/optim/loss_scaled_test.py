@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxamp
 from jaxamp._src.optim import loss_scaled as loss_scaled_module
 from jaxamp.optim import DynamicLossScale, LossScaledState, NoOpLossScale, StaticLossScale
-from tests.train_steps import loss_scaled_step
+from tests.helpers.train_steps import loss_scaled_step
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 

@@ -10,7 +10,7 @@ import pytest
 
 import jaxamp
 from jaxamp import StaticLossScale
-from tests.train_steps import apply_step
+from tests.helpers.train_steps import apply_step
 
 RECIPES = ["float32", "kahan", "stochastic", "none"]
 SIXTEEN = [jnp.bfloat16, jnp.float16]

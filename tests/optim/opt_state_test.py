@@ -8,7 +8,7 @@ import pytest
 
 import jaxamp
 from jaxamp import DynamicLossScale
-from tests.train_steps import sample_params, traced_steps
+from tests.helpers.train_steps import sample_params, traced_steps
 
 PARAMS = {"w": jnp.array([1.0, 2.0])}
 

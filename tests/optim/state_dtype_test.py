@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxamp
-from tests.train_steps import apply_step, dtypes_of, sample_params, traced_steps
+from tests.helpers.train_steps import apply_step, dtypes_of, sample_params, traced_steps
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 

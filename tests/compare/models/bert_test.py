@@ -7,7 +7,7 @@ import pytest
 
 from jaxamp.models import BertClassifier, BertConfig
 from tests.compare.models.counting import flax_param_count
-from tests.tiny_configs import TINY_BERT
+from tests.helpers.tiny_configs import TINY_BERT
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 import jaxamp
 from jaxamp.models import GPT2Config, GPT2LMHeadModel
 from tests.compare.models.counting import flax_param_count
-from tests.tiny_configs import TINY_GPT2
+from tests.helpers.tiny_configs import TINY_GPT2
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ the only way to run a CPU without bf16 units on a machine that has them is to em
 one. QEMU's user-mode ``-cpu max`` is an x86-64 with AVX2 and FMA and no AVX-512 (the
 kind of AMD EPYC whose flags list ``avx avx2 fma f16c`` and no ``avx512_bf16``)::
 
-  qemu-x86_64 -cpu max .venv/bin/python tests/cpu_kinds_check.py
+  qemu-x86_64 -cpu max .venv/bin/python tests/helpers/cpu_kinds_check.py
 
 It is about 50 times slower than the host: the models are tiny. Each check prints one
 JSON line; the script exits non-zero if any fails.

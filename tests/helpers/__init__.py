@@ -1,0 +1,1 @@
+"""Models, configurations and train steps shared by several test modules."""
