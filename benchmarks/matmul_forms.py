@@ -37,7 +37,8 @@ from benchmarks.common import (
     write_results,
 )
 from jaxamp._src.backend import dot_algorithm
-from jaxamp._src.ops.matmul import FORMS, amp_dot_general
+from jaxamp._src.ops.forms import FORMS
+from jaxamp._src.ops.matmul import amp_dot_general
 
 _FWD = (((1,), (0,)), ((), ()))
 _DW = (((0,), (0,)), ((), ()))

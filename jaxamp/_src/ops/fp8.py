@@ -28,7 +28,8 @@ from jaxamp._src.dtypes import FLOAT32, is_floating
 from jaxamp._src.errors import guide
 from jaxamp._src.jaxprs import FP8_SCOPE, varying_axes
 from jaxamp._src.ops.forms import free_dims
-from jaxamp._src.ops.matmul import same_varying_axes, sharding_of_result
+from jaxamp._src.ops.matmul import same_varying_axes
+from jaxamp._src.ops.primitives import sharding_of_result
 from jaxamp._src.policy import MAX_MARGIN, recipe_integer
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)

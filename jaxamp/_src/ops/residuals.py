@@ -14,7 +14,7 @@ from jax import lax
 
 from jaxamp._src.dtypes import is_floating, is_narrow, is_narrower
 from jaxamp._src.errors import invalid_choice
-from jaxamp._src.ops.matmul import amp_conv_general_dilated_p, amp_dot_general_p
+from jaxamp._src.ops.primitives import amp_conv_general_dilated_p, amp_dot_general_p
 
 RESIDUAL_MODES = ("compute_dtype", "dots", "all")
 
