@@ -48,7 +48,9 @@ from benchmarks.common import (
 )
 from jaxamp._src.backend import cpu_info
 from jaxamp._src.flax_policy.linen import apply_policy
-from jaxamp._src.ops.fp8 import E4M3, fp8_dot_general, init_meta, quantize, scale_from_amax
+from jaxamp._src.ops.fp8 import fp8_dot_general
+from jaxamp._src.ops.fp8_scaling import E4M3, quantize, scale_from_amax
+from jaxamp._src.ops.fp8_state import init_meta
 from jaxamp._src.ops.matmul import amp_dot_general
 from jaxamp.ops import FP8_STATE_COLLECTION as FP8_STATE
 

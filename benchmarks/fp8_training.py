@@ -53,7 +53,7 @@ from benchmarks.common import environment, markdown_table
 from jaxamp._src.backend import cpu_info
 from jaxamp._src.compare.variants import get_variant
 from jaxamp._src.flax_policy.linen import apply_policy
-from jaxamp._src.ops.fp8 import E4M3, E5M2, fp8_max
+from jaxamp._src.ops.fp8_scaling import E4M3, E5M2, fp8_max
 from jaxamp.models import BertClassifier, BertConfig, GPT2Config, GPT2LMHeadModel
 from jaxamp.ops import FP8_STATE_COLLECTION as FP8_STATE
 

@@ -3,15 +3,10 @@
 from jaxamp._src.ops.attention import dot_product_attention, softmax_float32
 from jaxamp._src.ops.forms import FORMS as MATMUL_FORMS
 from jaxamp._src.ops.forms import MatmulForm, matmul_form, use_matmul_form
-from jaxamp._src.ops.fp8 import STATE_COLLECTION as FP8_STATE_COLLECTION
-from jaxamp._src.ops.fp8 import (
-    Fp8Meta,
-    dequantize,
-    fp8_dot_general,
-    init_meta,
-    max_combined,
-    quantize,
-)
+from jaxamp._src.ops.fp8 import fp8_dot_general
+from jaxamp._src.ops.fp8_scaling import dequantize, quantize
+from jaxamp._src.ops.fp8_state import STATE_COLLECTION as FP8_STATE_COLLECTION
+from jaxamp._src.ops.fp8_state import Fp8Meta, init_meta, max_combined
 from jaxamp._src.ops.residuals import activation_bytes, checkpoint_residuals, saved_residuals
 
 __all__ = (

@@ -194,7 +194,7 @@ def _state_grad(fn, meta, *args):
 
 def test_state_used_twice_combines_by_max_not_sum():
     """A layer called on two inputs: the new history holds the larger amax, not the sum."""
-    from jaxamp._src.ops.fp8 import max_combined
+    from jaxamp._src.ops.fp8_state import max_combined
 
     w = jnp.ones((3, 2))
     a, b = jnp.full((2, 3), 2.0), jnp.full((2, 3), 5.0)
@@ -211,7 +211,7 @@ def test_state_used_twice_combines_by_max_not_sum():
 
 @pytest.mark.parametrize("transform", ["scan", "vmap", "remat", "fori"])
 def test_state_combines_by_max_under_transformations(transform):
-    from jaxamp._src.ops.fp8 import max_combined
+    from jaxamp._src.ops.fp8_state import max_combined
 
     w = jnp.ones((3, 2))
     xs = jnp.arange(1.0, 5.0)[:, None, None] * jnp.ones((4, 2, 3))  # amaxes 1, 2, 3, 4
@@ -281,7 +281,7 @@ def test_a_non_finite_amax_is_kept_out_of_the_history():
 def test_two_uses_one_overflowing_push_the_finite_amax():
     """Max-combined uses whose second overflows: the history is the finite use's push,
     not a mix of the pushed and the unpushed one."""
-    from jaxamp._src.ops.fp8 import max_combined
+    from jaxamp._src.ops.fp8_state import max_combined
 
     meta = init_meta(4)._replace(output_grad_amax_history=jnp.array([4.0, 3.0, 2.0, 1.0]))
     w = jnp.ones((3, 2))

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from jaxamp._src.errors import guide
-from jaxamp._src.ops.fp8 import (
+from jaxamp._src.ops.fp8_state import (
     Fp8Meta,
     as_meta,
     checked_meta,

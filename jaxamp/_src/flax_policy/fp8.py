@@ -19,12 +19,11 @@ from jax import lax
 from jaxamp._src.dtypes import FLOAT32
 from jaxamp._src.errors import guide
 from jaxamp._src.flax_policy.graph import is_node
-from jaxamp._src.ops.fp8 import (
-    MAX32,
+from jaxamp._src.ops.fp8 import Fp8DotGeneral
+from jaxamp._src.ops.fp8_max32 import MAX32, as_float32
+from jaxamp._src.ops.fp8_state import (
     STATE_COLLECTION,
-    Fp8DotGeneral,
     Fp8Meta,
-    as_float32,
     checked_meta,
     max_combined,
     path_names,
