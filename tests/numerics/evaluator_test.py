@@ -1,4 +1,4 @@
-"""Tests for jaxamp/_src/numerics/evaluator.py: zero-length scans, shard_map bodies."""
+"""Tests for jaxamp/_src/numerics/evaluator.py and shards.py: zero-length scans, shard_maps."""
 
 import pathlib
 

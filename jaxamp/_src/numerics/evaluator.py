@@ -5,81 +5,32 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from jaxamp._src.audit.checks import short_name
 from jaxamp._src.dtypes import is_16bit, is_inexact
-from jaxamp._src.jaxprs import bind, is_backward_name, open_jaxpr, varying_axes
+from jaxamp._src.jaxprs import is_backward_name, open_jaxpr
 from jaxamp._src.numerics import phases, sources
-
-LOSS_SCALE_SCOPE = "jaxamp_loss_scale"  # the multiplication of the loss by the loss scale
-
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """Where a primitive runs.
-
-    Attributes:
-      primitive: the JAX primitive (``"log"``, ``"dot_general"``...).
-      phase: ``"forward"`` or ``"backward"`` (the gradient's computation).
-      layer: the module path, e.g. ``"Model/Dense_0"``; ``""`` outside any layer.
-      source: ``file:line (function)`` of the user code that traced it.
-      name_stack: the name stack JAX recorded, in full.
-      iteration: the loop iterations it runs in (outermost first), ``()`` outside loops.
-      sixteen_bit: per output, whether the program holds it in a 16-bit type (when
-        evaluated widened, the value seen is its float32 counterpart).
-      eqn: the equation itself (for ``in_float32``).
-
-    Inside a ``shard_map``'s body, the inputs and outputs a visitor is handed are the
-    shards' values, stacked along one leading axis per manual mesh axis (in the mesh's
-    order).
-    """
-
-    primitive: str
-    phase: str
-    layer: str
-    source: str
-    name_stack: str
-    iteration: tuple[int, ...] = ()
-    sixteen_bit: tuple[bool, ...] = ()
-    eqn: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-
-Visitor = Callable[[Site, Sequence[Any], Sequence[Any]], bool | None]
+from jaxamp._src.numerics.shards import (
+    Shards,
+    bind_eqn,
+    current,
+    from_shards,
+    inside,
+    lead,
+    same_on_every_shard,
+    shards_of,
+    to_shards,
+)
+from jaxamp._src.numerics.sites import Site, Tagger, Visitor, layer
 
 
 class _Stop(Exception):
     pass
-
-
-class Tagger(Protocol):
-    """Follows values through an evaluation: each value carries a tag, which the tagger
-    computes for every primitive's outputs from its inputs' tags.
-
-    Attributes:
-      constant: the tag of a literal or a constant of the program (the arguments'
-        tag is ``None``).
-    """
-
-    constant: Any
-
-    def op(
-        self, site: Site, tags: Sequence[Any], inputs: Sequence[Any], outputs: Sequence[Any]
-    ) -> tuple[list[Any], bool]:
-        """The outputs' tags, and whether to stop the evaluation."""
-        ...
-
-    def merge(self, tags: Sequence[Any]) -> Any:
-        """The tag of a scan's stacked output, from its iterations' (``[]``: none ran)."""
-        ...
 
 
 @dataclasses.dataclass
@@ -95,190 +46,7 @@ def _join(prefix: str, eqn: Any) -> str:
     return "/".join(p for p in (prefix, stack) if p)
 
 
-def _layer(stack: str, primitive: str) -> str:
-    """The layer path of a name stack. A module that evaluates its call again inside its
-    own scope (``jaxamp.nnx``'s policy interprets the call it traced) repeats its name;
-    the repeats are one layer. ``jnp.einsum``'s scope (its spec) belongs to the layer
-    that calls it."""
-    # jnp.einsum names a scope after its spec ("...qhd,...khd->...hqk"): not a layer
-    parts = short_name(f"f/{stack}/{primitive}").split("/")
-    parts = [p for p in parts if "->" not in p and p != LOSS_SCALE_SCOPE]
-    return "/".join(p for i, p in enumerate(parts) if i == 0 or p != parts[i - 1])
-
-
 _WIDEN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_widen", default=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Shards:
-    """Inside a ``shard_map``'s body: the mesh, its manual axes (in the mesh's order) and
-    their sizes, each value being the shards' stacked along one leading axis per manual
-    axis; and whether the body is typed by what varies across shards (``check_vma``)."""
-
-    mesh: Any
-    axes: tuple[str, ...]
-    sizes: tuple[int, ...]
-    check_vma: bool
-
-
-_SHARDS: contextvars.ContextVar[_Shards | None] = contextvars.ContextVar(
-    "jaxamp_shards", default=None
-)
-
-
-def _lead() -> int:
-    """How many leading axes (one per manual mesh axis) the values being evaluated have."""
-    shards = _SHARDS.get()
-    return 0 if shards is None else len(shards.axes)
-
-
-def _apply(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list[Any]:
-    """``eqn`` bound on ``invals``. Inside a ``shard_map``'s body, per shard: batched over
-    the leading (shard) axes, or, for an equation that names the mesh's axes (``psum``,
-    ``axis_index``...), under a ``shard_map`` on the body's mesh whose specs split the
-    leading axes, each input replicated over the axes its type does not vary over (as
-    the body holds it)."""
-    shards = _SHARDS.get()
-    if shards is None:
-        return bind(eqn, invals, params)
-    k = len(shards.axes)
-    if not _names_axes(eqn.params, shards.axes):
-        # computed on each shard alone: batched over the shards (a shard_map compiles)
-        fun = lambda *xs: bind(eqn, xs, params)
-        for size in reversed(shards.sizes):  # the last mesh axis innermost
-            fun = jax.vmap(fun, axis_size=size)
-        return list(fun(*(jnp.asarray(x) for x in invals)))
-
-    def spec(atom: Any) -> PartitionSpec:
-        vma = varying_axes(atom.aval) if shards.check_vma else None
-        return PartitionSpec(*(a if vma is None or a in vma else None for a in shards.axes))
-
-    in_specs = tuple(spec(a) for a in eqn.invars)
-    out_specs = tuple(spec(v) for v in eqn.outvars)
-    args = [
-        jnp.asarray(x)[tuple(slice(None) if a is not None else slice(0, 1) for a in s)]
-        for x, s in zip(invals, in_specs, strict=True)
-    ]
-
-    def per_shard(*xs: Any) -> tuple[Any, ...]:
-        outs = bind(eqn, [x.reshape(x.shape[k:]) for x in xs], params)
-        return tuple(o.reshape((1,) * k + o.shape) for o in outs)
-
-    outs = jax.shard_map(
-        per_shard,
-        mesh=shards.mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names=frozenset(shards.axes),
-        check_vma=shards.check_vma,
-    )(*args)
-    return [jnp.broadcast_to(o, shards.sizes + o.shape[k:]) for o in outs]
-
-
-_SHARDING_TYPES = tuple(
-    t
-    for t in (
-        getattr(jax.sharding, n, None)
-        for n in ("Sharding", "PartitionSpec", "Mesh", "AbstractMesh")
-    )
-    if isinstance(t, type)
-)
-
-
-def _names_axes(value: Any, axes: Sequence[str]) -> bool:
-    """Whether an equation's parameters name one of the mesh ``axes`` (a collective's,
-    ``axis_index``'s), hold a sharding (of the body's manual mesh), or a jaxpr (a
-    ``cond`` or a loop run whole, which may name them)."""
-    if isinstance(value, _SHARDING_TYPES):
-        return True
-    if isinstance(value, str):
-        return value in axes
-    if isinstance(value, dict):
-        return any(_names_axes(v, axes) for v in value.values())
-    if isinstance(value, (tuple, list, set, frozenset)):
-        return any(_names_axes(v, axes) for v in value)
-    return isinstance(value, (jex.core.ClosedJaxpr, jex.core.Jaxpr))
-
-
-def _group(entry: Any, axes: Sequence[str]) -> tuple[str, ...]:
-    """The manual mesh axes a ``PartitionSpec`` entry splits a dimension over."""
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return tuple(a for a in names if a in axes)
-
-
-def _to_shards(x: Any, spec: Any, shards: _Shards) -> Any:
-    """A global input of a ``shard_map`` as its shards' values, stacked (see ``_Shards``):
-    split along the dimensions ``spec`` names mesh axes for, repeated along the others."""
-    x = jnp.asarray(x)
-    axes, sizes = shards.axes, dict(zip(shards.axes, shards.sizes, strict=True))
-    shape: list[int] = []
-    names: list[str | None] = []
-    for d, n in enumerate(x.shape):
-        group = _group(spec[d] if d < len(spec) else None, axes)
-        shape += [sizes[a] for a in group] + [n // math.prod(sizes[a] for a in group)]
-        names += [*group, None]
-    x = x.reshape(shape)
-    lead = [names.index(a) for a in axes if a in names]
-    x = jnp.transpose(x, lead + [i for i, name in enumerate(names) if name is None])
-    for i, a in enumerate(axes):
-        if a not in names:
-            x = jnp.expand_dims(x, i)
-    return jnp.broadcast_to(x, shards.sizes + x.shape[len(axes) :])
-
-
-def _from_shards(x: Any, spec: Any, shards: _Shards) -> Any:
-    """A ``shard_map``'s global output from its shards' values, stacked: joined along
-    the dimensions ``spec`` names mesh axes for, the first shard's along the others (the
-    shards agree there)."""
-    x = jnp.asarray(x)
-    axes, sizes = shards.axes, dict(zip(shards.axes, shards.sizes, strict=True))
-    local = x.shape[len(axes) :]
-    groups = [_group(spec[d] if d < len(spec) else None, axes) for d in range(len(local))]
-    used = {a for g in groups for a in g}
-    x = x[tuple(slice(None) if a in used else 0 for a in axes)]
-    kept = [a for a in axes if a in used]
-    order: list[int] = []
-    for d, group in enumerate(groups):
-        order += [kept.index(a) for a in group] + [len(kept) + d]
-    shape = [n * math.prod(sizes[a] for a in g) for n, g in zip(local, groups, strict=True)]
-    return jnp.transpose(x, order).reshape(shape)
-
-
-def _enter_shards(eqn: Any) -> _Shards | None:
-    """How to evaluate a ``shard_map``'s body shard by shard, or ``None`` when it is
-    bound whole: inside another's body, or on an abstract mesh without a concrete one
-    of its shape set (``jax.set_mesh``)."""
-    p = eqn.params
-    mesh = _concrete_mesh(p.get("mesh"))
-    if (
-        _SHARDS.get() is not None
-        or mesh is None
-        or not hasattr(jax, "shard_map")
-        or "in_specs" not in p
-        or "out_specs" not in p
-    ):
-        return None
-    manual = p.get("newly_manual_axes") or p.get("manual_axes") or frozenset(mesh.axis_names)
-    axes = tuple(a for a in mesh.axis_names if a in manual)
-    sizes = tuple(int(mesh.shape[a]) for a in axes)
-    return _Shards(mesh, axes, sizes, bool(p.get("check_vma", True)))
-
-
-def _concrete_mesh(mesh: Any) -> Any:
-    """``mesh``, or for an abstract one the concrete mesh set of its shape, else ``None``."""
-    if isinstance(mesh, jax.sharding.Mesh):
-        return mesh
-    get_mesh = getattr(jax.sharding, "get_mesh", None)
-    try:
-        current = get_mesh() if get_mesh is not None and mesh is not None else None
-        same = (
-            isinstance(current, jax.sharding.Mesh)
-            and tuple(current.axis_names) == tuple(mesh.axis_names)
-            and dict(current.shape) == dict(mesh.shape)
-        )
-    except (AttributeError, TypeError, ValueError):
-        return None
-    return current if same else None
 
 
 def _is_sixteen(dtype: Any) -> bool:
@@ -304,13 +72,13 @@ def _bind_widened(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         return [_widened(invals[0])]
     params = {k: (np.dtype(jnp.float32) if _is_sixteen(v) else v) for k, v in eqn.params.items()}
     try:
-        return _apply(eqn, [_widened(v) for v in invals], params)
+        return bind_eqn(eqn, [_widened(v) for v in invals], params)
     except (TypeError, ValueError):
         traced = [
             v.astype(a.aval.dtype) if hasattr(v, "astype") and hasattr(a, "aval") else v
             for v, a in zip(invals, eqn.invars, strict=True)
         ]
-        return _apply(eqn, traced)
+        return bind_eqn(eqn, traced)
 
 
 def _site(eqn: Any, stack: str, iteration: tuple[int, ...], ctx: _Context, where: str) -> Site:
@@ -318,7 +86,7 @@ def _site(eqn: Any, stack: str, iteration: tuple[int, ...], ctx: _Context, where
     return Site(
         primitive=eqn.primitive.name,
         phase="backward" if backward else "forward",
-        layer=_layer(stack, eqn.primitive.name),
+        layer=layer(stack, eqn.primitive.name),
         source=sources.source(eqn, ctx.rules if backward else None, where),
         name_stack=stack,
         iteration=iteration,
@@ -352,7 +120,7 @@ def evaluate(
     tagged: dict[Any, Any] = {}
     constant = ctx.tagger.constant if ctx.tagger is not None else None
 
-    shards = _SHARDS.get()
+    shards = current()
 
     def read(atom: Any) -> Any:
         if not isinstance(atom, jex.core.Literal):
@@ -410,13 +178,13 @@ def _evaluate_eqn(
         where = sources.own_source(eqn) or where
     if name == "cond":
         index, *operands = invals
-        chosen = _same_on_every_shard(index)
+        chosen = same_on_every_shard(index)
         if chosen is not None:
             branch = inners[int(np.clip(int(chosen), 0, len(inners) - 1))]
             return _inner(branch, operands, tags[1:], ctx, stack, iteration, where)
         # shards that take different branches: the cond runs whole
     elif name == "shard_map":
-        shards = _enter_shards(eqn)
+        shards = shards_of(eqn)
         if shards is not None:
             return _shard_map(eqn, shards, invals, tags, ctx, stack, iteration, where)
     elif inners:
@@ -428,18 +196,9 @@ def _evaluate_eqn(
     return _primitive(eqn, invals, tags, ctx, stack, iteration, where)
 
 
-def _same_on_every_shard(x: Any) -> Any:
-    """A scalar of the program (a ``cond``'s index, a loop's condition): inside a
-    ``shard_map``'s body, the shards' value when they all hold the same, else ``None``."""
-    a = np.asarray(x)
-    if _lead() == 0:
-        return a
-    return a.flat[0] if a.size and bool(np.all(a == a.flat[0])) else None
-
-
 def _shard_map(
     eqn: Any,
-    shards: _Shards,
+    shards: Shards,
     invals: Sequence[Any],
     tags: Sequence[Any],
     ctx: _Context,
@@ -447,15 +206,12 @@ def _shard_map(
     iteration: tuple[int, ...],
     where: str,
 ) -> tuple[list[Any], list[Any]]:
-    """A ``shard_map``'s body evaluated on its shards (see ``_Shards``)."""
+    """A ``shard_map``'s body evaluated on its shards (see ``Shards``)."""
     p = eqn.params
-    args = [_to_shards(x, s, shards) for x, s in zip(invals, p["in_specs"], strict=True)]
-    token = _SHARDS.set(shards)
-    try:
+    args = [to_shards(x, s, shards) for x, s in zip(invals, p["in_specs"], strict=True)]
+    with inside(shards):
         outs, out_tags = _inner(p["jaxpr"], args, tags, ctx, stack, iteration, where)
-    finally:
-        _SHARDS.reset(token)
-    outs = [_from_shards(o, s, shards) for o, s in zip(outs, p["out_specs"], strict=True)]
+    outs = [from_shards(o, s, shards) for o, s in zip(outs, p["out_specs"], strict=True)]
     return outs, out_tags
 
 
@@ -469,7 +225,7 @@ def _primitive(
     where: str,
 ) -> tuple[list[Any], list[Any]]:
     """One primitive (or an equation run whole), visited and tagged."""
-    outs = _bind_widened(eqn, invals) if _WIDEN.get() else _apply(eqn, invals)
+    outs = _bind_widened(eqn, invals) if _WIDEN.get() else bind_eqn(eqn, invals)
     site = _site(eqn, stack, iteration, ctx, where)
     if ctx.visit(site, invals, outs):
         raise _Stop
@@ -498,9 +254,9 @@ def _scan(
     ys: list[list[Any]] = []
     ys_tags: list[list[Any]] = []
     order = range(length - 1, -1, -1) if p.get("reverse", False) else range(length)
-    lead = _lead()  # the shards' axes come first inside a shard_map
+    n_lead = lead()  # the shards' axes come first inside a shard_map
     for i in order:
-        operands = [*consts, *carry, *(x[(slice(None),) * lead + (i,)] for x in xs)]
+        operands = [*consts, *carry, *(x[(slice(None),) * n_lead + (i,)] for x in xs)]
         outs, out_tags = _inner(
             p["jaxpr"],
             operands,
@@ -518,7 +274,7 @@ def _scan(
         ys.reverse()
     n_ys = len(eqn.outvars) - n_carry
     stacked = [
-        jnp.stack([y[j] for y in ys], axis=lead) if ys else _empty(eqn.outvars[n_carry + j].aval)
+        jnp.stack([y[j] for y in ys], axis=n_lead) if ys else _empty(eqn.outvars[n_carry + j].aval)
         for j in range(n_ys)
     ]
     merged = [
@@ -531,7 +287,7 @@ def _scan(
 def _empty(aval: Any) -> Any:
     """The stacked output of a scan of no iterations: ``aval``'s shape and dtype (per
     shard inside a ``shard_map``)."""
-    shards = _SHARDS.get()
+    shards = current()
     return jnp.zeros((shards.sizes if shards is not None else ()) + aval.shape, aval.dtype)
 
 
@@ -553,7 +309,7 @@ def _while(
     i = 0
     while True:
         pred = _inner(p["cond_jaxpr"], [*cond_consts, *carry], None, quiet, stack, iteration, where)
-        go = _same_on_every_shard(pred[0][0])
+        go = same_on_every_shard(pred[0][0])
         if go is None:  # shards that stop at different iterations: the rest runs whole
             rest = [*cond_consts, *body_consts, *carry]
             rest_tags = [*tags[:n_cond], *body_tags, *carry_tags]

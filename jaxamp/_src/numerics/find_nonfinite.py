@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._src.numerics import evaluator, tracing
+from jaxamp._src.numerics import evaluator, sites, tracing
 from jaxamp._src.optim.gradients import get_loss_scale
 from jaxamp._src.policy import PolicyLike
 
@@ -102,7 +102,7 @@ class NonFinite:
 
     def __str__(self) -> str:
         where = self.layer or "(no layer)"
-        if evaluator.LOSS_SCALE_SCOPE in self.name_stack:
+        if sites.LOSS_SCALE_SCOPE in self.name_stack:
             where = "the loss times the loss scale"
         loop = f", loop iteration {list(self.iteration)}" if self.iteration else ""
         lines = [
@@ -244,7 +244,7 @@ def merge_tags(tags: Sequence[Any]) -> Any:
 
 
 class _Origins:
-    """A ``evaluator.Tagger`` that follows every inf and NaN to the operations that
+    """A ``sites.Tagger`` that follows every inf and NaN to the operations that
     made it. A value's tag is ``CONSTANT`` (from constants alone), ``None`` (finite,
     or not followed), or the set of the faults (indices in ``faults``) its non-finite
     elements come from."""
@@ -258,7 +258,7 @@ class _Origins:
 
     def op(
         self,
-        site: evaluator.Site,
+        site: sites.Site,
         tags: Sequence[Any],
         inputs: Sequence[Any],
         outputs: Sequence[Any],
@@ -284,7 +284,7 @@ class _Origins:
     def merge(self, tags: Sequence[Any]) -> Any:
         return merge_tags(tags)
 
-    def _fault(self, site: evaluator.Site, inputs: Sequence[Any], output: Any) -> NonFinite:
+    def _fault(self, site: sites.Site, inputs: Sequence[Any], output: Any) -> NonFinite:
         return NonFinite(
             phase=site.phase,
             layer=site.layer,

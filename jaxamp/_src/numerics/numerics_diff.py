@@ -9,7 +9,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
-from jaxamp._src.numerics import evaluator, tracing
+from jaxamp._src.numerics import evaluator, sites, tracing
 from jaxamp._src.numerics.find_nonfinite import scale_of
 from jaxamp._src.policy import PolicyLike
 
@@ -187,10 +187,10 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
     order of its operations inside a layer may differ between the two programs."""
     last: dict[str, Any] = {}
 
-    def visit(site: evaluator.Site, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+    def visit(site: sites.Site, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
         if site.primitive == "convert_element_type" or site.phase != "forward":
             return  # a cast of a value is not a new value of the layer
-        if evaluator.LOSS_SCALE_SCOPE in site.name_stack:
+        if sites.LOSS_SCALE_SCOPE in site.name_stack:
             return  # the loss times the scale: not a value of the model
         floating = [o for o in outputs if evaluator.is_floating(o)]
         if floating:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src.dtypes import is_narrow
-from jaxamp._src.numerics import evaluator, tracing
+from jaxamp._src.numerics import evaluator, sites, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
     carried,
@@ -76,7 +76,7 @@ _WIDE, _NARROW = "float32", "16-bit"  # where an inf or a NaN was first made
 
 
 class _Measure:
-    """A ``evaluator.Tagger`` that adds each value counted (``counted(sixteen_bit)``) to
+    """A ``sites.Tagger`` that adds each value counted (``counted(sixteen_bit)``) to
     its (layer, phase) statistics, and follows each inf and NaN to the operation that
     made it: one whose output is held in float32 (or computed there, for a policy),
     which float16 is not the cause of, or in 16 bits. A value's tag is the set of
@@ -91,7 +91,7 @@ class _Measure:
 
     def op(
         self,
-        site: evaluator.Site,
+        site: sites.Site,
         tags: Sequence[Any],
         inputs: Sequence[Any],
         outputs: Sequence[Any],
@@ -105,7 +105,7 @@ class _Measure:
         else:
             came_from = carried(tags) or self._made(site, inputs, outputs, bad)
             out_tags = [came_from if b else None for b in bad]
-        if evaluator.LOSS_SCALE_SCOPE not in site.name_stack:  # the loss times the scale: not
+        if sites.LOSS_SCALE_SCOPE not in site.name_stack:  # the loss times the scale: not
             self._count(site, outputs, out_tags)  # a value of the model
         return out_tags, False
 
@@ -114,7 +114,7 @@ class _Measure:
 
     @staticmethod
     def _made(
-        site: evaluator.Site, inputs: Sequence[Any], outputs: Sequence[Any], bad: list[bool]
+        site: sites.Site, inputs: Sequence[Any], outputs: Sequence[Any], bad: list[bool]
     ) -> frozenset[str]:
         """Where an operation that makes a new inf or NaN makes it. In float32 when its
         output is held there; when, made of finite 16-bit inputs, it is not finite
@@ -136,7 +136,7 @@ class _Measure:
                     return frozenset({_WIDE})
         return frozenset({_NARROW})
 
-    def _count(self, site: evaluator.Site, outputs: Sequence[Any], tags: Sequence[Any]) -> None:
+    def _count(self, site: sites.Site, outputs: Sequence[Any], tags: Sequence[Any]) -> None:
         key = (site.layer, site.phase)
         for out, sixteen, tag in zip(outputs, site.sixteen_bit, tags, strict=True):
             if evaluator.is_floating(out) and self.counted(sixteen):

@@ -18,7 +18,8 @@ from jaxamp._src.autocast.api import autocast
 from jaxamp._src.dtypes import is_narrow
 from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
-from jaxamp._src.numerics.evaluator import LOSS_SCALE_SCOPE, is_floating
+from jaxamp._src.numerics.evaluator import is_floating
+from jaxamp._src.numerics.sites import LOSS_SCALE_SCOPE
 from jaxamp._src.policy import PolicyLike, get_policy, is_policy_spec
 
 
