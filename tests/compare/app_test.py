@@ -1,4 +1,4 @@
-"""Tests for jaxamp/_src/compare/app.py: the runner, its report, accuracy parity on real data."""
+"""Tests for jaxamp/_src/compare/app.py and run.py: the runner, its report, accuracy parity."""
 
 import copy
 import dataclasses
@@ -18,7 +18,8 @@ from jaxamp._src.compare.accuracy import (
     SEEDS_NOISE,
     classification_metrics,
 )
-from jaxamp._src.compare.app import CompareConfig, OptionError, compare
+from jaxamp._src.compare.app import compare
+from jaxamp._src.compare.config import CompareConfig, OptionError
 from jaxamp._src.compare.variants import FP16_ON_CPU
 
 TINY_BERT = dict(
@@ -177,14 +178,16 @@ def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_train
 
     from jaxamp._src.compare import app as compare_lib
     from jaxamp._src.compare import numerics_checks as in_compare
+    from jaxamp._src.compare.run import Run
+    from jaxamp._src.compare.task import Task
     from jaxamp._src.compare.variants import get_variant
 
     x = 0.1 * jax.random.normal(jax.random.key(1), (4, 8))
     sample = (x, jnp.array([0, 1, 2, 0]))
-    task = compare_lib._Task(_Squeezed(), True, 1e-3)
+    task = Task(_Squeezed(), True, 1e-3)
     variables = task.module.init(jax.random.key(0), x)
     config = CompareConfig(variants=("fp32", "fp16"), batch_size=4)
-    run = compare_lib._Run(get_variant("fp16"), task, variables, config, sample)
+    run = Run(get_variant("fp16"), task, variables, config, sample)
     compare_lib._numerics_before_training([run], task, variables, sample, config, print)
     errors = [d["relative_error"] for d in run.divergence if d["phase"] == "backward"]
     assert errors and all(np.isfinite(e) for e in errors), errors
@@ -214,16 +217,17 @@ def test_delayed_fp8_step_carries_its_state_apart_from_the_optimizer_as_written_
     statistics as the documented step written out, step for step."""
     import optax
 
-    from jaxamp._src.compare import app as compare_lib
+    from jaxamp._src.compare.run import Run
+    from jaxamp._src.compare.task import Task
     from jaxamp._src.compare.variants import get_variant
     from jaxamp.ops import FP8_STATE_COLLECTION as FP8
 
     x = jax.random.normal(jax.random.key(1), (4, 8))
     y = jnp.array([0, 1, 2, 0])
-    task = compare_lib._Task(_Squeezed(), True, 1e-3)
+    task = Task(_Squeezed(), True, 1e-3)
     variables = task.module.init(jax.random.key(0), x)
     config = CompareConfig(variants=("fp32", "fp8-delayed"), batch_size=4, numerics=False)
-    run = compare_lib._Run(get_variant("fp8-delayed"), task, variables, config, (x, y))
+    run = Run(get_variant("fp8-delayed"), task, variables, config, (x, y))
     assert set(run.fp8_state) == {"dense", "head"}
     assert jax.tree.structure(run.opt_state) == jax.tree.structure(
         optax.adam(1e-3).init(variables["params"])
@@ -263,15 +267,16 @@ def test_delayed_fp8_step_carries_its_state_apart_from_the_optimizer_as_written_
 def test_a_float8_step_on_an_inf_is_counted_non_finite(name):
     """float8 has no infinity: an operand holding one makes the matmul NaN, the step is
     counted non-finite and the first non-finite value found (the input)."""
-    from jaxamp._src.compare import app as compare_lib
+    from jaxamp._src.compare.run import Run
+    from jaxamp._src.compare.task import Task
     from jaxamp._src.compare.variants import get_variant
 
     x = jax.random.normal(jax.random.key(1), (4, 8))
     y = jnp.array([0, 1, 2, 0])
-    task = compare_lib._Task(_Squeezed(), True, 1e-3)
+    task = Task(_Squeezed(), True, 1e-3)
     variables = task.module.init(jax.random.key(0), x)
     config = CompareConfig(variants=("fp32", name), batch_size=4)
-    run = compare_lib._Run(get_variant(name), task, variables, config, (x, y))
+    run = Run(get_variant(name), task, variables, config, (x, y))
     run.train_step(x, y, 0)
     run.train_step(x.at[0, 0].set(jnp.inf), y, 1)
     assert [bool(v) for v in run.nonfinite] == [False, True]
@@ -367,16 +372,16 @@ def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter(
 def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkeypatch):
     """Every seed starts again from its own initialisation, key and batches, on the
     programs compiled for the first seed: as if each seed had been compared alone."""
-    from jaxamp._src.compare import app as compare_lib
+    from jaxamp._src.compare.run import Run
 
     built = []
-    original = compare_lib._Run.__init__
+    original = Run.__init__
 
     def counting_init(self, variant, *args):
         built.append(variant.name)
         original(self, variant, *args)
 
-    monkeypatch.setattr(compare_lib._Run, "__init__", counting_init)
+    monkeypatch.setattr(Run, "__init__", counting_init)
     config = CompareConfig(variants=("fp32", "bf16"), data="embedded", numerics=False, **TINY_BERT)
     together = compare(dataclasses.replace(config, seeds=2), log=lambda _: None)
     assert built == ["fp32", "bf16"]  # compiled once, for both seeds
@@ -468,12 +473,12 @@ def test_options_that_cannot_run_are_refused_when_given(options, message):
 
 def _no_work(monkeypatch):
     """Makes loading data or compiling a variant fail the test: the errors must come first."""
-    from jaxamp._src.compare import app as compare_lib
+    from jaxamp._src.compare.run import Run
 
     def fail(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(compare_lib._Run, "__init__", fail)
+    monkeypatch.setattr(Run, "__init__", fail)
     monkeypatch.setattr(data, "load_digits_28x28", fail)
     monkeypatch.setattr(data, "load_python_docs", fail)
 
@@ -510,7 +515,7 @@ def test_options_of_the_model_auto_did_not_pick_are_refused(units, monkeypatch):
 def test_options_that_ask_for_nothing_are_accepted_on_any_model(monkeypatch):
     """Recalibration off is true of a model without BatchNorm; the options ``auto`` sets
     from its shapes are not the user's."""
-    from jaxamp._src.compare.app import check_options
+    from jaxamp._src.compare.config import check_options
 
     check_options(CompareConfig(model="bert", bn_recalibration=0))
     check_options(CompareConfig(model="resnet18", bn_recalibration=0))

@@ -3,8 +3,8 @@
 import pytest
 
 from jaxamp._src import backend
-from jaxamp._src.compare.app import CompareConfig, OptionError, check_options
 from jaxamp._src.compare.choice import CPU_CONVNET, CPU_TRANSFORMER, choose_model
+from jaxamp._src.compare.config import CompareConfig, OptionError, check_options
 
 
 @pytest.mark.parametrize("units", [True, False])

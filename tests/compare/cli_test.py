@@ -173,12 +173,12 @@ def test_an_unwritable_out_is_refused_before_the_run(tmp_path, monkeypatch, caps
     ],
 )
 def test_options_that_cannot_run_print_one_line_and_exit_2(argv, message, monkeypatch, capsys):
-    from jaxamp._src.compare import app
+    from jaxamp._src.compare.run import Run
 
     def fail(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(app._Run, "__init__", fail)
+    monkeypatch.setattr(Run, "__init__", fail)
     assert main(["compare", "--data", "embedded", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxamp compare: error: ") and err.count("\n") == 1, err
@@ -226,12 +226,12 @@ def _offline(monkeypatch):
     ids=["option", "data-dir", "model", "data"],
 )
 def test_an_option_error_leaves_no_output_folder_behind(argv, tmp_path, monkeypatch, capsys):
-    from jaxamp._src.compare import app
+    from jaxamp._src.compare.run import Run
 
     def fail(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(app._Run, "__init__", fail)
+    monkeypatch.setattr(Run, "__init__", fail)
     _offline(monkeypatch)
     out = tmp_path / "new" / "report"
     assert main(["compare", *argv, "--out", str(out)]) == 2

@@ -94,15 +94,17 @@ class _Attention(nn.Module):
 
 def _divergence_of(module, variants):
     from jaxamp._src.compare import app as compare_lib
-    from jaxamp._src.compare.app import CompareConfig
+    from jaxamp._src.compare.config import CompareConfig
+    from jaxamp._src.compare.run import Run
+    from jaxamp._src.compare.task import Task
     from jaxamp._src.compare.variants import get_variant
 
     x = 0.8 * jax.random.normal(jax.random.key(1), (32, 8))
     sample = (x, jnp.arange(32) % 3)
-    task = compare_lib._Task(module, False, 1e-3)
+    task = Task(module, False, 1e-3)
     variables = task.module.init(jax.random.key(0), x)
     config = CompareConfig(variants=("fp32", *variants), batch_size=32)
-    runs = [compare_lib._Run(get_variant(v), task, variables, config, sample) for v in variants]
+    runs = [Run(get_variant(v), task, variables, config, sample) for v in variants]
     compare_lib._numerics_before_training(runs, task, variables, sample, config, print)
     return {r.variant.name: r.divergence for r in runs}
 

@@ -20,7 +20,9 @@ import pytest
 
 from jaxamp._src.compare import app as compare_lib
 from jaxamp._src.compare import numerics_checks
-from jaxamp._src.compare.app import CompareConfig
+from jaxamp._src.compare.config import CompareConfig
+from jaxamp._src.compare.run import Run
+from jaxamp._src.compare.task import Task, make_task
 from jaxamp._src.compare.variants import get_variant
 from jaxamp._src.flax_policy.linen import apply_policy
 
@@ -166,8 +168,8 @@ def _divergence(model, planted):
 
 def _rows(reference, module, x, y, variant, has_batch_stats=False):
     """``_numerics_before_training``'s rows of ``variant`` run on ``module`` (its policy
-    applied, as compare's ``_Run.loss_fn`` traces it), against ``reference`` in float32."""
-    task = compare_lib._Task(reference, has_batch_stats, 1e-3)
+    applied, as compare's ``Run.loss_fn`` traces it), against ``reference`` in float32."""
+    task = Task(reference, has_batch_stats, 1e-3)
     variables = task.module.init(jax.random.key(0), x)
     mixed = apply_policy(module, get_variant(variant).policy)
 
@@ -269,10 +271,10 @@ def test_the_cpu_default_models_flag_nothing(model):
         tokenizer = data_lib.HashingTokenizer(config.vocab_size, config.seq_len)
     kind = "text" if model == "bert" else "images"
     dataset, _ = data_lib.load_dataset(kind, "embedded", None, tokenizer)
-    task = compare_lib._task(config, dataset.num_classes)
+    task = make_task(config, dataset.num_classes)
     sample = jax.device_put((dataset.train_x[:32], dataset.train_y[:32]))
     variables = task.module.init(jax.random.key(0), sample[0][:1])
-    runs = [compare_lib._Run(get_variant(v), task, variables, config, sample) for v in variants]
+    runs = [Run(get_variant(v), task, variables, config, sample) for v in variants]
     compare_lib._numerics_before_training(runs, task, variables, sample, config, print)
     for run in runs:
         _healthy(run.divergence)

@@ -73,4 +73,4 @@ def _filled(config: Any, shape: dict[str, Any]) -> Any:
     values = {k: v for k, v in shape.items() if k != "model" and getattr(config, k) is None}
     if "heads" in values and config.hidden is not None and config.hidden % HEAD_SIZE == 0:
         values["heads"] = config.hidden // HEAD_SIZE
-    return dataclasses.replace(config, **values)  # app.check_options checks the heads
+    return dataclasses.replace(config, **values)  # config.check_options checks the heads

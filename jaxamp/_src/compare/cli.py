@@ -13,8 +13,9 @@ from jaxamp._src.errors import valid_choices
 # imports some of them only when it uses them, so each is looked for up front.
 COMPARE_EXTRA = ("tqdm", "matplotlib", "tensorflow_datasets", "sklearn", "scipy", "PIL")
 try:
-    from jaxamp._src.compare.app import MODELS, CompareConfig, OptionError, compare
+    from jaxamp._src.compare.app import compare
     from jaxamp._src.compare.choice import CPU_CONVNET, MODEL_SHAPES
+    from jaxamp._src.compare.config import MODELS, CompareConfig, OptionError
     from jaxamp._src.compare.data import DATA_SOURCES
     from jaxamp._src.compare.report import check_writable, format_table, write_report
     from jaxamp._src.compare.variants import VARIANTS

@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxamp._src.compare import numerics_checks
 from jaxamp._src.compare.accuracy import ALPHA, ONE_SEED_NOISE
-from jaxamp._src.compare.app import OptionError
+from jaxamp._src.compare.config import OptionError
 from jaxamp._src.compare.environment import describe_hardware
 
 # (record key, header, format)
