@@ -50,7 +50,7 @@ from jaxamp._src.backend import cpu_info
 from jaxamp._src.flax_policy.linen import apply_policy
 from jaxamp._src.ops.fp8 import fp8_dot_general
 from jaxamp._src.ops.fp8_scaling import E4M3, quantize, scale_from_amax
-from jaxamp._src.ops.fp8_state import init_meta
+from jaxamp._src.ops.fp8_state import init_fp8_state
 from jaxamp._src.ops.matmul import amp_dot_general
 from jaxamp.ops import FP8_STATE_COLLECTION as FP8_STATE
 
@@ -123,10 +123,10 @@ def _gemms(n: int) -> dict[str, tuple[Any, tuple]]:
     bf16 = jnp.bfloat16
     amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)))
     s_a, s_b = scale_from_amax(amax(a), E4M3), scale_from_amax(amax(b), E4M3)
-    meta = init_meta(16)._replace(input_scale=s_a.reshape(1), kernel_scale=s_b.reshape(1))
-    meta = meta._replace(  # a history that gives the same scales: no saturation
-        input_amax_history=meta.input_amax_history.at[0].set(amax(a)),
-        kernel_amax_history=meta.kernel_amax_history.at[0].set(amax(b)),
+    state = init_fp8_state(16)._replace(input_scale=s_a.reshape(1), kernel_scale=s_b.reshape(1))
+    state = state._replace(  # a history that gives the same scales: no saturation
+        input_amax_history=state.input_amax_history.at[0].set(amax(a)),
+        kernel_amax_history=state.kernel_amax_history.at[0].set(amax(b)),
     )
     q_a, q_b = quantize(a, E4M3, s_a), quantize(b, E4M3, s_b)
     return {
@@ -138,8 +138,8 @@ def _gemms(n: int) -> dict[str, tuple[Any, tuple]]:
         ),
         "fp8": (lambda x, y: fp8_dot_general(x, y, _FWD, preferred_element_type=bf16), (a, b)),
         "fp8-delayed": (
-            lambda x, y, m: fp8_dot_general(x, y, _FWD, preferred_element_type=bf16, meta=m),
-            (a, b, meta),
+            lambda x, y, m: fp8_dot_general(x, y, _FWD, preferred_element_type=bf16, fp8_state=m),
+            (a, b, state),
         ),
         "float8 GEMM alone (e4m3 in, float32 out)": (
             lambda x, y: lax.dot_general(x, y, _FWD, preferred_element_type=jnp.float32),

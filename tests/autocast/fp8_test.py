@@ -13,14 +13,14 @@ import pytest
 from flax.linen import fp8_ops
 
 import jaxamp
-from jaxamp.ops import fp8_dot_general, init_meta, max_combined
+from jaxamp.ops import fp8_dot_general, max_combined
 from tests.helpers.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
 
 DN = (((1,), (0,)), ((), ()))
 
 
-def _as_dict(meta):
-    return {k: np.asarray(v) for k, v in meta._asdict().items()}
+def _as_dict(gemm_state):
+    return {k: np.asarray(v) for k, v in gemm_state._asdict().items()}
 
 
 _FLAX_MODELS = {
@@ -73,15 +73,19 @@ def test_delayed_autocast_matches_flax_fp8_ops_step_for_step(name):
         np.testing.assert_array_equal(dx, rdx, err_msg=f"input gradient, step {i}")
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(rg), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"gradients, step {i}")
-        ref_metas = jax.tree.leaves(
+        ref_gemm_states = jax.tree.leaves(
             ref_new, is_leaf=lambda t: isinstance(t, Mapping) and "input_scale" in t
         )
-        for meta, ref_meta in zip(new_state.values(), ref_metas, strict=True):
-            np.testing.assert_equal(_as_dict(meta), jax.tree.map(np.asarray, dict(ref_meta)))
+        for gemm_state, ref_gemm_state in zip(new_state.values(), ref_gemm_states, strict=True):
+            np.testing.assert_equal(
+                _as_dict(gemm_state), jax.tree.map(np.asarray, dict(ref_gemm_state))
+            )
         params = jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
         ref_params = jax.tree.map(lambda p, d: p - 0.1 * d, ref_params, rg)
         state, ref_state = new_state, ref_new
-    assert all(float(meta.input_scale[0]) != 1.0 for meta in state.values())  # they moved
+    assert all(
+        float(gemm_state.input_scale[0]) != 1.0 for gemm_state in state.values()
+    )  # they moved
 
 
 def _layers(ws, x, loop):
@@ -105,18 +109,18 @@ def test_a_gemm_in_a_loop_keeps_one_state_with_the_largest_amax(loop):
     state = jaxamp.init_fp8_state(f, ws, x)
     assert len(state) == 1
     new = jax.jit(jax.grad(lambda s: f(ws, x, fp8_state=s)))(state)
-    (meta,) = new.values()
+    (gemm_state,) = new.values()
 
-    def reference(meta):
-        h, meta = x, max_combined(meta)
+    def reference(gemm_state):
+        h, gemm_state = x, max_combined(gemm_state)
         for w in ws:
-            h = jnp.tanh(fp8_dot_general(h, w, DN, meta=meta))
+            h = jnp.tanh(fp8_dot_general(h, w, DN, fp8_state=gemm_state))
         return jnp.sum(h**2)
 
-    (expected,) = [jax.jit(jax.grad(reference))(init_meta())]
-    np.testing.assert_equal(_as_dict(meta), _as_dict(expected))
+    (expected,) = [jax.jit(jax.grad(reference))(jaxamp.ops.init_fp8_state())]
+    np.testing.assert_equal(_as_dict(gemm_state), _as_dict(expected))
     amaxes = [float(jnp.max(jnp.abs(w))) for w in ws]
-    assert float(meta.kernel_amax_history[0]) == pytest.approx(max(amaxes))
+    assert float(gemm_state.kernel_amax_history[0]) == pytest.approx(max(amaxes))
 
 
 def _two_layers(w1, w2, x):
@@ -279,10 +283,10 @@ def test_errors_name_the_state_and_how_to_make_it():
     with pytest.raises(TypeError, match=r"fp8_state=.*init_fp8_state"):
         f(w1, w2, x)
     with pytest.raises(TypeError, match=r"fp8_state must be the mapping.*got list"):
-        f(w1, w2, x, fp8_state=[init_meta()])
+        f(w1, w2, x, fp8_state=[jaxamp.ops.init_fp8_state()])
     missing = r"no state for the GEMM '· @ args\[1\]'.*holds \['args\[2\] @ args\[0\]'\]"
     with pytest.raises(ValueError, match=missing):
-        f(w1, w2, x, fp8_state={"args[2] @ args[0]": init_meta()})
+        f(w1, w2, x, fp8_state={"args[2] @ args[0]": jaxamp.ops.init_fp8_state()})
     with pytest.raises(TypeError, match="delayed-scaling policy"):
         jaxamp.init_fp8_state(jaxamp.autocast(_two_layers, "mixed_float8"), w1, w2, x)
     with pytest.raises(TypeError, match="fp8_state"):

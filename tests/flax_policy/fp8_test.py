@@ -470,10 +470,10 @@ def test_a_state_left_out_of_the_gradient_is_warned_about():
     x = jnp.ones((2, 4))
     model = jaxamp.linen.apply_policy(nn.Dense(3), "mixed_float8_delayed")
     v = model.init(jax.random.key(0), x)
-    with pytest.warns(UserWarning, match="scaling state is not"):
+    with pytest.warns(UserWarning, match="FP8 state is not"):
         jax.grad(lambda p: jnp.sum(model.apply({**v, "params": p}, x)))(v["params"])
     nnx_model = jaxamp.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "mixed_float8_delayed")
-    with pytest.warns(UserWarning, match="scaling state is not"):
+    with pytest.warns(UserWarning, match="FP8 state is not"):
         nnx.grad(lambda m: jnp.sum(m(x)))(nnx_model)
     import warnings
 
@@ -549,10 +549,14 @@ def test_a_layer_left_out_of_the_loss_keeps_its_state_nnx():
 def test_a_zeroed_state_starts_over_instead_of_zeroing_the_layer():
     """A state zeroed elsewhere (Flax's own step on an unused layer) recovers: a scale that
     is not positive counts as the initial 1."""
-    from jaxamp.ops import fp8_dot_general, init_meta
+    from jaxamp.ops import fp8_dot_general, init_fp8_state
 
-    meta = init_meta(4)._replace(input_scale=jnp.zeros((1,)), kernel_scale=jnp.zeros((1,)))
-    y = fp8_dot_general(jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())), meta=meta)
+    gemm_state = init_fp8_state(4)._replace(
+        input_scale=jnp.zeros((1,)), kernel_scale=jnp.zeros((1,))
+    )
+    y = fp8_dot_general(
+        jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())), fp8_state=gemm_state
+    )
     np.testing.assert_allclose(y, 3.0)
 
 
@@ -874,7 +878,7 @@ def test_an_nnx_ensemble_run_by_nnx_vmap_matches_its_members_run_one_by_one(shar
     for _ in range(3):
         np.testing.assert_allclose(step(ensemble, inputs), step(loop, inputs), rtol=1e-6)
     for i, layer in enumerate(loop.layers):
-        for name in jaxamp.ops.Fp8Meta._fields:
+        for name in jaxamp.ops.Fp8State._fields:
             np.testing.assert_allclose(
                 getattr(ensemble.layers, name)[...][i],
                 getattr(layer, name)[...],
@@ -948,13 +952,17 @@ def test_an_nnx_layer_of_ones_own_with_a_rank_3_kernel_keeps_one_state():
     kernel = model.kernel[...]
     jaxamp.nnx.update_fp8_state(model, grads)
 
-    def reference(kernel, meta):
-        return jnp.sum(jaxamp.ops.fp8_dot_general(x, kernel, dims, meta=meta) ** 2)
+    def reference(kernel, gemm_state):
+        return jnp.sum(jaxamp.ops.fp8_dot_general(x, kernel, dims, fp8_state=gemm_state) ** 2)
 
-    want_kernel, want_meta = jax.grad(reference, argnums=(0, 1))(kernel, jaxamp.ops.init_meta(4))
+    want_kernel, want_gemm_state = jax.grad(reference, argnums=(0, 1))(
+        kernel, jaxamp.ops.init_fp8_state(4)
+    )
     np.testing.assert_allclose(grads["kernel"][...], want_kernel, rtol=1e-6)
-    for name in jaxamp.ops.Fp8Meta._fields:
-        np.testing.assert_array_equal(getattr(model, name)[...], getattr(want_meta, name), name)
+    for name in jaxamp.ops.Fp8State._fields:
+        np.testing.assert_array_equal(
+            getattr(model, name)[...], getattr(want_gemm_state, name), name
+        )
 
 
 def test_a_state_of_another_history_length_is_refused_naming_both():
@@ -983,7 +991,7 @@ def test_a_state_of_another_history_length_is_refused_naming_both():
     with pytest.raises(ValueError, match=match):
         jax.jit(f)(w, x, fp8_state=old_ac)
     with pytest.raises(ValueError, match="amax_history_length must be an integer >= 1, got 0"):
-        jaxamp.ops.init_meta(0)
+        jaxamp.ops.init_fp8_state(0)
 
 
 @pytest.mark.parametrize("override", ["mixed_float8", "mixed_float8_delayed"])
@@ -1087,7 +1095,7 @@ def test_a_state_that_is_not_one_layers_float32_state_is_refused_by_name(bad):
         jax.jit(linen.apply)({"params": variables["params"], STATE: state}, x)
 
     model = jaxamp.nnx.apply_policy(nnx.Linear(8, 3, rngs=nnx.Rngs(0)), policy)
-    for name in jaxamp.ops.Fp8Meta._fields:
+    for name in jaxamp.ops.Fp8State._fields:
         getattr(model, name).set_value(change(getattr(model, name).get_value()))
     with pytest.raises(ValueError, match=match):
         model(x)
@@ -1098,15 +1106,15 @@ def test_a_state_that_is_not_one_layers_float32_state_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=match):
         jax.jit(f)(w, x, fp8_state=state)
     with pytest.raises(ValueError, match=match):
-        meta = jax.tree.map(change, jaxamp.ops.init_meta(4))
-        jaxamp.ops.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), meta=meta)
+        gemm_state = jax.tree.map(change, jaxamp.ops.init_fp8_state(4))
+        jaxamp.ops.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fp8_state=gemm_state)
 
 
 def test_amax_histories_of_different_lengths_are_not_one_state():
-    meta = jaxamp.ops.init_meta(4)._replace(kernel_amax_history=jnp.zeros(16))
+    gemm_state = jaxamp.ops.init_fp8_state(4)._replace(kernel_amax_history=jnp.zeros(16))
     with pytest.raises(ValueError, match=r"different lengths \[4, 16\]: not one GEMM's state"):
         jaxamp.ops.fp8_dot_general(
-            jnp.ones((2, 8)), jnp.ones((8, 3)), (((1,), (0,)), ((), ())), meta=meta
+            jnp.ones((2, 8)), jnp.ones((8, 3)), (((1,), (0,)), ((), ())), fp8_state=gemm_state
         )
 
 

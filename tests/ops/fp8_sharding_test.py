@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
     from jax.sharding import PartitionSpec as P, AxisType
     import jaxamp
-    from jaxamp.ops import fp8_dot_general, init_meta
+    from jaxamp.ops import fp8_dot_general, init_fp8_state
 
     S = jaxamp.ops.FP8_STATE_COLLECTION
     dn = (((1,), (0,)), ((), ()))
@@ -24,19 +24,19 @@ SCRIPT = textwrap.dedent(
     # shard_map, data parallel: a replicated weight, the batch split over 4 devices. The
     # amax is the whole batch's (pmax), the weight's gradient summed (as bf16's rule does).
     auto = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
-    for meta in (None, init_meta(4)):
+    for state in (None, init_fp8_state(4)):
         def local(w, m, xb):
             def f(w, m):
-                return jnp.sum(fp8_dot_general(xb, w, dn, meta=m))
+                return jnp.sum(fp8_dot_general(xb, w, dn, fp8_state=m))
             return jax.grad(f, argnums=(0, 1))(w, m)
         sharded = jax.jit(jax.shard_map(
             local, mesh=auto, in_specs=(P(), P(), P("d")), out_specs=(P(), P())
-        ))(w, meta, x)
+        ))(w, state, x)
         whole = jax.grad(
-            lambda w, m: jnp.sum(fp8_dot_general(x, w, dn, meta=m)), argnums=(0, 1)
-        )(w, meta)
+            lambda w, m: jnp.sum(fp8_dot_general(x, w, dn, fp8_state=m)), argnums=(0, 1)
+        )(w, state)
         np.testing.assert_allclose(sharded[0], whole[0], rtol=1e-5, atol=1e-5)
-        if meta is not None:
+        if state is not None:
             for a, b in zip(sharded[1], whole[1]):
                 np.testing.assert_array_equal(a, b)
 

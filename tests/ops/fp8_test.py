@@ -15,7 +15,7 @@ import pytest
 from flax.linen import fp8_ops
 
 import jaxamp
-from jaxamp.ops import Fp8Meta, fp8_dot_general, init_meta, max_combined
+from jaxamp.ops import Fp8State, fp8_dot_general, init_fp8_state, max_combined
 
 DN = (((1,), (0,)), ((), ()))
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -160,11 +160,11 @@ def test_delayed_scaling_matches_flax_fp8_ops_step_for_step(layer):
     x0 = jax.random.normal(jax.random.key(0), shape)
     variables = model.init(jax.random.key(1), x0)
     coll = fp8_ops.OVERWRITE_WITH_GRADIENT
-    meta = Fp8Meta(**variables[coll]["Fp8DirectDotGeneralOp_0"])
+    state = Fp8State(**variables[coll]["Fp8DirectDotGeneralOp_0"])
     params = variables["params"]
 
-    def mine(kernel, meta, x):
-        y = fp8_dot_general(x, kernel, dn, preferred_element_type=jnp.float32, meta=meta)
+    def mine(kernel, state, x):
+        y = fp8_dot_general(x, kernel, dn, preferred_element_type=jnp.float32, fp8_state=state)
         return jnp.sum((y + params["bias"]) ** 2)
 
     def theirs(variables, x):
@@ -175,21 +175,21 @@ def test_delayed_scaling_matches_flax_fp8_ops_step_for_step(layer):
     for i, factor in enumerate([1.0, 3.0, 0.5, 100.0, 1e-3]):
         x = x0 * factor
         ref, ref_dx = ref_step(variables, x)
-        d_kernel, new_meta, dx = step(params["kernel"], meta, x)
-        ref_meta = ref[coll]["Fp8DirectDotGeneralOp_0"]
-        for name in Fp8Meta._fields:
-            np.testing.assert_array_equal(getattr(new_meta, name), ref_meta[name], err_msg=name)
+        d_kernel, new_state, dx = step(params["kernel"], state, x)
+        ref_state = ref[coll]["Fp8DirectDotGeneralOp_0"]
+        for name in Fp8State._fields:
+            np.testing.assert_array_equal(getattr(new_state, name), ref_state[name], err_msg=name)
         np.testing.assert_array_equal(d_kernel, ref["params"]["kernel"], err_msg=f"step {i}")
         np.testing.assert_array_equal(dx, ref_dx, err_msg=f"input gradient, step {i}")
         y_ref = model.apply(variables, x)
-        y = fp8_dot_general(x, params["kernel"], dn, jnp.float32, meta=meta) + params["bias"]
+        y = fp8_dot_general(x, params["kernel"], dn, jnp.float32, fp8_state=state) + params["bias"]
         np.testing.assert_array_equal(y, y_ref)
         variables = {"params": params, coll: ref[coll]}
-        meta = new_meta
+        state = new_state
 
 
-def _state_grad(fn, meta, *args):
-    return jax.jit(jax.grad(fn))(meta, *args)
+def _state_grad(fn, state, *args):
+    return jax.jit(jax.grad(fn))(state, *args)
 
 
 def test_state_used_twice_combines_by_max_not_sum():
@@ -199,11 +199,13 @@ def test_state_used_twice_combines_by_max_not_sum():
     w = jnp.ones((3, 2))
     a, b = jnp.full((2, 3), 2.0), jnp.full((2, 3), 5.0)
 
-    def loss(meta):
-        meta = max_combined(meta)
-        return jnp.sum(fp8_dot_general(a, w, DN, meta=meta) + fp8_dot_general(b, w, DN, meta=meta))
+    def loss(state):
+        state = max_combined(state)
+        return jnp.sum(
+            fp8_dot_general(a, w, DN, fp8_state=state) + fp8_dot_general(b, w, DN, fp8_state=state)
+        )
 
-    new = _state_grad(loss, init_meta(4))
+    new = _state_grad(loss, init_fp8_state(4))
     assert float(new.input_amax_history[0]) == 5.0
     assert float(new.output_grad_amax_history[0]) == 1.0
     np.testing.assert_array_equal(new.input_scale, [1.0])
@@ -216,20 +218,20 @@ def test_state_combines_by_max_under_transformations(transform):
     w = jnp.ones((3, 2))
     xs = jnp.arange(1.0, 5.0)[:, None, None] * jnp.ones((4, 2, 3))  # amaxes 1, 2, 3, 4
 
-    def one(meta, x):
-        return jnp.sum(fp8_dot_general(x, w, DN, meta=meta))
+    def one(state, x):
+        return jnp.sum(fp8_dot_general(x, w, DN, fp8_state=state))
 
-    def loss(meta):
-        meta = max_combined(meta)
+    def loss(state):
+        state = max_combined(state)
         if transform == "scan":
-            return jax.lax.scan(lambda c, x: (c + one(meta, x), None), 0.0, xs)[0]
+            return jax.lax.scan(lambda c, x: (c + one(state, x), None), 0.0, xs)[0]
         if transform == "vmap":
-            return jnp.sum(jax.vmap(one, in_axes=(None, 0))(meta, xs))
+            return jnp.sum(jax.vmap(one, in_axes=(None, 0))(state, xs))
         if transform == "fori":
-            return jax.lax.fori_loop(0, 4, lambda i, c: c + one(meta, xs[i]), 0.0)
-        return sum(jax.checkpoint(one)(meta, x) for x in xs)
+            return jax.lax.fori_loop(0, 4, lambda i, c: c + one(state, xs[i]), 0.0)
+        return sum(jax.checkpoint(one)(state, x) for x in xs)
 
-    new = _state_grad(loss, init_meta(4))
+    new = _state_grad(loss, init_fp8_state(4))
     assert float(new.input_amax_history[0]) == 4.0
     assert float(new.kernel_amax_history[0]) == 1.0
 
@@ -239,12 +241,13 @@ def test_plain_float32_state_is_summed_which_is_why_it_is_max_combined():
     w = jnp.ones((3, 2))
     a = jnp.full((2, 3), 2.0)
 
-    def loss(meta):
+    def loss(state):
         return jnp.sum(
-            fp8_dot_general(a, w, DN, meta=meta) * 2 + fp8_dot_general(a, w, DN, meta=meta)
+            fp8_dot_general(a, w, DN, fp8_state=state) * 2
+            + fp8_dot_general(a, w, DN, fp8_state=state)
         )
 
-    new = _state_grad(loss, init_meta(4))
+    new = _state_grad(loss, init_fp8_state(4))
     assert float(new.input_amax_history[0]) == 4.0  # 2 + 2: summed
 
 
@@ -253,13 +256,13 @@ def test_plain_float32_state_is_summed_which_is_why_it_is_max_combined():
 def test_a_non_finite_operand_or_gradient_is_not_hidden_by_clipping(bad, delayed):
     """float8_e4m3fn has no infinity: clipping an overflow to 448 would give finite
     results and gradients, and loss scaling would never see the overflow."""
-    meta = init_meta(4) if delayed else None
+    state = init_fp8_state(4) if delayed else None
     x = jnp.ones((2, 3)).at[0, 1].set(bad)
     w = jnp.ones((3, 2))
-    y = fp8_dot_general(x, w, DN, meta=meta)
+    y = fp8_dot_general(x, w, DN, fp8_state=state)
     assert not np.isfinite(np.asarray(y)).any()
     g = jnp.ones((2, 2)).at[1, 1].set(bad)
-    y2, vjp2 = jax.vjp(lambda w: fp8_dot_general(jnp.ones((2, 3)), w, DN, meta=meta), w)
+    y2, vjp2 = jax.vjp(lambda w: fp8_dot_general(jnp.ones((2, 3)), w, DN, fp8_state=state), w)
     (dw,) = vjp2(g)
     assert np.isfinite(np.asarray(y2)).all() and not np.isfinite(np.asarray(dw)).any()
 
@@ -267,13 +270,13 @@ def test_a_non_finite_operand_or_gradient_is_not_hidden_by_clipping(bad, delayed
 def test_a_non_finite_amax_is_kept_out_of_the_history():
     """An overflow step (skipped by loss scaling) must not freeze the scale for the length
     of the history, as an inf in it would: it is pushed as 0 (no information)."""
-    meta = init_meta(4)._replace(input_amax_history=jnp.array([2.0, 0, 0, 0]))
+    state = init_fp8_state(4)._replace(input_amax_history=jnp.array([2.0, 0, 0, 0]))
     x = jnp.ones((2, 3)).at[0, 0].set(jnp.inf)
 
-    def loss(meta):
-        return jnp.sum(fp8_dot_general(x, jnp.ones((3, 2)), DN, meta=meta))
+    def loss(state):
+        return jnp.sum(fp8_dot_general(x, jnp.ones((3, 2)), DN, fp8_state=state))
 
-    new = jax.grad(loss)(meta)
+    new = jax.grad(loss)(state)
     np.testing.assert_array_equal(new.input_amax_history, [0.0, 0, 0, 2.0])
     assert np.isfinite(np.asarray(new.input_scale)).all()
 
@@ -283,16 +286,16 @@ def test_two_uses_one_overflowing_push_the_finite_amax():
     not a mix of the pushed and the unpushed one."""
     from jaxamp._src.ops.fp8_state import max_combined
 
-    meta = init_meta(4)._replace(output_grad_amax_history=jnp.array([4.0, 3.0, 2.0, 1.0]))
+    state = init_fp8_state(4)._replace(output_grad_amax_history=jnp.array([4.0, 3.0, 2.0, 1.0]))
     w = jnp.ones((3, 2))
 
-    def loss(meta, bad):
-        meta = max_combined(meta)
-        a = fp8_dot_general(jnp.ones((2, 3)), w, DN, meta=meta)
-        b = fp8_dot_general(jnp.ones((2, 3)), w, DN, meta=meta)
+    def loss(state, bad):
+        state = max_combined(state)
+        a = fp8_dot_general(jnp.ones((2, 3)), w, DN, fp8_state=state)
+        b = fp8_dot_general(jnp.ones((2, 3)), w, DN, fp8_state=state)
         return jnp.sum(a) + jnp.sum(b) * bad
 
-    new = jax.grad(loss)(meta, jnp.float32(jnp.inf))
+    new = jax.grad(loss)(state, jnp.float32(jnp.inf))
     np.testing.assert_array_equal(new.output_grad_amax_history, [1.0, 2.0, 1.0, 4.0])
 
 
@@ -305,11 +308,11 @@ def test_an_inf_operand_reaches_the_other_operands_gradient(bad):
     x = jax.random.normal(jax.random.key(0), (4, 8)).at[1, 2].set(bad)
     w = jax.random.normal(jax.random.key(1), (8, 3))
     g = jax.random.normal(jax.random.key(2), (4, 3))
-    for meta in (None, init_meta(4)):
-        _, vjp = jax.vjp(lambda x, w, m=meta: fp8_dot_general(x, w, DN, meta=m), x, w)
+    for state in (None, init_fp8_state(4)):
+        _, vjp = jax.vjp(lambda x, w, m=state: fp8_dot_general(x, w, DN, fp8_state=m), x, w)
         dx, dw = vjp(g)
-        assert np.isnan(np.asarray(dw)).all(), meta is None
-        if meta is None:  # current scaling: the emulation's scales
+        assert np.isnan(np.asarray(dw)).all(), state is None
+        if state is None:  # current scaling: the emulation's scales
             _, want, _ = _np_gemms(np.zeros_like(x), w, g, DN)
         else:  # a fresh state: scales of 1
             qg = np.asarray(g).astype(ml_dtypes.float8_e5m2).astype(np.float64)
@@ -326,10 +329,10 @@ def test_edge_amax_zero_subnormal_and_large(value):
     x = jnp.full((2, 3), value, jnp.float32)
     w = jnp.ones((3, 2))
     expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    for meta in (None, init_meta(4)):
-        y = fp8_dot_general(x, w, DN, meta=meta)
-        assert np.isfinite(np.asarray(y)).all(), (value, meta is None)
-        if meta is None or value == 0.0:  # a fresh history's scale is 1: values clip or flush
+    for state in (None, init_fp8_state(4)):
+        y = fp8_dot_general(x, w, DN, fp8_state=state)
+        assert np.isfinite(np.asarray(y)).all(), (value, state is None)
+        if state is None or value == 0.0:  # a fresh history's scale is 1: values clip or flush
             np.testing.assert_allclose(y, expected, rtol=0.07, atol=1e-39)
 
 
@@ -342,14 +345,14 @@ def test_a_product_beyond_float32_is_inf_as_in_float32():
 def test_e4m3_saturates_under_delayed_scaling_when_amax_grows():
     """Delayed scaling quantizes with the history's amax: a step whose amax grows past it
     clips to 448 * scale (documented); the next step's scale covers it."""
-    meta = init_meta(4)._replace(
+    state = init_fp8_state(4)._replace(
         input_amax_history=jnp.array([1.0, 0, 0, 0]), input_scale=jnp.array([1.0 / 448])
     )
     x = jnp.full((1, 1), 10.0)
-    y = fp8_dot_general(x, jnp.ones((1, 1)), DN, meta=meta)
+    y = fp8_dot_general(x, jnp.ones((1, 1)), DN, fp8_state=state)
     np.testing.assert_allclose(y, [[1.0]])  # clipped at the old amax
-    new = jax.grad(lambda m: jnp.sum(fp8_dot_general(x, jnp.ones((1, 1)), DN, meta=m)))(meta)
-    y2 = fp8_dot_general(x, jnp.ones((1, 1)), DN, meta=new)
+    new = jax.grad(lambda m: jnp.sum(fp8_dot_general(x, jnp.ones((1, 1)), DN, fp8_state=m)))(state)
+    y2 = fp8_dot_general(x, jnp.ones((1, 1)), DN, fp8_state=new)
     np.testing.assert_allclose(y2, [[10.0]], rtol=0.07)
 
 
@@ -403,9 +406,9 @@ def test_a_margin_the_recipe_refuses_is_refused_by_fp8_dot_general_too(margin):
     the value and the valid range, for current and delayed scaling."""
     x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
     said = f"margin must be an integer from 0 to 14, got {margin!r}"
-    for meta in (None, init_meta(4)):
+    for state in (None, init_fp8_state(4)):
         with pytest.raises(ValueError, match=re.escape(f"fp8_dot_general's {said}")):
-            fp8_dot_general(x, w, DN, meta=meta, margin=margin)
+            fp8_dot_general(x, w, DN, fp8_state=state, margin=margin)
     with pytest.raises(ValueError, match=re.escape(f"Fp8Recipe.{said}")):
         jaxamp.Fp8Recipe("delayed", margin=margin)
 
@@ -439,14 +442,14 @@ def test_integer_operands_are_left_to_lax():
 def test_vmap_scales_the_batch_as_one_tensor(delayed):
     """Under ``vmap`` the amax is the whole batch's, as for the stacked tensor without it,
     so results match the unbatched call and the state stays unbatched."""
-    meta = init_meta(4) if delayed else None
+    state = init_fp8_state(4) if delayed else None
     xs = (
         jax.random.normal(jax.random.key(0), (3, 2, 5))
         * jnp.array([1.0, 10.0, 100.0])[:, None, None]
     )
     w = jax.random.normal(jax.random.key(1), (5, 4))
-    batched = jax.vmap(lambda x: fp8_dot_general(x, w, DN, meta=meta))(xs)
-    stacked = fp8_dot_general(xs.reshape(6, 5), w, DN, meta=meta).reshape(3, 2, 4)
+    batched = jax.vmap(lambda x: fp8_dot_general(x, w, DN, fp8_state=state))(xs)
+    stacked = fp8_dot_general(xs.reshape(6, 5), w, DN, fp8_state=state).reshape(3, 2, 4)
     np.testing.assert_array_equal(batched, stacked)
 
 
@@ -464,25 +467,25 @@ def test_vmap_over_a_batched_state_scales_each_member_as_run_alone(factors, shar
     ws = jax.random.normal(jax.random.key(1), (k, 5, 4)) * scale
     xs = jax.random.normal(jax.random.key(0), (k, 2, 5)) * scale[::-1]
     x_axis = None if shared_input else 0
-    metas = jax.tree.map(lambda v: jnp.stack([v] * k), init_meta(4))
+    states = jax.tree.map(lambda v: jnp.stack([v] * k), init_fp8_state(4))
 
-    def loss(w, meta, x):
-        return jnp.sum(fp8_dot_general(x, w, DN, meta=meta) ** 2)
+    def loss(w, state, x):
+        return jnp.sum(fp8_dot_general(x, w, DN, fp8_state=state) ** 2)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     batched = jax.jit(jax.vmap(step, in_axes=(0, 0, x_axis)))
     for _ in range(3):  # the state's second step quantizes with the first's amaxes
-        got_loss, (got_dw, got_meta) = batched(ws, metas, xs[0] if shared_input else xs)
+        got_loss, (got_dw, got_states) = batched(ws, states, xs[0] if shared_input else xs)
         for i in range(k):
-            meta = jax.tree.map(lambda v, i=i: v[i], metas)
-            want_loss, (want_dw, want_meta) = step(ws[i], meta, xs[0] if shared_input else xs[i])
+            state = jax.tree.map(lambda v, i=i: v[i], states)
+            want_loss, (want_dw, want_state) = step(ws[i], state, xs[0] if shared_input else xs[i])
             np.testing.assert_allclose(got_loss[i], want_loss, rtol=1e-6)
             np.testing.assert_allclose(got_dw[i], want_dw, rtol=1e-6)
-            for name in Fp8Meta._fields:
+            for name in Fp8State._fields:
                 np.testing.assert_allclose(
-                    getattr(got_meta, name)[i], getattr(want_meta, name), rtol=1e-6, err_msg=name
+                    getattr(got_states, name)[i], getattr(want_state, name), rtol=1e-6, err_msg=name
                 )
-        metas = got_meta
+        states = got_states
 
 
 @pytest.mark.parametrize("saving", [None, "everything_saveable"])
@@ -496,18 +499,18 @@ def test_a_gemm_inside_checkpoint_matches_it_outside(delayed, saving):
     policy = saving and getattr(jax.checkpoint_policies, saving)
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
-    meta = init_meta(4) if delayed else None
+    state = init_fp8_state(4) if delayed else None
 
-    def gemm(x, w, meta):
-        return fp8_dot_general(x, w, DN, meta=None if meta is None else max_combined(meta))
+    def gemm(x, w, state):
+        return fp8_dot_general(x, w, DN, fp8_state=None if state is None else max_combined(state))
 
-    def loss(gemm, w, meta):
-        return jnp.sum(jnp.tanh(gemm(x, w, meta)) ** 2)
+    def loss(gemm, w, state):
+        return jnp.sum(jnp.tanh(gemm(x, w, state)) ** 2)
 
     argnums = (0, 1) if delayed else 0
     for run in (jax.jit, lambda f: f):
         want, got = (
-            run(jax.grad(functools.partial(loss, g), argnums=argnums))(w, meta)
+            run(jax.grad(functools.partial(loss, g), argnums=argnums))(w, state)
             for g in (gemm, jax.checkpoint(gemm, policy=policy))
         )
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -516,18 +519,40 @@ def test_a_gemm_inside_checkpoint_matches_it_outside(delayed, saving):
 
 def test_a_state_as_a_mapping_of_its_names_is_the_same_state():
     """A state Orbax restores without a target (a dict of the six names) gives the GEMM and
-    next state of the Fp8Meta it came from (it was refused as a stack's state)."""
+    next state of the Fp8State it came from (it was refused as a stack's state)."""
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
-    meta = jax.tree.map(lambda v: v + 0.5, init_meta(4))
+    state = jax.tree.map(lambda v: v + 0.5, init_fp8_state(4))
 
-    def loss(w, meta):
-        return jnp.sum(fp8_dot_general(x, w, DN, meta=meta) ** 2)
+    def loss(w, state):
+        return jnp.sum(fp8_dot_general(x, w, DN, fp8_state=state) ** 2)
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    want_loss, (want_dw, want_meta) = step(w, meta)
-    got_loss, (got_dw, got_meta) = step(w, dict(meta._asdict()))
+    want_loss, (want_dw, want_state) = step(w, state)
+    got_loss, (got_dw, got_states) = step(w, dict(state._asdict()))
     np.testing.assert_array_equal(got_loss, want_loss)
     np.testing.assert_array_equal(got_dw, want_dw)
-    for name in Fp8Meta._fields:
-        np.testing.assert_array_equal(got_meta[name], getattr(want_meta, name), name)
+    for name in Fp8State._fields:
+        np.testing.assert_array_equal(got_states[name], getattr(want_state, name), name)
+
+
+def test_the_fp8_state_names_before_0_2_still_work_and_warn():
+    """``Fp8Meta``, ``init_meta`` and ``meta=``, the FP8 state's earlier names: the class
+    is ``Fp8State``, and the others warn, naming the new name, and do what it does."""
+    assert jaxamp.ops.Fp8Meta is Fp8State
+    with pytest.warns(DeprecationWarning, match=r"jaxamp\.ops\.init_fp8_state"):
+        old = jaxamp.ops.init_meta(4)
+    assert type(old) is Fp8State
+    jax.tree.map(np.testing.assert_array_equal, old, init_fp8_state(4))
+
+    x, w = jnp.arange(6.0).reshape(2, 3), jnp.full((3, 2), 0.5)
+
+    def loss(state, name):
+        return jnp.sum(fp8_dot_general(x, w, DN, **{name: state}) ** 2)
+
+    with pytest.warns(DeprecationWarning, match="fp8_state="):
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, name="meta")))(old)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, name="fp8_state")))(old)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    with pytest.raises(TypeError, match="both fp8_state= and meta="):
+        fp8_dot_general(x, w, DN, fp8_state=old, meta=old)

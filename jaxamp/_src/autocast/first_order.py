@@ -259,7 +259,7 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
         dims,
         None,
         out,
-        meta=fp8_state.meta_here(env.context.fp8, _source(env, lhs), _source(env, rhs)),
+        fp8_state=fp8_state.state_here(env.context.fp8, _source(env, lhs), _source(env, rhs)),
         margin=env.policy.fp8.margin,
         out_sharding=eqn.params.get("out_sharding"),
     )

@@ -1,5 +1,4 @@
-"""Delayed float8 scaling under ``autocast``: the state as an explicit object, one ``Fp8Meta``
-per GEMM of the traced program, named by its operands (guides/fp8.md)."""
+"""FP8 state under ``autocast``: a dict of one ``Fp8State`` per GEMM, keyed by its operands."""
 
 from __future__ import annotations
 
@@ -12,18 +11,18 @@ import jax
 
 from jaxamp._src.errors import guide
 from jaxamp._src.ops.fp8_state import (
-    Fp8Meta,
-    as_meta,
-    checked_meta,
-    init_meta,
+    Fp8State,
+    as_fp8_state,
+    checked_fp8_state,
     max_combined,
     warn_if_state_is_not_differentiated,
 )
+from jaxamp._src.ops.fp8_state import init_fp8_state as init_gemm_state
 
 
 @dataclasses.dataclass
 class Store:
-    """The state of one call: ``state`` (``None`` while ``init_fp8_state`` collects the keys),
+    """One call's FP8 state: ``state`` (``None`` while ``init_fp8_state`` collects the keys),
     the names of the call's arrays (``id: (array, [names])``, an array passed twice has
     two), and how many GEMMs each pair of operand names has had so far. The call makes it
     and hands it to its own evaluation alone (``CallContext.fp8``)."""
@@ -31,7 +30,7 @@ class Store:
     state: Mapping[str, Any] | None
     history_length: int
     names: dict[int, tuple[Any, list[str]]] = dataclasses.field(default_factory=dict)
-    collected: dict[str, Fp8Meta] = dataclasses.field(default_factory=dict)
+    collected: dict[str, Fp8State] = dataclasses.field(default_factory=dict)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -106,8 +105,8 @@ def rename(store: Store | None, before: Sequence[Any], after: Sequence[Any]) -> 
         store.names[id(new)] = (new, [entry[1][min(k, len(entry[1]) - 1)]])
 
 
-def meta_here(store: Store | None, lhs: Any, rhs: Any) -> Fp8Meta | None:
-    """The state in ``store`` of the GEMM being evaluated, or ``None`` for current scaling
+def state_here(store: Store | None, lhs: Any, rhs: Any) -> Fp8State | None:
+    """The FP8 state in ``store`` of the GEMM being evaluated, or ``None`` for current scaling
     (no store).
 
     A GEMM is named by its operands: the argument each comes from (``x @ params['w1']``,
@@ -126,7 +125,7 @@ def meta_here(store: Store | None, lhs: Any, rhs: Any) -> Fp8Meta | None:
     pair, key = pairs[chosen], keys[chosen]
     store.counts[pair] = store.counts.get(pair, 0) + 1
     if store.state is None:
-        store.collected.setdefault(key, init_meta(store.history_length))
+        store.collected.setdefault(key, init_gemm_state(store.history_length))
         return store.collected[key]
     if key not in store.state:
         raise ValueError(
@@ -139,8 +138,8 @@ def meta_here(store: Store | None, lhs: Any, rhs: Any) -> Fp8Meta | None:
             "can): make it with jaxamp.init_fp8_state(f, ...) given the arguments exactly "
             "as f is called with them."
         )
-    meta = as_meta(store.state[key])
-    return checked_meta(meta, store.history_length, f"the GEMM '{key}' of fp8_state")
+    state = as_fp8_state(store.state[key])
+    return checked_fp8_state(state, store.history_length, f"the GEMM '{key}' of fp8_state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +153,7 @@ class _Delayed:
 
 def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., Any]:
     """``fun`` (autocast's evaluation, ``fun(store, *args, **kwargs)``) taking the
-    delayed-scaling state as ``fp8_state=``: each call makes its own ``Store`` of it and
+    FP8 state as ``fp8_state=``: each call makes its own ``Store`` of it and
     hands it to ``fun``, which passes it down to its evaluation alone."""
 
     @functools.wraps(fun)
@@ -168,7 +167,7 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
         if not isinstance(fp8_state, Mapping):
             raise TypeError(
                 "fp8_state must be the mapping jaxamp.init_fp8_state made (a GEMM's key to "
-                f"its jaxamp.ops.Fp8Meta), got {type(fp8_state).__name__}."
+                f"its jaxamp.ops.Fp8State), got {type(fp8_state).__name__}."
             )
         warn_if_state_is_not_differentiated((args, kwargs), fp8_state)
         store = Store(max_combined(dict(fp8_state)), history_length)
@@ -182,8 +181,8 @@ def with_state(fun: Callable[..., Any], history_length: int) -> Callable[..., An
     return call
 
 
-def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Fp8Meta]:
-    """The delayed-scaling state of a function ``autocast`` runs in float8: one ``Fp8Meta``
+def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Fp8State]:
+    """The FP8 state of a function ``autocast`` runs in float8 (delayed scaling): one ``Fp8State``
     per GEMM, found by tracing ``fun`` on these arguments (nothing is computed).
 
     Pass it as ``fun(*args, fp8_state=state)`` and differentiate with respect to it: its
@@ -197,7 +196,7 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
       **kwargs: its keyword arguments, passed by keyword as it will be called.
 
     Returns:
-      A dict of each GEMM's key to a fresh ``Fp8Meta``: the names of the arguments its
+      A dict of each GEMM's key to a fresh ``Fp8State``: the names of the arguments its
       operands come from (``"args[1] @ args[0]['w1']"``, ``·`` for a computed operand),
       with a count where a pair repeats (``"· @ args[0]['w2'] #1"``).
 
@@ -240,4 +239,4 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
         jax.eval_shape(with_arrays, [x for x, s in zip(leaves, shapes, strict=True) if s])
     else:
         collect(args, kwargs)
-    return {key: init_meta(delayed.history_length) for key in store.collected}
+    return {key: init_gemm_state(delayed.history_length) for key in store.collected}

@@ -1,4 +1,4 @@
-"""Delayed float8 scaling state beside Flax layers: a Linen collection and NNX variables."""
+"""FP8 state (delayed float8 scaling) beside Flax layers: a Linen collection, NNX variables."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from jaxamp._src.ops.fp8 import Fp8DotGeneral
 from jaxamp._src.ops.fp8_max32 import MAX32, as_float32
 from jaxamp._src.ops.fp8_state import (
     STATE_COLLECTION,
-    Fp8Meta,
-    checked_meta,
+    Fp8State,
+    checked_fp8_state,
     max_combined,
     path_names,
     state_paths,
@@ -66,19 +66,19 @@ def _initial(name: str, length: int) -> jax.Array:
     return jnp.zeros((length,), FLOAT32)
 
 
-def linen_meta(module: Any, recipe: Fp8Recipe) -> Fp8Meta:
-    """The state of a Linen layer's float8 GEMM, in the ``_overwrite_with_gradient``
+def linen_fp8_state(module: Any, recipe: Fp8Recipe) -> Fp8State:
+    """The FP8 state of a Linen layer's float8 GEMM, in the ``_overwrite_with_gradient``
     collection of the layer's scope (created by ``init`` as Flax's ``fp8_ops`` creates it)."""
     length = recipe.amax_history_length
     values = []
-    for name in Fp8Meta._fields:
+    for name in Fp8State._fields:
         try:
             variable = module.variable(STATE_COLLECTION, name, _initial, name, length)
         except flax.errors.ScopeCollectionNotFound as e:
             raise ValueError(_missing_state(module, str(e))) from e
         values.append(variable.value)
     path = "/".join(str(p) for p in module.scope.path) or "the model"
-    return checked_meta(Fp8Meta(*values), length, f"the float8 layer {path}")
+    return checked_fp8_state(Fp8State(*values), length, f"the float8 layer {path}")
 
 
 def _missing_state(module: Any, flax_message: str) -> str:
@@ -119,8 +119,8 @@ class LinenDelayed:
     recipe: Fp8Recipe
 
     def _rule(self) -> Fp8DotGeneral:
-        meta = linen_meta(self.module, self.recipe)
-        return Fp8DotGeneral(self.compute_dtype, self.recipe.margin, meta)
+        state = linen_fp8_state(self.module, self.recipe)
+        return Fp8DotGeneral(self.compute_dtype, self.recipe.margin, state)
 
     def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
         return self._rule()(*args, **kwargs)
@@ -131,7 +131,7 @@ class LinenDelayed:
 
 
 def max_combined_collection(variables: Any, combined: dict, prefix: tuple) -> Any:
-    """``variables`` (of a model under a delayed float8 policy) with jaxamp's float8 state
+    """``variables`` (of a model under a delayed float8 policy) with jaxamp's FP8 state
     as values whose gradients combine by max. Other variables of the collection (a model's
     own, by Flax's convention) are left as they are; Flax's own float8 ops, whose state has
     the same names, are refused by type when they run (``refuse_flax_fp8_op``).
@@ -182,7 +182,7 @@ _BY_APPLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def max_combined_groups(groups: Any, delayed: bool, scope: Any, own: str) -> Any:
     """The variable groups a lifted policy call gets (Flax's ``lift.pack``: per filter, per
-    scope, collections) with the float8 state max-combined, one conversion per apply for
+    scope, collections) with the FP8 state max-combined, one conversion per apply for
     each layer's values, however many calls read them. Warns where the call runs inside
     a Flax transformation of a plain module (other than ``own``, the policy's), whose
     calls each convert their own."""
@@ -262,7 +262,7 @@ def as_given_groups(out_groups: Any, given_groups: Any) -> Any:
 
 
 def as_float32_collection(variables: Any) -> Any:
-    """``variables`` with a max-combined float8 state back in float32 (a mutable apply)."""
+    """``variables`` with a max-combined FP8 state back in float32 (a mutable apply)."""
     if not hasattr(variables, "get") or variables.get(STATE_COLLECTION) is None:
         return variables
     state = jax.tree.map(as_float32, variables[STATE_COLLECTION])
@@ -286,7 +286,7 @@ def float32_state(tree: Any) -> Any:
 
 
 class OverwriteWithGradient(nnx.Variable):
-    """An NNX layer's delayed float8 scaling state: its gradient is its next value."""
+    """An NNX layer's FP8 state (delayed float8 scaling): its gradient is its next value."""
 
 
 def _stacked(module: nnx.Module) -> tuple[int, ...]:
@@ -309,11 +309,11 @@ def _stacked(module: nnx.Module) -> tuple[int, ...]:
     return tuple(shape[: max(len(shape) - declared, 0)])
 
 
-def attach_nnx_meta(module: nnx.Module, recipe: Fp8Recipe) -> None:
-    """Gives an NNX layer its float8 state (kept if it has one of the same shape): one per
+def attach_nnx_fp8_state(module: nnx.Module, recipe: Fp8Recipe) -> None:
+    """Gives an NNX layer its FP8 state (kept if it has one of the same shape): one per
     layer of a stack made by ``nnx.vmap``."""
     length, stack = recipe.amax_history_length, _stacked(module)
-    for name in Fp8Meta._fields:
+    for name in Fp8State._fields:
         current = getattr(module, name, None)
         value = jnp.broadcast_to(_initial(name, length), stack + _initial(name, length).shape)
         if isinstance(current, OverwriteWithGradient) and current.get_value().shape == value.shape:
@@ -321,32 +321,32 @@ def attach_nnx_meta(module: nnx.Module, recipe: Fp8Recipe) -> None:
         setattr(module, name, OverwriteWithGradient(jnp.array(value)))
 
 
-def detach_nnx_meta(module: nnx.Module) -> None:
-    """Removes a layer's float8 state (a policy without delayed scaling)."""
-    for name in Fp8Meta._fields:
+def detach_nnx_fp8_state(module: nnx.Module) -> None:
+    """Removes a layer's FP8 state (a policy without delayed scaling)."""
+    for name in Fp8State._fields:
         if isinstance(getattr(module, name, None), OverwriteWithGradient):
             delattr(module, name)
 
 
-# The max-combined state of the layers of the call being traced: id(layer) to its Fp8Meta.
-_COMBINED: list[dict[int, Fp8Meta]] = []
+# The max-combined state of the layers of the call being traced: id(layer) to its Fp8State.
+_COMBINED: list[dict[int, Fp8State]] = []
 
 
-def nnx_meta(module: nnx.Module) -> Fp8Meta:
-    """The values of an NNX layer's float8 state (max-combined during a policy's call)."""
+def nnx_fp8_state(module: nnx.Module) -> Fp8State:
+    """The values of an NNX layer's FP8 state (max-combined during a policy's call)."""
     combined = _COMBINED[-1].get(id(module)) if _COMBINED else None
     if combined is not None:
         return combined
-    return Fp8Meta(*(getattr(module, name).get_value() for name in Fp8Meta._fields))
+    return Fp8State(*(getattr(module, name).get_value() for name in Fp8State._fields))
 
 
-def has_nnx_meta(module: Any) -> bool:
-    return isinstance(getattr(module, Fp8Meta._fields[0], None), OverwriteWithGradient)
+def has_nnx_fp8_state(module: Any) -> bool:
+    return isinstance(getattr(module, Fp8State._fields[0], None), OverwriteWithGradient)
 
 
 @contextlib.contextmanager
-def nnx_max_combined(modules: Any) -> Iterator[dict[Any, Fp8Meta]]:
-    """The float8 state of ``modules`` (``(path, module)`` pairs) as max-combined values,
+def nnx_max_combined(modules: Any) -> Iterator[dict[Any, Fp8State]]:
+    """The FP8 state of ``modules`` (``(path, module)`` pairs) as max-combined values,
     converted once for the call and written into the variables for its duration, so that
     the copies NNX transformations inside the call make (``nnx.remat``, ``nnx.scan``) carry
     them too. A model closed over by ``jax.jit`` or ``jax.vmap`` holds variables of another
@@ -356,18 +356,18 @@ def nnx_max_combined(modules: Any) -> Iterator[dict[Any, Fp8Meta]]:
     params = [
         v.get_value() for _, m in modules for v in vars(m).values() if isinstance(v, nnx.Param)
     ]
-    holders = [(path, m) for path, m in modules if has_nnx_meta(m)]
-    values = [nnx_meta(m) for _, m in holders]
+    holders = [(path, m) for path, m in modules if has_nnx_fp8_state(m)]
+    values = [nnx_fp8_state(m) for _, m in holders]
     warn_if_state_is_not_differentiated(params, values)
-    if not values or any(v.dtype == MAX32 for meta in values for v in meta):
+    if not values or any(v.dtype == MAX32 for state in values for v in state):
         yield {}
         return
     combined = max_combined(values)  # one conversion: a layer no GEMM used keeps its state
     saved: list[tuple[Any, Any]] = []
-    by_path: dict[Any, Fp8Meta] = {}
+    by_path: dict[Any, Fp8State] = {}
     try:
         for (_, module), old, new in zip(holders, values, combined, strict=True):
-            for name, before, after in zip(Fp8Meta._fields, old, new, strict=True):
+            for name, before, after in zip(Fp8State._fields, old, new, strict=True):
                 variable = getattr(module, name)
                 variable.set_value(after)
                 saved.append((variable, before))
@@ -375,7 +375,7 @@ def nnx_max_combined(modules: Any) -> Iterator[dict[Any, Fp8Meta]]:
         for variable, before in reversed(saved):
             variable.set_value(before)
         saved = []
-        by_path = {path: meta for (path, _), meta in zip(holders, combined, strict=True)}
+        by_path = {path: state for (path, _), state in zip(holders, combined, strict=True)}
     try:
         yield by_path
     finally:
@@ -384,7 +384,7 @@ def nnx_max_combined(modules: Any) -> Iterator[dict[Any, Fp8Meta]]:
 
 
 @contextlib.contextmanager
-def nnx_combined_state(modules: Any, combined: dict[Any, Fp8Meta]) -> Iterator[None]:
+def nnx_combined_state(modules: Any, combined: dict[Any, Fp8State]) -> Iterator[None]:
     """The layers among ``modules`` (``(path, module)`` pairs: the copies a traced call
     works on) read their state from ``combined``, by path, for the duration."""
     _COMBINED.append({id(m): combined[path] for path, m in modules if path in combined})
@@ -394,9 +394,9 @@ def nnx_combined_state(modules: Any, combined: dict[Any, Fp8Meta]) -> Iterator[N
         _COMBINED.pop()
 
 
-# The NNX layers being called: (their matmul hook, (its Fp8Meta, the layer's class name)),
+# The NNX layers being called: (their matmul hook, (its Fp8State, the layer's class name)),
 # innermost last.
-_CALLING: list[tuple[NnxDelayed, tuple[Fp8Meta, str]]] = []
+_CALLING: list[tuple[NnxDelayed, tuple[Fp8State, str]]] = []
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -409,10 +409,10 @@ class NnxDelayed(Fp8DotGeneral):
     history_length: int = 1024
 
     def _rule(self) -> Fp8DotGeneral:
-        for hook, (meta, name) in reversed(_CALLING):
+        for hook, (state, name) in reversed(_CALLING):
             if hook is self:
-                meta = checked_meta(meta, self.history_length, f"the float8 layer {name}")
-                return Fp8DotGeneral(self.compute_dtype, self.margin, meta)
+                state = checked_fp8_state(state, self.history_length, f"the float8 layer {name}")
+                return Fp8DotGeneral(self.compute_dtype, self.margin, state)
         raise RuntimeError(
             "an NNX layer's float8 matmul under delayed scaling ran outside the layer's call; "
             "call the layer itself (its state is read there)."
@@ -427,12 +427,12 @@ class NnxDelayed(Fp8DotGeneral):
 
 
 def nnx_delayed_call(self: nnx.Module, base_call: Any, *args: Any, **kwargs: Any) -> Any:
-    """An NNX layer's call with its matmul hook given the layer's float8 state."""
+    """An NNX layer's call with its matmul hook given the layer's FP8 state."""
     hook = getattr(self, "dot_general", None) or getattr(self, "einsum_op", None)
     rule = getattr(hook, "__self__", hook)
     if not isinstance(rule, NnxDelayed):  # running as written: Flax's own hook
         return base_call(self, *args, **kwargs)
-    _CALLING.append((rule, (nnx_meta(self), type(self).__name__)))
+    _CALLING.append((rule, (nnx_fp8_state(self), type(self).__name__)))
     try:
         return base_call(self, *args, **kwargs)
     finally:
@@ -440,7 +440,7 @@ def nnx_delayed_call(self: nnx.Module, base_call: Any, *args: Any, **kwargs: Any
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> nnx.State:
-    """Sets ``model``'s delayed-scaling state to its gradient (its next value) and returns
+    """Sets ``model``'s FP8 state to its gradient (its next value) and returns
     the other gradients, for the optimizer.
 
     Args:

@@ -156,7 +156,7 @@ def _run_layer(module: nnx.Module, call: Any, args: Any, kwargs: Any) -> Any:
     if layer_plan.has_float64((args, kwargs)):
         with _layer_as_written(module):
             return call(module, *args, **kwargs)
-    if fp8_state.has_nnx_meta(module):
+    if fp8_state.has_nnx_fp8_state(module):
         return fp8_state.nnx_delayed_call(module, call, *args, **kwargs)
     return call(module, *args, **kwargs)
 
@@ -332,10 +332,10 @@ def apply_policy(
         elif plan.attributes:
             wrapper = "planned"
         if _runs_delayed(module, layer_policy):
-            fp8_state.attach_nnx_meta(module, layer_policy.fp8)
+            fp8_state.attach_nnx_fp8_state(module, layer_policy.fp8)
             wrapper = wrapper or "fp8"
         else:
-            fp8_state.detach_nnx_meta(module)
+            fp8_state.detach_nnx_fp8_state(module)
         if module is not model:
             _swap_class(module, wrapper)
         for value in vars(module).values():

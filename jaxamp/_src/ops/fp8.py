@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ from jaxamp._src.ops.fp8_scaling import (
 # Re-exported for compare/ (STATE_COLLECTION) and optim/loss_scaled.py (state_paths),
 # which import them from here; their home is fp8_state.
 from jaxamp._src.ops.fp8_state import STATE_COLLECTION as STATE_COLLECTION
-from jaxamp._src.ops.fp8_state import Fp8Meta, as_meta, checked_meta
+from jaxamp._src.ops.fp8_state import Fp8State, as_fp8_state, checked_fp8_state
 from jaxamp._src.ops.fp8_state import state_paths as state_paths
 from jaxamp._src.ops.matmul import same_varying_axes
 from jaxamp._src.ops.primitives import sharding_of_result
@@ -186,35 +187,35 @@ def _current_bwd(
 def _delayed(
     lhs: Any,
     rhs: Any,
-    meta: Fp8Meta,
+    state: Fp8State,
     dimension_numbers: Any,
     out_dtype: np.dtype,
     margin: int,
     sharding: Any,
 ) -> Any:
     static = (dimension_numbers, out_dtype, margin, sharding)
-    return _as_custom_vjp(_delayed_fwd, _delayed_bwd, (lhs, rhs, meta), static)
+    return _as_custom_vjp(_delayed_fwd, _delayed_bwd, (lhs, rhs, state), static)
 
 
 def _delayed_fwd(
     lhs: Any,
     rhs: Any,
-    meta: Fp8Meta,
+    state: Fp8State,
     dimension_numbers: Any,
     out_dtype: np.dtype,
     margin: int,
     sharding: Any,
 ) -> tuple[jax.Array, tuple[Any, ...]]:
     lhs, rhs = _first_order(lhs), _first_order(rhs)
-    amax_l, amax_r = scaling_amax(lhs, meta.input_scale), scaling_amax(rhs, meta.kernel_scale)
-    s_l, h_l = delayed_scale(amax_l, meta.input_scale, meta.input_amax_history, E4M3, margin)
-    s_r, h_r = delayed_scale(amax_r, meta.kernel_scale, meta.kernel_amax_history, E4M3, margin)
+    amax_l, amax_r = scaling_amax(lhs, state.input_scale), scaling_amax(rhs, state.kernel_scale)
+    s_l, h_l = delayed_scale(amax_l, state.input_scale, state.input_amax_history, E4M3, margin)
+    s_r, h_r = delayed_scale(amax_r, state.kernel_scale, state.kernel_amax_history, E4M3, margin)
     q_l, q_r = quantize(lhs, E4M3, s_l), quantize(rhs, E4M3, s_r)
     y = dequantize_product(_gemm(q_l, q_r, dimension_numbers, sharding), s_l, s_r)
     y = y * poison(amax_l, amax_r)
     like = (jnp.zeros((0,), lhs.dtype), jnp.zeros((0,), rhs.dtype))
     used = (s_l * poison(amax_l), s_r * poison(amax_r))  # as in _current_fwd
-    res = (_saved(q_l), s_l, h_l, _saved(q_r), s_r, h_r, meta, like, used)
+    res = (_saved(q_l), s_l, h_l, _saved(q_r), s_r, h_r, state, like, used)
     return y.astype(out_dtype), res
 
 
@@ -225,20 +226,20 @@ def _delayed_bwd(
     sharding: Any,
     res: tuple[Any, ...],
     g: jax.Array,
-) -> tuple[jax.Array, jax.Array, Fp8Meta]:
-    q_l, s_l, h_l, q_r, s_r, h_r, meta, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
+) -> tuple[jax.Array, jax.Array, Fp8State]:
+    q_l, s_l, h_l, q_r, s_r, h_r, state, (lhs_like, rhs_like), (s_l_used, s_r_used) = res
     q_l, q_r = _restored(q_l), _restored(q_r)
     g = _first_order(g)
-    amax_g = scaling_amax(g, meta.output_grad_scale)
+    amax_g = scaling_amax(g, state.output_grad_scale)
     s_g, h_g = delayed_scale(
-        amax_g, meta.output_grad_scale, meta.output_grad_amax_history, E5M2, margin
+        amax_g, state.output_grad_scale, state.output_grad_amax_history, E5M2, margin
     )
     q_g = quantize(g, E5M2, s_g)
     s_g_used = s_g * poison(amax_g)
     d_l = dequantize_product(_transpose_lhs(q_g, q_r, q_l, dimension_numbers), s_r_used, s_g_used)
     d_r = dequantize_product(_transpose_rhs(q_g, q_l, q_r, dimension_numbers), s_l_used, s_g_used)
-    new = Fp8Meta(h_l, h_r, h_g, s_l, s_r, s_g)
-    new = Fp8Meta(*(as_dtype_of(v, old) for v, old in zip(new, meta, strict=True)))
+    new = Fp8State(h_l, h_r, h_g, s_l, s_r, s_g)
+    new = Fp8State(*(as_dtype_of(v, old) for v, old in zip(new, state, strict=True)))
     return d_l.astype(lhs_like.dtype), d_r.astype(rhs_like.dtype), new
 
 
@@ -255,15 +256,16 @@ def fp8_dot_general(
     precision: Any = None,
     preferred_element_type: Any = None,
     *,
-    meta: Fp8Meta | None = None,
+    fp8_state: Fp8State | None = None,
     margin: int = 0,
     out_sharding: Any = None,
+    meta: Fp8State | None = None,
 ) -> jax.Array:
     """``lax.dot_general`` in float8: e4m3 operands, an e5m2 output gradient, float32 sums.
 
-    Without ``meta`` each operand is scaled by its own amax (current scaling); with it, by
-    the amax history in ``meta`` (delayed scaling), and the gradient with respect to
-    ``meta`` is its next value. An operand holding inf or NaN gives a NaN result.
+    Without ``fp8_state`` each operand is scaled by its own amax (current scaling); with it,
+    by the amax history in it (delayed scaling), and the gradient with respect to
+    ``fp8_state`` is its next value. An operand holding inf or NaN gives a NaN result.
 
     Args:
       lhs: left operand (any floating dtype).
@@ -271,17 +273,19 @@ def fp8_dot_general(
       dimension_numbers: as for ``lax.dot_general``.
       precision: ignored (the GEMM's precision is its float8 operands').
       preferred_element_type: the result dtype; ``None`` promotes the operands' dtypes.
-      meta: delayed-scaling state (``init_meta``, or a mapping of its six names), or
-        ``None`` for current scaling.
+      fp8_state: the GEMM's FP8 state (an ``Fp8State`` from ``init_fp8_state``, or a
+        mapping of its six names), or ``None`` for current scaling.
       margin: powers of two of headroom below the float8 maximum, an integer >= 0
         (as ``Fp8Recipe.margin``).
       out_sharding: the result's sharding, as for ``lax.dot_general``.
+      meta: deprecated, ``fp8_state``'s earlier name (warns).
 
     Returns:
       The product, dequantized.
 
     Raises:
       ValueError: for a ``margin`` that is not an integer >= 0.
+      TypeError: for both ``fp8_state`` and ``meta``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -291,6 +295,8 @@ def fp8_dot_general(
       ((2, 4), 1.5)
     """
     del precision
+    if meta is not None:
+        fp8_state = _renamed_meta(meta, fp8_state)
     margin = recipe_integer("fp8_dot_general's margin", margin, 0, MAX_MARGIN)
     floating = all(is_floating(x.dtype) for x in (lhs, rhs))
     if not floating or not (preferred_element_type is None or is_floating(preferred_element_type)):
@@ -306,10 +312,25 @@ def fp8_dot_general(
     sharding = canonicalize_sharding(out_sharding, "fp8_dot_general")
     lhs, rhs = same_varying_axes(lhs, rhs)  # inside shard_map: a weight's gradient summed
     with jax.named_scope(FP8_SCOPE):  # autocast evaluates it as traced
-        if meta is None:
+        if fp8_state is None:
             return _current(lhs, rhs, dims, out, margin, sharding)
-        meta = checked_meta(as_meta(meta), None, "fp8_dot_general's meta")
-        return _delayed(lhs, rhs, meta, dims, out, margin, sharding)
+        state = checked_fp8_state(as_fp8_state(fp8_state), None, "fp8_dot_general's fp8_state")
+        return _delayed(lhs, rhs, state, dims, out, margin, sharding)
+
+
+def _renamed_meta(meta: Any, fp8_state: Any) -> Any:
+    """``meta``, ``fp8_state``'s earlier name, with a ``DeprecationWarning``."""
+    if fp8_state is not None:
+        raise TypeError(
+            "fp8_dot_general got both fp8_state= and meta= (its earlier name); pass "
+            "fp8_state= alone."
+        )
+    warnings.warn(
+        "fp8_dot_general's meta= is deprecated: pass the GEMM's FP8 state as fp8_state=.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return meta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,12 +340,12 @@ class Fp8DotGeneral:
     Attributes:
       compute_dtype: the dtype results come back in (the policy's compute dtype).
       margin: the recipe's powers of two of headroom.
-      meta: the layer's delayed-scaling state, or ``None`` for current scaling.
+      state: the layer's FP8 state, or ``None`` for current scaling.
     """
 
     compute_dtype: Any
     margin: int = 0
-    meta: Fp8Meta | None = None
+    state: Fp8State | None = None
 
     def __call__(
         self,
@@ -347,7 +368,7 @@ class Fp8DotGeneral:
             dimension_numbers,
             precision,
             preferred_element_type or self.compute_dtype,
-            meta=self.meta,
+            fp8_state=self.state,
             margin=self.margin,
             out_sharding=out_sharding,
         )
@@ -357,7 +378,7 @@ class Fp8DotGeneral:
         if kwargs.get("preferred_element_type") is None:
             kwargs["preferred_element_type"] = self.compute_dtype
         dot_general: Any = self
-        if self.meta is not None:
+        if self.state is not None:
             # jnp.einsum hashes its _dot_general (a static argument): the state's arrays go
             # in a closure, a new one per call, never reused from jnp.einsum's cache.
             def dot_general(*args: Any, **kw: Any) -> jax.Array:

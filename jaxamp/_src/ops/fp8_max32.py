@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax import lax
 
-# An extended dtype whose cotangents combine by max (the scaling state under fan-in), as
+# An extended dtype whose cotangents combine by max (the FP8 state under fan-in), as
 # Flax's fp8_ops defines one: JAX's registry of extended dtypes lives in jax._src.
 from jax._src import ad_util as _ad_util
 from jax._src import core as _jax_core

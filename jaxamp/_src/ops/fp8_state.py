@@ -1,4 +1,4 @@
-"""One float8 GEMM's delayed-scaling state: its fields, its checks, its max-combined form."""
+"""FP8 state: one float8 GEMM's scales and amax histories, their checks, their max-combined form."""
 
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from jaxamp._src.ops.fp8_max32 import MAX32
 from jaxamp._src.policy import recipe_integer
 
 STATE_COLLECTION = "_overwrite_with_gradient"
-"""Where the delayed-scaling state lives: Flax's ``fp8_ops.OVERWRITE_WITH_GRADIENT``, whose
-gradient is the state's next value."""
+"""The Linen collection that holds the FP8 state: Flax's ``fp8_ops.OVERWRITE_WITH_GRADIENT``,
+whose gradient is the state's next value."""
 
 
-class Fp8Meta(NamedTuple):
-    """The delayed-scaling state of one float8 GEMM, named as Flax's ``Fp8DotGeneralBase``
-    names its variables: a scale (``amax / max``) and an amax history per operand."""
+class Fp8State(NamedTuple):
+    """The FP8 state of one float8 GEMM under delayed scaling, named as Flax's
+    ``Fp8DotGeneralBase`` names its variables: a scale (``amax / max``) and an amax history
+    per operand."""
 
     input_amax_history: jax.Array
     kernel_amax_history: jax.Array
@@ -34,29 +35,45 @@ class Fp8Meta(NamedTuple):
     output_grad_scale: jax.Array
 
 
-def init_meta(amax_history_length: int = 1024) -> Fp8Meta:
-    """A fresh state: amax histories of zeros and scales of one, as Flax initialises them.
+def init_fp8_state(amax_history_length: int = 1024) -> Fp8State:
+    """A fresh FP8 state for one GEMM: amax histories of zeros and scales of one, as Flax
+    initialises them.
 
     Examples:
-      >>> meta = init_meta(4)
-      >>> meta.input_amax_history.shape, meta.input_scale.shape
+      >>> state = init_fp8_state(4)
+      >>> state.input_amax_history.shape, state.input_scale.shape
       ((4,), (1,))
     """
     n = recipe_integer("amax_history_length", amax_history_length, 1)
     history = jnp.zeros((n,), FLOAT32)
     scale = jnp.ones((1,), FLOAT32)
-    return Fp8Meta(history, history, history, scale, scale, scale)
+    return Fp8State(history, history, history, scale, scale, scale)
 
 
-def as_meta(meta: Any) -> Fp8Meta:
-    """An ``Fp8Meta`` from one, a mapping of its six names (as Orbax restores it without a
+Fp8Meta = Fp8State
+"""Deprecated: the earlier name of ``Fp8State``."""
+
+
+def init_meta(amax_history_length: int = 1024) -> Fp8State:
+    """Deprecated: the earlier name of ``init_fp8_state`` (warns)."""
+    warnings.warn(
+        "jaxamp.ops.init_meta is deprecated: it is jaxamp.ops.init_fp8_state now (the same "
+        "function), and jaxamp.ops.Fp8Meta is jaxamp.ops.Fp8State.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return init_fp8_state(amax_history_length)
+
+
+def as_fp8_state(state: Any) -> Fp8State:
+    """An ``Fp8State`` from one, a mapping of its six names (as Orbax restores it without a
     target) or a sequence of its six values."""
-    if isinstance(meta, Mapping):
-        missing = sorted(set(Fp8Meta._fields) - set(meta))
+    if isinstance(state, Mapping):
+        missing = sorted(set(Fp8State._fields) - set(state))
         if missing:
-            raise ValueError(f"a float8 state without {missing}; it holds {sorted(meta)}.")
-        return Fp8Meta(**{name: meta[name] for name in Fp8Meta._fields})
-    return Fp8Meta(*meta)
+            raise ValueError(f"an FP8 state without {missing}; it holds {sorted(state)}.")
+        return Fp8State(**{name: state[name] for name in Fp8State._fields})
+    return Fp8State(*state)
 
 
 def _check_state_dtype(dtype: Any, what: str) -> None:
@@ -71,44 +88,44 @@ def _check_state_dtype(dtype: Any, what: str) -> None:
         )
 
 
-def checked_meta(meta: Fp8Meta, history_length: int | None, where: str) -> Fp8Meta:
-    """``meta``, refused by name where it is not one GEMM's state: amax histories of one
+def checked_fp8_state(state: Fp8State, history_length: int | None, where: str) -> Fp8State:
+    """``state``, refused by name where it is not one GEMM's state: amax histories of one
     length (``history_length``, the policy's ``fp8_history``, where given) and scales of one
     element, all float32 (float64 under ``jax_enable_x64``). A state made under another
     ``fp8_history``, a stack's state given to one layer, or one cast to 16 bits (its
     scales rounded, its next state kept in 16 bits) would otherwise run as it is."""
-    histories = Fp8Meta._fields[:3]
-    for name, value in zip(Fp8Meta._fields, meta, strict=True):
+    histories = Fp8State._fields[:3]
+    for name, value in zip(Fp8State._fields, state, strict=True):
         array: Any = value if hasattr(value, "dtype") else np.asarray(value)  # or a number
         shape, dtype = np.shape(array), array.dtype
         is_history = name in histories
         if (len(shape) != 1) if is_history else (int(np.prod(shape)) != 1):
             want = "(history length,)" if is_history else "(1,)"
             raise ValueError(
-                f"{where}: its float8 state's {name} has shape {shape}, and one GEMM's state "
+                f"{where}: its FP8 state's {name} has shape {shape}, and one GEMM's state "
                 f"holds {want}. A stack's state ((layers, ...), from nn.scan, nn.vmap or "
                 "nnx.vmap) belongs to the stack, and each layer of it gets its own slice."
             )
-        _check_state_dtype(dtype, f"{where}: its float8 state's {name}")
-    lengths = sorted({np.shape(getattr(meta, name))[0] for name in histories})
+        _check_state_dtype(dtype, f"{where}: its FP8 state's {name}")
+    lengths = sorted({np.shape(getattr(state, name))[0] for name in histories})
     if len(lengths) > 1:
         raise ValueError(
-            f"{where}: its float8 state has amax histories of different lengths {lengths}: "
+            f"{where}: its FP8 state has amax histories of different lengths {lengths}: "
             "not one GEMM's state. Make a fresh one under the policy."
         )
     if history_length is not None and lengths != [history_length]:
         raise ValueError(
-            f"{where}: its float8 state has amax histories of length {lengths[0]}, and the "
+            f"{where}: its FP8 state has amax histories of length {lengths[0]}, and the "
             f"policy's fp8_history is {history_length}. A state made under another "
             "fp8_history (restored from a checkpoint, say) needs that policy "
             f"(fp8_history={lengths[0]}), or a fresh state made under this one."
         )
-    return meta
+    return state
 
 
 def state_paths(tree: Any) -> list[str]:
-    """Paths of ``tree`` that hold delayed-scaling state: under the ``_overwrite_with_gradient``
-    collection (Linen), or a layer's full set of ``Fp8Meta`` fields (NNX)."""
+    """Paths of ``tree`` that hold FP8 state: under the ``_overwrite_with_gradient`` collection
+    (Linen), or a layer's full set of ``Fp8State`` fields (NNX)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     keys = [path_names(path) for path, _ in flat]
     # An NNX State's leaves sit under their Variable's value: input_scale/value.
@@ -120,8 +137,8 @@ def state_paths(tree: Any) -> list[str]:
     found = []
     for key in keys:
         in_collection = STATE_COLLECTION in key
-        in_layer = bool(key) and set(Fp8Meta._fields) <= by_parent.get(key[:-1], set())
-        if in_collection or (in_layer and key[-1] in Fp8Meta._fields):
+        in_layer = bool(key) and set(Fp8State._fields) <= by_parent.get(key[:-1], set())
+        if in_collection or (in_layer and key[-1] in Fp8State._fields):
             found.append("/".join(key))
     return found
 
@@ -153,7 +170,7 @@ def _unused_kept(old: list[jax.Array], new: list[jax.Array], paths: list[tuple])
 
 
 def max_combined(tree: Any) -> Any:
-    """Delayed-scaling state as values whose gradients combine by ``max`` instead of sum
+    """FP8 state as values whose gradients combine by ``max`` instead of sum
     where a value is used more than once (a layer called twice, a loop body).
 
     The policies convert the state they are given; convert it yourself before a loop
@@ -164,15 +181,15 @@ def max_combined(tree: Any) -> Any:
     which the next step treats as a fresh state (scales of 1).
 
     Examples:
-      >>> meta = max_combined(init_meta(4))
-      >>> meta.input_scale.dtype
+      >>> state = max_combined(init_fp8_state(4))
+      >>> state.input_scale.dtype
       fp8_max32
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     paths = [path_names(p) for p, _ in flat]
     for path, (_, x) in zip(paths, flat, strict=True):
         if hasattr(x, "dtype"):
-            _check_state_dtype(x.dtype, f"the float8 state at {'/'.join(path) or 'the root'}")
+            _check_state_dtype(x.dtype, f"the FP8 state at {'/'.join(path) or 'the root'}")
     done = [getattr(x, "dtype", None) == MAX32 for _, x in flat]
     values = [x if d else jnp.asarray(x, FLOAT32) for (_, x), d in zip(flat, done, strict=True)]
     todo = [v for v, d in zip(values, done, strict=True) if not d]
@@ -208,7 +225,7 @@ def _differentiated(x: Any) -> bool:
 
 
 def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
-    """Warns where params are being differentiated and the delayed-scaling state is not:
+    """Warns where params are being differentiated and the FP8 state is not:
     its next value is its gradient, so it would never move from its first scale of 1
     (values above 448 clipped, small ones flushed to zero, every step)."""
     leaves = jax.tree.leaves(state)
@@ -216,7 +233,7 @@ def warn_if_state_is_not_differentiated(params: Any, state: Any) -> None:
         return
     if any(map(_differentiated, jax.tree.leaves(params))):
         warnings.warn(
-            "Delayed float8 scaling: the params are being differentiated but the scaling "
+            "Delayed float8 scaling: the params are being differentiated but the FP8 "
             "state is not, so it will never update (its gradient is its next value). "
             "Differentiate it too and keep its gradient: Linen, jax.grad(loss, argnums=(0, 1))"
             "(params, variables['_overwrite_with_gradient']); NNX, nnx.grad(loss, argnums="
