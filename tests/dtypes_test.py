@@ -51,6 +51,44 @@ def test_upcast_leaves_float64_ints_and_python_numbers_alone():
 
 
 @pytest.mark.parametrize(
+    "value", [(0, 1), "not a dtype", 3, jax.lax.Precision.HIGHEST, jax.make_jaxpr(jnp.sin)(1.0)]
+)
+def test_predicates_answer_false_for_what_is_not_a_dtype(value):
+    """An equation's parameters (axes, a precision, a jaxpr) are not dtypes: the numerics
+    tools widen the 16-bit dtypes among them and leave the rest as they are."""
+    assert not dtypes.is_floating(value) and not dtypes.is_inexact(value)
+    assert not dtypes.is_16bit(value) and not dtypes.is_narrow(value)
+    assert not dtypes.is_float16(value)
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, jnp.float8_e4m3fn, jnp.int16])
+def test_is_float16_means_float16_alone(dtype):
+    """Not bfloat16, the other 16-bit float (of float32's range), nor int16."""
+    assert dtypes.is_float16(dtype) == (dtype is jnp.float16)
+    assert dtypes.is_float16(jnp.ones(2, dtype).dtype) == (dtype is jnp.float16)
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int16])
+def test_upcast_16bit_widens_bfloat16_and_float16_alone(dtype):
+    """float8, which ``upcast`` widens, is kept, as are float32 and ints."""
+    x = jnp.ones(3, dtype)
+    want = jnp.float32 if dtypes.is_16bit(dtype) else dtype
+    assert jax.jit(dtypes.upcast_16bit)(x).dtype == want
+    assert dtypes.upcast_16bit(np.asarray(x)).dtype == want
+    assert dtypes.upcast_16bit(3.0) == 3.0
+
+
+def test_upcast_16bit_widens_a_scalar_that_carries_a_16_bit_dtype():
+    """A literal of a traced program is a Python scalar to which JAX gives a dtype."""
+
+    class Typed(float):
+        dtype = np.dtype(np.float16)
+
+    out = dtypes.upcast_16bit(Typed(2.0))
+    assert out.dtype == np.float32 and out == 2.0
+
+
+@pytest.mark.parametrize(
     "name, expected",
     [("bf16", "bfloat16"), ("half", "float16"), ("full", "float32"), ("F32 ", "float32")],
 )

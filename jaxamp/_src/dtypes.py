@@ -74,14 +74,26 @@ FLOAT_NAMES = frozenset(
 )
 
 
+def _is_kind(dtype: Any, kind: Any) -> bool:
+    """Whether ``dtype`` is a dtype of ``kind``; ``None`` (numpy's float64) and anything
+    that is not a dtype (an equation's axes, a jaxpr) are not."""
+    if dtype is None:
+        return False
+    try:
+        return jnp.issubdtype(dtype, kind)
+    except TypeError:  # not a dtype
+        return False
+
+
 def is_floating(dtype: Any) -> bool:
-    """Whether ``dtype`` is a real floating dtype (bfloat16 included; ``None`` is not)."""
-    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    """Whether ``dtype`` is a real floating dtype (bfloat16 included; ``None``, or anything
+    that is not a dtype, is not)."""
+    return _is_kind(dtype, jnp.floating)
 
 
 def is_inexact(dtype: Any) -> bool:
     """Whether ``dtype`` is floating or complex (what optax updates)."""
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+    return _is_kind(dtype, jnp.inexact)
 
 
 def is_16bit(dtype: Any) -> bool:
@@ -93,6 +105,17 @@ def is_16bit(dtype: Any) -> bool:
       (True, False, False)
     """
     return is_floating(dtype) and np.dtype(dtype).itemsize == 2
+
+
+def is_float16(dtype: Any) -> bool:
+    """Whether ``dtype`` is float16, the 16-bit float of narrow range (bfloat16 is not).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> is_float16(jnp.float16), is_float16(jnp.bfloat16), is_float16(jnp.float32)
+      (True, False, False)
+    """
+    return is_floating(dtype) and np.dtype(dtype) == np.float16
 
 
 def is_narrow(dtype: Any) -> bool:
@@ -160,6 +183,24 @@ def upcast(x: Any) -> Any:
       (dtype('float32'), dtype('int32'))
     """
     return x.astype(FLOAT32) if is_narrow_array(x) else x
+
+
+def upcast_16bit(x: Any) -> Any:
+    """``x`` in float32 if it holds 16-bit floats, else ``x`` itself. Unlike ``upcast``, a
+    float8 array is kept, and a scalar that carries a 16-bit dtype without being an array
+    (a literal of a traced program: JAX gives its Python scalars a dtype) is widened, to
+    a NumPy float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> upcast_16bit(jnp.ones(2, jnp.float16)).dtype
+      dtype('float32')
+      >>> upcast_16bit(jnp.ones(2, jnp.float8_e4m3fn)).dtype
+      dtype(float8_e4m3fn)
+    """
+    if not is_16bit(getattr(x, "dtype", None)):
+        return x
+    return x.astype(FLOAT32) if hasattr(x, "astype") else np.float32(x)
 
 
 def float32_tree(tree: T) -> T:

@@ -22,6 +22,7 @@ from jaxamp._src.compare.environment import environment
 from jaxamp._src.compare.run import Run
 from jaxamp._src.compare.task import Task, make_task
 from jaxamp._src.compare.variants import FP16_ON_CPU, default_variants, get_variant
+from jaxamp._src.dtypes import is_float16
 from jaxamp._src.optim.gradients import value_and_grad
 from jaxamp._src.optim.opt_state import find_loss_scaled_state
 
@@ -77,7 +78,7 @@ def _numerics_before_training(
                 )
             rows = numerics_checks.with_floor(rows, floors[dtype], floors[ideal])
         run.divergence = rows
-    float16 = [r for r in runs if np.dtype(r.variant.policy.compute_dtype) == np.float16]
+    float16 = [r for r in runs if is_float16(r.variant.policy.compute_dtype)]
     if not float16:
         return None
     check = numerics_checks.float16_check(reference, float16[0].loss_fn(rng), params, state, x, y)

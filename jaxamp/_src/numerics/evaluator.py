@@ -12,7 +12,7 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src.dtypes import is_16bit, is_inexact
+from jaxamp._src.dtypes import FLOAT32, is_16bit, is_inexact, upcast_16bit
 from jaxamp._src.jaxprs import is_backward_name, open_jaxpr
 from jaxamp._src.numerics import phases, sources
 from jaxamp._src.numerics.shards import (
@@ -49,19 +49,6 @@ def _join(prefix: str, eqn: Any) -> str:
 _WIDEN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_widen", default=False)
 
 
-def _is_sixteen(dtype: Any) -> bool:
-    try:
-        return is_16bit(dtype)
-    except TypeError:  # an extended dtype (a PRNG key)
-        return False
-
-
-def _widened(value: Any) -> Any:
-    if _is_sixteen(getattr(value, "dtype", None)):
-        return value.astype(jnp.float32) if hasattr(value, "astype") else np.float32(value)
-    return value
-
-
 def _bind_widened(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """``eqn`` computed in float32 where the program computes in 16 bits: its 16-bit
     inputs and the 16-bit dtypes among its parameters (a convert's target, a dot's
@@ -69,10 +56,10 @@ def _bind_widened(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     rather than an inf. ``reduce_precision`` passes its input through. A primitive that
     refuses the widened operands runs as traced."""
     if eqn.primitive.name == "reduce_precision":
-        return [_widened(invals[0])]
-    params = {k: (np.dtype(jnp.float32) if _is_sixteen(v) else v) for k, v in eqn.params.items()}
+        return [upcast_16bit(invals[0])]
+    params = {k: (FLOAT32 if is_16bit(v) else v) for k, v in eqn.params.items()}
     try:
-        return bind_eqn(eqn, [_widened(v) for v in invals], params)
+        return bind_eqn(eqn, [upcast_16bit(v) for v in invals], params)
     except (TypeError, ValueError):
         traced = [
             v.astype(a.aval.dtype) if hasattr(v, "astype") and hasattr(a, "aval") else v
@@ -90,7 +77,7 @@ def _site(eqn: Any, stack: str, iteration: tuple[int, ...], ctx: _Context, where
         source=sources.source(eqn, ctx.rules if backward else None, where),
         name_stack=stack,
         iteration=iteration,
-        sixteen_bit=tuple(_is_sixteen(getattr(v.aval, "dtype", None)) for v in eqn.outvars),
+        sixteen_bit=tuple(is_16bit(getattr(v.aval, "dtype", None)) for v in eqn.outvars),
         eqn=eqn,
     )
 
@@ -365,11 +352,7 @@ def run(
         _WIDEN.reset(token)
 
 
-def is_floating(x: Any) -> bool:
-    """Whether ``x`` has a floating or complex dtype (bfloat16 too, unlike numpy's "f")."""
-    return is_inexact(getattr(x, "dtype", None))
-
-
 def finite(x: Any) -> bool:
-    """Whether every element of a floating value is finite (non-floating values are)."""
-    return not is_floating(x) or bool(np.all(np.isfinite(np.asarray(x))))
+    """Whether every element of a floating value is finite (non-floating values are); a
+    literal of the program counts by its dtype (JAX gives its Python scalars one)."""
+    return not is_inexact(getattr(x, "dtype", None)) or bool(np.all(np.isfinite(np.asarray(x))))

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._src.dtypes import is_inexact_array
 from jaxamp._src.numerics import evaluator, sites, tracing
 from jaxamp._src.optim.gradients import get_loss_scale
 from jaxamp._src.policy import PolicyLike
@@ -42,7 +43,7 @@ class ValueRange:
         dtype = np.dtype(a.dtype).name if not hasattr(x, "dtype") else str(x.dtype)
         if a.dtype.kind == "c":
             a = np.abs(a)
-        floating = evaluator.is_floating(a)  # bfloat16 too, which numpy does not call "f"
+        floating = is_inexact_array(a)  # bfloat16 too, which numpy does not call "f"
         if floating:
             a = a.astype(np.float64)
         ok = np.isfinite(a) if floating else np.ones(a.shape, bool)

@@ -9,6 +9,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from jaxamp._src.dtypes import is_inexact_array
 from jaxamp._src.numerics import evaluator, sites, tracing
 from jaxamp._src.numerics.find_nonfinite import scale_of
 from jaxamp._src.policy import PolicyLike
@@ -192,7 +193,7 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
             return  # a cast of a value is not a new value of the layer
         if sites.LOSS_SCALE_SCOPE in site.name_stack:
             return  # the loss times the scale: not a value of the model
-        floating = [o for o in outputs if evaluator.is_floating(o)]
+        floating = [o for o in outputs if is_inexact_array(o)]
         if floating:
             last[site.layer] = floating[-1]
 

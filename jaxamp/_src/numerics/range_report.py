@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._src.dtypes import is_narrow
+from jaxamp._src.dtypes import is_float16, is_inexact_array, is_narrow_array
 from jaxamp._src.numerics import evaluator, sites, tracing
 from jaxamp._src.numerics.find_nonfinite import (
     CONSTANT,
@@ -38,7 +38,7 @@ class _Accumulator:
         """Counts the values of ``x``; ``wide``: its infs and NaNs were made in float32."""
         raw = np.asarray(x)
         a = np.abs(raw.astype(np.float64)).ravel()
-        if evaluator.is_floating(raw):
+        if is_inexact_array(raw):
             # a value at exactly its dtype's largest magnitude is a sentinel, not data: the
             # -finfo.max an attention mask fills in, which follows the compute dtype
             a = a[a != float(jnp.finfo(raw.dtype).max)]
@@ -123,11 +123,11 @@ class _Measure:
         ``-inf`` mask fill). Else in 16 bits: an overflow, or a float16 constant that
         may be a value float16 rounded to inf (a mask of ``1e30``) as well as a
         ``-inf`` meant."""
-        if all(_wide(o) for o, b in zip(outputs, bad, strict=True) if b):
+        if all(not is_narrow_array(o) for o, b in zip(outputs, bad, strict=True) if b):
             return frozenset({_WIDE})
         fed = [i for i in inputs if not evaluator.finite(i)]
         if fed:
-            meant = not any(_float16(i) for i in fed)
+            meant = not any(is_float16(i.dtype) for i in fed)
             return frozenset({_WIDE if meant else _NARROW})
         if site.eqn is not None:
             with contextlib.suppress(Exception):
@@ -139,21 +139,15 @@ class _Measure:
     def _count(self, site: sites.Site, outputs: Sequence[Any], tags: Sequence[Any]) -> None:
         key = (site.layer, site.phase)
         for out, sixteen, tag in zip(outputs, site.sixteen_bit, tags, strict=True):
-            if evaluator.is_floating(out) and self.counted(sixteen):
+            if is_inexact_array(out) and self.counted(sixteen):
                 # a constant's inf or NaN is meant unless float16 may have rounded it
-                made = tag if isinstance(tag, frozenset) else {_NARROW if _float16(out) else _WIDE}
+                made = tag
+                if not isinstance(tag, frozenset):
+                    made = {_NARROW if is_float16(out.dtype) else _WIDE}
                 wide = made == {_WIDE}
                 self.stats.setdefault(key, _Accumulator()).add(out, wide)
                 if key not in self.nonfinite and self.stats[key].nonfinite:
                     self.nonfinite.append(key)
-
-
-def _wide(x: Any) -> bool:
-    return not is_narrow(np.asarray(x).dtype)
-
-
-def _float16(x: Any) -> bool:
-    return np.asarray(x).dtype == np.float16
 
 
 def range_report(

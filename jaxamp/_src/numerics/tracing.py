@@ -15,10 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxamp._src.autocast.api import autocast
-from jaxamp._src.dtypes import is_narrow
+from jaxamp._src.dtypes import is_inexact, is_narrow
 from jaxamp._src.flax_policy.nnx import iter_modules
 from jaxamp._src.numerics import sources
-from jaxamp._src.numerics.evaluator import is_floating
 from jaxamp._src.numerics.sites import LOSS_SCALE_SCOPE
 from jaxamp._src.policy import PolicyLike, get_policy, is_policy_spec
 
@@ -169,7 +168,11 @@ def trace(
     def scaled(*values: Any) -> Any:
         out = merged(*values)
         loss, aux = out if has_aux else (out, None)
-        if not (hasattr(loss, "shape") and jnp.shape(loss) == () and is_floating(loss)):
+        if not (
+            hasattr(loss, "shape")
+            and jnp.shape(loss) == ()
+            and is_inexact(getattr(loss, "dtype", None))
+        ):
             returned = (
                 f"{loss.dtype}{list(jnp.shape(loss))}"
                 if hasattr(loss, "shape") and hasattr(loss, "dtype")

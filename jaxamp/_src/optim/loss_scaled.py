@@ -17,6 +17,7 @@ from jaxamp._src.dtypes import (
     is_floating_array,
     is_inexact_array,
     is_narrow_array,
+    upcast,
 )
 from jaxamp._src.errors import guide, invalid_choice
 from jaxamp._src.ops.fp8 import state_paths
@@ -121,19 +122,14 @@ def _unscale(g: Any, inv_scale: jax.Array) -> Any:
     its own complex dtype (both parts multiplied by ``inv_scale``); any other leaf (an
     integer's float0 gradient, a ``None``) as it is."""
     if is_floating_array(g):
-        wide = _wide(g.dtype)
-        return g.astype(wide) * inv_scale.astype(wide)
+        # float32 for every narrower float (float8 too), float64 kept; the scale named in
+        # that dtype, not promoted: strict dtype promotion refuses bfloat16 with float32
+        wide = upcast(g)
+        return wide * inv_scale.astype(wide.dtype)
     if is_inexact_array(g):  # complex: each part scaled (no complex * real promotion)
         part = jnp.finfo(g.dtype).dtype
         return lax.complex(g.real * inv_scale.astype(part), g.imag * inv_scale.astype(part))
     return g
-
-
-def _wide(dtype: Any) -> Any:
-    """The dtype a real gradient is unscaled and checked in: float64 for float64 (under
-    ``jax_enable_x64``), float32 for every narrower float (float8 included). Named,
-    not promoted: strict dtype promotion refuses ``bfloat16`` with ``float32``."""
-    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
 def _unscaled_finite(grads: Any, inv_scale: jax.Array) -> jax.Array:
