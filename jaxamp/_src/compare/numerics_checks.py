@@ -26,7 +26,7 @@ from jaxamp._src.autocast.rules import (
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
 from jaxamp._src.numerics.numerics_diff import NEAR_ZERO, numerics_diff
 from jaxamp._src.numerics.range_report import range_report
-from jaxamp._src.ops.fp8 import quantize
+from jaxamp._src.ops.fp8_scaling import quantize
 from jaxamp._src.policy import Policy
 
 # A layer is flagged when the variant's error exceeds FLAG_RATIO times its floor (the

@@ -20,7 +20,7 @@ from jaxamp._src.compare.config import CompareConfig
 from jaxamp._src.compare.task import Task
 from jaxamp._src.compare.variants import Variant
 from jaxamp._src.flax_policy.linen import apply_policy
-from jaxamp._src.ops.fp8 import STATE_COLLECTION as FP8_STATE
+from jaxamp._src.ops.fp8_state import STATE_COLLECTION as FP8_STATE
 from jaxamp._src.ops.residuals import activation_bytes
 from jaxamp._src.optim.diagnostics import underflow_fraction
 from jaxamp._src.optim.gradients import value_and_grad

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxamp._src.compare.config import CompareConfig
 from jaxamp._src.compare.models.bert import BertClassifier, BertConfig
 from jaxamp._src.compare.models.resnet import ResNet18, ResNet50
-from jaxamp._src.ops.fp8 import STATE_COLLECTION as FP8_STATE
+from jaxamp._src.ops.fp8_state import STATE_COLLECTION as FP8_STATE
 
 
 @dataclasses.dataclass
