@@ -2,41 +2,26 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import itertools
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 from flax.core import lift
-from flax.core.scope import LazyRng
 
 from jaxamp._src.autocast.api import interpreted
 from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.errors import guide
+from jaxamp._src.flax_policy import flax_internals
 from jaxamp._src.flax_policy import fp8 as fp8_state
 from jaxamp._src.flax_policy import plan as layer_plan
 from jaxamp._src.ops.residuals import validate_residuals
 from jaxamp._src.policy import Policy, PolicyLike, cast_floating, get_policy
-
-
-@contextlib.contextmanager
-def _temporarily_set(module: nn.Module, attributes: tuple[tuple[str, Any], ...]) -> Iterator[None]:
-    """Sets attributes of a (frozen) module for the duration of one method call."""
-    saved = [(name, getattr(module, name)) for name, _ in attributes]
-    try:
-        for name, value in attributes:
-            object.__setattr__(module, name, value)
-        yield
-    finally:
-        for name, value in reversed(saved):
-            object.__setattr__(module, name, value)
-
 
 # The chain of the layer whose method is running, so that a layer a model calls through
 # ``Module.apply`` (a tied head: ``self.head.apply({"params": ...}, h)``), which Flax roots
@@ -104,25 +89,11 @@ def _in_scan(before: Any, path: Any, module: nn.Module) -> bool:
     for seen_path, seen in (chain[0] for chain in before):
         if seen_path != path:
             continue
-        if _is_scan_body(seen, module):
+        if flax_internals.is_scan_body(seen, module):
             return True
         if not isinstance(seen, type(module)):
             return False
     return False
-
-
-def _is_scan_body(owner: nn.Module, module: nn.Module) -> bool:
-    """Whether ``module`` is the body of ``owner``, a module class ``nn.scan`` made (Flax
-    names it ``Scan<Body>`` and calls a clone of the body inside the scan), or the body
-    another lifted class wraps there (``nn.scan(nn.remat(Cell))``: ``ScanCheckpointCell``
-    calls ``CheckpointCell``, which calls ``Cell``)."""
-    cls, body = type(owner), type(module)
-    return (
-        cls.__name__.startswith("Scan")
-        and cls.__name__.endswith(body.__name__)
-        and body is not cls
-        and issubclass(cls, body)
-    )
 
 
 def _holds(owner: nn.Module, module: nn.Module) -> bool:
@@ -270,7 +241,7 @@ def _interceptor(
         if not plan or as_written:  # complex or float64 inputs: the layer as written
             with scope:
                 return next_fun(*args, **kwargs)
-        with scope, _temporarily_set(module, plan.attributes):
+        with scope, flax_internals.temporarily_set(module, plan.attributes):
             _cast_cache(module)
             if plan.matmul is not None:
                 out = layer_plan.run_unhooked(module, plan, *args, **kwargs)
@@ -287,53 +258,6 @@ def _root_policy(given: Policy, overrides: Any, module: nn.Module) -> Policy:
     """The policy of the wrapped model: an override of its own class is its policy (its
     inputs are cast to it), else the policy given."""
     return layer_plan.resolve_policy(given, overrides, [((), module)])
-
-
-def _share_scope(policy_module: PolicyModule) -> None:
-    """Makes the policy module and the module it wraps share one scope, so that the
-    variables sit where the module alone's would, as Flax's ``share_scope`` does, with two
-    defects of it worked around. It picks which of the two moves by whether one scope is
-    the other's child; but a module the policy module bound itself (a field, in a scope
-    named ``module`` below it) is not its scope's child under a Flax transformation that
-    lifts a parent, so the policy module moved and the variables sat under an extra
-    ``module`` level. And it keeps the path and RNGs of the children it moves (submodules
-    held as dataclass fields) derived from the scope they left, so they drew other
-    initial values. A module bound elsewhere (made in a parent's compact method, with
-    its own name) keeps its scope, and the policy module takes it, as in Flax."""
-    module, scope = policy_module.module, policy_module.scope
-    assert scope is not None  # setup runs bound
-    old = module.scope
-    if old is None or (old.parent is not scope and old.path != (*scope.path, "module")):
-        nn.share_scope(policy_module, module)
-        return
-    object.__setattr__(module, "scope", scope)
-    for child in module._state.children.values():
-        if not isinstance(child, nn.Module):
-            continue
-        inner = getattr(child, "scope", None)
-        if inner is None or inner.parent is not old:
-            continue
-        if isinstance(inner.name, str):
-            scope.reserve(inner.name)
-        inner.parent = scope
-        _rederive(child, inner)
-
-
-def _rederive(module: nn.Module, scope: Any) -> None:
-    """``scope`` (``module``'s, just moved) and those of its children already bound with
-    the path and RNGs ``Scope.push`` would have given them under their parent."""
-    if not isinstance(scope.name, str):
-        return
-    parent = scope.parent
-    scope.path = (*parent.path, scope.name)
-    scope.debug_path = (*parent.debug_path, scope.name)
-    scope.rngs = {key: LazyRng.create(rng, scope.name) for key, rng in parent.rngs.items()}
-    for child in module._state.children.values():
-        if not isinstance(child, nn.Module):
-            continue
-        inner = getattr(child, "scope", None)
-        if inner is not None and inner.parent is scope:
-            _rederive(child, inner)
 
 
 class PolicyModule(nn.Module):
@@ -366,7 +290,7 @@ class PolicyModule(nn.Module):
     given_policy: Policy | None = None
 
     def setup(self) -> None:
-        _share_scope(self)
+        flax_internals.share_scope(self, self.module)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -432,7 +356,8 @@ class PolicyModule(nn.Module):
     @nn.nowrap
     def _run(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls the wrapped module's ``method`` (a name or a function) under the policy."""
-        self._try_setup()  # shares the scope first, when ``init``/``apply`` call ``method`` bare
+        # Shares the scope first, when ``init``/``apply`` call ``method`` bare.
+        flax_internals.run_setup(self)
         self._check_nested()
         args, kwargs = self.policy.cast_to_compute((args, kwargs))
         call = _Call(tuple(self.scope.path) if self.scope is not None else ())

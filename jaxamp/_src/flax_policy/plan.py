@@ -23,6 +23,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from jaxamp._src.dtypes import is_16bit, is_float64, is_floating, is_narrower
+from jaxamp._src.flax_policy import flax_internals
 from jaxamp._src.flax_policy.fp8 import LinenDelayed, NnxDelayed
 from jaxamp._src.jaxprs import FLOAT32_SCOPE, NO_FP8_SCOPE
 from jaxamp._src.ops import attention
@@ -315,7 +316,9 @@ def _linen_einsum(
         einsum_str, inputs.astype(rule.compute_dtype), kernel, precision=module.precision
     )
     if module.use_bias:
-        bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+        bias_shape, broadcast_shape = flax_internals.einsum_bias_shape(
+            module, einsum_str, inputs, kernel
+        )
         bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
         y += jnp.reshape(bias.astype(rule.compute_dtype), broadcast_shape)
     return y
