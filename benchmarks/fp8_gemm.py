@@ -50,7 +50,7 @@ from jaxamp._src.backend import cpu_info
 from jaxamp._src.flax_policy.linen import apply_policy
 from jaxamp._src.ops.fp8 import fp8_dot_general
 from jaxamp._src.ops.fp8_scaling import E4M3, quantize, scale_from_amax
-from jaxamp._src.ops.fp8_state import init_fp8_state
+from jaxamp._src.ops.fp8_state import init_gemm_fp8_state
 from jaxamp._src.ops.matmul import amp_dot_general
 from jaxamp.ops import FP8_STATE_COLLECTION as FP8_STATE
 
@@ -123,7 +123,9 @@ def _gemms(n: int) -> dict[str, tuple[Any, tuple]]:
     bf16 = jnp.bfloat16
     amax = lambda x: jnp.max(jnp.abs(x.astype(jnp.float32)))
     s_a, s_b = scale_from_amax(amax(a), E4M3), scale_from_amax(amax(b), E4M3)
-    state = init_fp8_state(16)._replace(input_scale=s_a.reshape(1), kernel_scale=s_b.reshape(1))
+    state = init_gemm_fp8_state(16)._replace(
+        input_scale=s_a.reshape(1), kernel_scale=s_b.reshape(1)
+    )
     state = state._replace(  # a history that gives the same scales: no saturation
         input_amax_history=state.input_amax_history.at[0].set(amax(a)),
         kernel_amax_history=state.kernel_amax_history.at[0].set(amax(b)),

@@ -6,9 +6,7 @@ from jaxamp._src.ops.forms import MatmulForm, matmul_form, use_matmul_form
 from jaxamp._src.ops.fp8 import fp8_dot_general
 from jaxamp._src.ops.fp8_scaling import dequantize, quantize
 from jaxamp._src.ops.fp8_state import STATE_COLLECTION as FP8_STATE_COLLECTION
-from jaxamp._src.ops.fp8_state import Fp8Meta as Fp8Meta  # deprecated, outside __all__
-from jaxamp._src.ops.fp8_state import Fp8State, init_fp8_state, max_combined
-from jaxamp._src.ops.fp8_state import init_meta as init_meta  # deprecated, outside __all__
+from jaxamp._src.ops.fp8_state import Fp8State, init_gemm_fp8_state, max_combined
 from jaxamp._src.ops.residuals import activation_bytes, checkpoint_residuals, saved_residuals
 
 __all__ = (
@@ -21,7 +19,7 @@ __all__ = (
     "dequantize",
     "dot_product_attention",
     "fp8_dot_general",
-    "init_fp8_state",
+    "init_gemm_fp8_state",
     "matmul_form",
     "max_combined",
     "quantize",

@@ -117,7 +117,7 @@ def test_a_gemm_in_a_loop_keeps_one_state_with_the_largest_amax(loop):
             h = jnp.tanh(fp8_dot_general(h, w, DN, fp8_state=gemm_state))
         return jnp.sum(h**2)
 
-    (expected,) = [jax.jit(jax.grad(reference))(jaxamp.ops.init_fp8_state())]
+    (expected,) = [jax.jit(jax.grad(reference))(jaxamp.ops.init_gemm_fp8_state())]
     np.testing.assert_equal(_as_dict(gemm_state), _as_dict(expected))
     amaxes = [float(jnp.max(jnp.abs(w))) for w in ws]
     assert float(gemm_state.kernel_amax_history[0]) == pytest.approx(max(amaxes))
@@ -283,10 +283,10 @@ def test_errors_name_the_state_and_how_to_make_it():
     with pytest.raises(TypeError, match=r"fp8_state=.*init_fp8_state"):
         f(w1, w2, x)
     with pytest.raises(TypeError, match=r"fp8_state must be the mapping.*got list"):
-        f(w1, w2, x, fp8_state=[jaxamp.ops.init_fp8_state()])
+        f(w1, w2, x, fp8_state=[jaxamp.ops.init_gemm_fp8_state()])
     missing = r"no state for the GEMM '· @ args\[1\]'.*holds \['args\[2\] @ args\[0\]'\]"
     with pytest.raises(ValueError, match=missing):
-        f(w1, w2, x, fp8_state={"args[2] @ args[0]": jaxamp.ops.init_fp8_state()})
+        f(w1, w2, x, fp8_state={"args[2] @ args[0]": jaxamp.ops.init_gemm_fp8_state()})
     with pytest.raises(TypeError, match="delayed-scaling policy"):
         jaxamp.init_fp8_state(jaxamp.autocast(_two_layers, "mixed_float8"), w1, w2, x)
     with pytest.raises(TypeError, match="fp8_state"):

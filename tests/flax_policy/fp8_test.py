@@ -549,9 +549,9 @@ def test_a_layer_left_out_of_the_loss_keeps_its_state_nnx():
 def test_a_zeroed_state_starts_over_instead_of_zeroing_the_layer():
     """A state zeroed elsewhere (Flax's own step on an unused layer) recovers: a scale that
     is not positive counts as the initial 1."""
-    from jaxamp.ops import fp8_dot_general, init_fp8_state
+    from jaxamp.ops import fp8_dot_general, init_gemm_fp8_state
 
-    gemm_state = init_fp8_state(4)._replace(
+    gemm_state = init_gemm_fp8_state(4)._replace(
         input_scale=jnp.zeros((1,)), kernel_scale=jnp.zeros((1,))
     )
     y = fp8_dot_general(
@@ -956,7 +956,7 @@ def test_an_nnx_layer_of_ones_own_with_a_rank_3_kernel_keeps_one_state():
         return jnp.sum(jaxamp.ops.fp8_dot_general(x, kernel, dims, fp8_state=gemm_state) ** 2)
 
     want_kernel, want_gemm_state = jax.grad(reference, argnums=(0, 1))(
-        kernel, jaxamp.ops.init_fp8_state(4)
+        kernel, jaxamp.ops.init_gemm_fp8_state(4)
     )
     np.testing.assert_allclose(grads["kernel"][...], want_kernel, rtol=1e-6)
     for name in jaxamp.ops.Fp8State._fields:
@@ -991,7 +991,7 @@ def test_a_state_of_another_history_length_is_refused_naming_both():
     with pytest.raises(ValueError, match=match):
         jax.jit(f)(w, x, fp8_state=old_ac)
     with pytest.raises(ValueError, match="amax_history_length must be an integer >= 1, got 0"):
-        jaxamp.ops.init_fp8_state(0)
+        jaxamp.ops.init_gemm_fp8_state(0)
 
 
 @pytest.mark.parametrize("override", ["mixed_float8", "mixed_float8_delayed"])
@@ -1106,12 +1106,12 @@ def test_a_state_that_is_not_one_layers_float32_state_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=match):
         jax.jit(f)(w, x, fp8_state=state)
     with pytest.raises(ValueError, match=match):
-        gemm_state = jax.tree.map(change, jaxamp.ops.init_fp8_state(4))
+        gemm_state = jax.tree.map(change, jaxamp.ops.init_gemm_fp8_state(4))
         jaxamp.ops.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fp8_state=gemm_state)
 
 
 def test_amax_histories_of_different_lengths_are_not_one_state():
-    gemm_state = jaxamp.ops.init_fp8_state(4)._replace(kernel_amax_history=jnp.zeros(16))
+    gemm_state = jaxamp.ops.init_gemm_fp8_state(4)._replace(kernel_amax_history=jnp.zeros(16))
     with pytest.raises(ValueError, match=r"different lengths \[4, 16\]: not one GEMM's state"):
         jaxamp.ops.fp8_dot_general(
             jnp.ones((2, 8)), jnp.ones((8, 3)), (((1,), (0,)), ((), ())), fp8_state=gemm_state

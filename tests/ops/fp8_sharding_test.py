@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
     from jax.sharding import PartitionSpec as P, AxisType
     import jaxamp
-    from jaxamp.ops import fp8_dot_general, init_fp8_state
+    from jaxamp.ops import fp8_dot_general, init_gemm_fp8_state
 
     S = jaxamp.ops.FP8_STATE_COLLECTION
     dn = (((1,), (0,)), ((), ()))
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     # shard_map, data parallel: a replicated weight, the batch split over 4 devices. The
     # amax is the whole batch's (pmax), the weight's gradient summed (as bf16's rule does).
     auto = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
-    for state in (None, init_fp8_state(4)):
+    for state in (None, init_gemm_fp8_state(4)):
         def local(w, m, xb):
             def f(w, m):
                 return jnp.sum(fp8_dot_general(xb, w, dn, fp8_state=m))

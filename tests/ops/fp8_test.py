@@ -15,7 +15,7 @@ import pytest
 from flax.linen import fp8_ops
 
 import jaxamp
-from jaxamp.ops import Fp8State, fp8_dot_general, init_fp8_state, max_combined
+from jaxamp.ops import Fp8State, fp8_dot_general, init_gemm_fp8_state, max_combined
 
 DN = (((1,), (0,)), ((), ()))
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -205,7 +205,7 @@ def test_state_used_twice_combines_by_max_not_sum():
             fp8_dot_general(a, w, DN, fp8_state=state) + fp8_dot_general(b, w, DN, fp8_state=state)
         )
 
-    new = _state_grad(loss, init_fp8_state(4))
+    new = _state_grad(loss, init_gemm_fp8_state(4))
     assert float(new.input_amax_history[0]) == 5.0
     assert float(new.output_grad_amax_history[0]) == 1.0
     np.testing.assert_array_equal(new.input_scale, [1.0])
@@ -231,7 +231,7 @@ def test_state_combines_by_max_under_transformations(transform):
             return jax.lax.fori_loop(0, 4, lambda i, c: c + one(state, xs[i]), 0.0)
         return sum(jax.checkpoint(one)(state, x) for x in xs)
 
-    new = _state_grad(loss, init_fp8_state(4))
+    new = _state_grad(loss, init_gemm_fp8_state(4))
     assert float(new.input_amax_history[0]) == 4.0
     assert float(new.kernel_amax_history[0]) == 1.0
 
@@ -247,7 +247,7 @@ def test_plain_float32_state_is_summed_which_is_why_it_is_max_combined():
             + fp8_dot_general(a, w, DN, fp8_state=state)
         )
 
-    new = _state_grad(loss, init_fp8_state(4))
+    new = _state_grad(loss, init_gemm_fp8_state(4))
     assert float(new.input_amax_history[0]) == 4.0  # 2 + 2: summed
 
 
@@ -256,7 +256,7 @@ def test_plain_float32_state_is_summed_which_is_why_it_is_max_combined():
 def test_a_non_finite_operand_or_gradient_is_not_hidden_by_clipping(bad, delayed):
     """float8_e4m3fn has no infinity: clipping an overflow to 448 would give finite
     results and gradients, and loss scaling would never see the overflow."""
-    state = init_fp8_state(4) if delayed else None
+    state = init_gemm_fp8_state(4) if delayed else None
     x = jnp.ones((2, 3)).at[0, 1].set(bad)
     w = jnp.ones((3, 2))
     y = fp8_dot_general(x, w, DN, fp8_state=state)
@@ -270,7 +270,7 @@ def test_a_non_finite_operand_or_gradient_is_not_hidden_by_clipping(bad, delayed
 def test_a_non_finite_amax_is_kept_out_of_the_history():
     """An overflow step (skipped by loss scaling) must not freeze the scale for the length
     of the history, as an inf in it would: it is pushed as 0 (no information)."""
-    state = init_fp8_state(4)._replace(input_amax_history=jnp.array([2.0, 0, 0, 0]))
+    state = init_gemm_fp8_state(4)._replace(input_amax_history=jnp.array([2.0, 0, 0, 0]))
     x = jnp.ones((2, 3)).at[0, 0].set(jnp.inf)
 
     def loss(state):
@@ -286,7 +286,9 @@ def test_two_uses_one_overflowing_push_the_finite_amax():
     not a mix of the pushed and the unpushed one."""
     from jaxamp._src.ops.fp8_state import max_combined
 
-    state = init_fp8_state(4)._replace(output_grad_amax_history=jnp.array([4.0, 3.0, 2.0, 1.0]))
+    state = init_gemm_fp8_state(4)._replace(
+        output_grad_amax_history=jnp.array([4.0, 3.0, 2.0, 1.0])
+    )
     w = jnp.ones((3, 2))
 
     def loss(state, bad):
@@ -308,7 +310,7 @@ def test_an_inf_operand_reaches_the_other_operands_gradient(bad):
     x = jax.random.normal(jax.random.key(0), (4, 8)).at[1, 2].set(bad)
     w = jax.random.normal(jax.random.key(1), (8, 3))
     g = jax.random.normal(jax.random.key(2), (4, 3))
-    for state in (None, init_fp8_state(4)):
+    for state in (None, init_gemm_fp8_state(4)):
         _, vjp = jax.vjp(lambda x, w, m=state: fp8_dot_general(x, w, DN, fp8_state=m), x, w)
         dx, dw = vjp(g)
         assert np.isnan(np.asarray(dw)).all(), state is None
@@ -329,7 +331,7 @@ def test_edge_amax_zero_subnormal_and_large(value):
     x = jnp.full((2, 3), value, jnp.float32)
     w = jnp.ones((3, 2))
     expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    for state in (None, init_fp8_state(4)):
+    for state in (None, init_gemm_fp8_state(4)):
         y = fp8_dot_general(x, w, DN, fp8_state=state)
         assert np.isfinite(np.asarray(y)).all(), (value, state is None)
         if state is None or value == 0.0:  # a fresh history's scale is 1: values clip or flush
@@ -345,7 +347,7 @@ def test_a_product_beyond_float32_is_inf_as_in_float32():
 def test_e4m3_saturates_under_delayed_scaling_when_amax_grows():
     """Delayed scaling quantizes with the history's amax: a step whose amax grows past it
     clips to 448 * scale (documented); the next step's scale covers it."""
-    state = init_fp8_state(4)._replace(
+    state = init_gemm_fp8_state(4)._replace(
         input_amax_history=jnp.array([1.0, 0, 0, 0]), input_scale=jnp.array([1.0 / 448])
     )
     x = jnp.full((1, 1), 10.0)
@@ -406,7 +408,7 @@ def test_a_margin_the_recipe_refuses_is_refused_by_fp8_dot_general_too(margin):
     the value and the valid range, for current and delayed scaling."""
     x, w = jnp.ones((2, 3)), jnp.ones((3, 2))
     said = f"margin must be an integer from 0 to 14, got {margin!r}"
-    for state in (None, init_fp8_state(4)):
+    for state in (None, init_gemm_fp8_state(4)):
         with pytest.raises(ValueError, match=re.escape(f"fp8_dot_general's {said}")):
             fp8_dot_general(x, w, DN, fp8_state=state, margin=margin)
     with pytest.raises(ValueError, match=re.escape(f"Fp8Recipe.{said}")):
@@ -442,7 +444,7 @@ def test_integer_operands_are_left_to_lax():
 def test_vmap_scales_the_batch_as_one_tensor(delayed):
     """Under ``vmap`` the amax is the whole batch's, as for the stacked tensor without it,
     so results match the unbatched call and the state stays unbatched."""
-    state = init_fp8_state(4) if delayed else None
+    state = init_gemm_fp8_state(4) if delayed else None
     xs = (
         jax.random.normal(jax.random.key(0), (3, 2, 5))
         * jnp.array([1.0, 10.0, 100.0])[:, None, None]
@@ -467,7 +469,7 @@ def test_vmap_over_a_batched_state_scales_each_member_as_run_alone(factors, shar
     ws = jax.random.normal(jax.random.key(1), (k, 5, 4)) * scale
     xs = jax.random.normal(jax.random.key(0), (k, 2, 5)) * scale[::-1]
     x_axis = None if shared_input else 0
-    states = jax.tree.map(lambda v: jnp.stack([v] * k), init_fp8_state(4))
+    states = jax.tree.map(lambda v: jnp.stack([v] * k), init_gemm_fp8_state(4))
 
     def loss(w, state, x):
         return jnp.sum(fp8_dot_general(x, w, DN, fp8_state=state) ** 2)
@@ -499,7 +501,7 @@ def test_a_gemm_inside_checkpoint_matches_it_outside(delayed, saving):
     policy = saving and getattr(jax.checkpoint_policies, saving)
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
-    state = init_fp8_state(4) if delayed else None
+    state = init_gemm_fp8_state(4) if delayed else None
 
     def gemm(x, w, state):
         return fp8_dot_general(x, w, DN, fp8_state=None if state is None else max_combined(state))
@@ -522,7 +524,7 @@ def test_a_state_as_a_mapping_of_its_names_is_the_same_state():
     next state of the Fp8State it came from (it was refused as a stack's state)."""
     x = jax.random.normal(jax.random.key(0), (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 3))
-    state = jax.tree.map(lambda v: v + 0.5, init_fp8_state(4))
+    state = jax.tree.map(lambda v: v + 0.5, init_gemm_fp8_state(4))
 
     def loss(w, state):
         return jnp.sum(fp8_dot_general(x, w, DN, fp8_state=state) ** 2)
@@ -534,25 +536,3 @@ def test_a_state_as_a_mapping_of_its_names_is_the_same_state():
     np.testing.assert_array_equal(got_dw, want_dw)
     for name in Fp8State._fields:
         np.testing.assert_array_equal(got_states[name], getattr(want_state, name), name)
-
-
-def test_the_fp8_state_names_before_0_2_still_work_and_warn():
-    """``Fp8Meta``, ``init_meta`` and ``meta=``, the FP8 state's earlier names: the class
-    is ``Fp8State``, and the others warn, naming the new name, and do what it does."""
-    assert jaxamp.ops.Fp8Meta is Fp8State
-    with pytest.warns(DeprecationWarning, match=r"jaxamp\.ops\.init_fp8_state"):
-        old = jaxamp.ops.init_meta(4)
-    assert type(old) is Fp8State
-    jax.tree.map(np.testing.assert_array_equal, old, init_fp8_state(4))
-
-    x, w = jnp.arange(6.0).reshape(2, 3), jnp.full((3, 2), 0.5)
-
-    def loss(state, name):
-        return jnp.sum(fp8_dot_general(x, w, DN, **{name: state}) ** 2)
-
-    with pytest.warns(DeprecationWarning, match="fp8_state="):
-        got = jax.jit(jax.value_and_grad(functools.partial(loss, name="meta")))(old)
-    want = jax.jit(jax.value_and_grad(functools.partial(loss, name="fp8_state")))(old)
-    jax.tree.map(np.testing.assert_array_equal, got, want)
-    with pytest.raises(TypeError, match="both fp8_state= and meta="):
-        fp8_dot_general(x, w, DN, fp8_state=old, meta=old)

@@ -146,7 +146,7 @@ def _interpreter(
     residuals: str,
     as_written: Callable[[Any], Any] | None = None,
 ) -> Callable[..., Any]:
-    """``interpreted``'s function taking the call's delayed float8 scaling state first:
+    """``interpreted``'s function taking the call's FP8 state (delayed scaling) first:
     ``run(store, *args, **kwargs)`` (``None``: none; see ``fp8_state.with_state``)."""
     validate_residuals(residuals)
     if not is_narrow(config.policy.compute_dtype) or config.policy.fp8 is not None:

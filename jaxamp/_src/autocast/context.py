@@ -45,7 +45,7 @@ class CallContext:
       written: ``id(literal): float32 value`` for the constants a 16-bit trace rounded to
         ``inf``, evaluated with the value the program wrote (``constants.written_values``).
       program: the jaxpr those literals belong to, held so that their ids stay theirs.
-      fp8: the delayed float8 scaling state of the call (``None``: current scaling).
+      fp8: the call's FP8 state, for delayed scaling (``None``: current scaling).
       kept: whether a value was kept wider than traced (see ``KeptWide``).
     """
 

@@ -14,10 +14,10 @@ from jaxamp._src.ops.fp8_state import (
     Fp8State,
     as_fp8_state,
     checked_fp8_state,
+    init_gemm_fp8_state,
     max_combined,
     warn_if_state_is_not_differentiated,
 )
-from jaxamp._src.ops.fp8_state import init_fp8_state as init_gemm_state
 
 
 @dataclasses.dataclass
@@ -125,7 +125,7 @@ def state_here(store: Store | None, lhs: Any, rhs: Any) -> Fp8State | None:
     pair, key = pairs[chosen], keys[chosen]
     store.counts[pair] = store.counts.get(pair, 0) + 1
     if store.state is None:
-        store.collected.setdefault(key, init_gemm_state(store.history_length))
+        store.collected.setdefault(key, init_gemm_fp8_state(store.history_length))
         return store.collected[key]
     if key not in store.state:
         raise ValueError(
@@ -196,7 +196,8 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
       **kwargs: its keyword arguments, passed by keyword as it will be called.
 
     Returns:
-      A dict of each GEMM's key to a fresh ``Fp8State``: the names of the arguments its
+      A dict of each GEMM's key to a fresh ``Fp8State`` (as
+      ``jaxamp.ops.init_gemm_fp8_state`` makes one GEMM's): the names of the arguments its
       operands come from (``"args[1] @ args[0]['w1']"``, ``·`` for a computed operand),
       with a count where a pair repeats (``"· @ args[0]['w2'] #1"``).
 
@@ -239,4 +240,4 @@ def init_fp8_state(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[s
         jax.eval_shape(with_arrays, [x for x, s in zip(leaves, shapes, strict=True) if s])
     else:
         collect(args, kwargs)
-    return {key: init_gemm_state(delayed.history_length) for key in store.collected}
+    return {key: init_gemm_fp8_state(delayed.history_length) for key in store.collected}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -259,7 +258,6 @@ def fp8_dot_general(
     fp8_state: Fp8State | None = None,
     margin: int = 0,
     out_sharding: Any = None,
-    meta: Fp8State | None = None,
 ) -> jax.Array:
     """``lax.dot_general`` in float8: e4m3 operands, an e5m2 output gradient, float32 sums.
 
@@ -273,19 +271,17 @@ def fp8_dot_general(
       dimension_numbers: as for ``lax.dot_general``.
       precision: ignored (the GEMM's precision is its float8 operands').
       preferred_element_type: the result dtype; ``None`` promotes the operands' dtypes.
-      fp8_state: the GEMM's FP8 state (an ``Fp8State`` from ``init_fp8_state``, or a
+      fp8_state: the GEMM's FP8 state (an ``Fp8State`` from ``init_gemm_fp8_state``, or a
         mapping of its six names), or ``None`` for current scaling.
       margin: powers of two of headroom below the float8 maximum, an integer >= 0
         (as ``Fp8Recipe.margin``).
       out_sharding: the result's sharding, as for ``lax.dot_general``.
-      meta: deprecated, ``fp8_state``'s earlier name (warns).
 
     Returns:
       The product, dequantized.
 
     Raises:
       ValueError: for a ``margin`` that is not an integer >= 0.
-      TypeError: for both ``fp8_state`` and ``meta``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -295,8 +291,6 @@ def fp8_dot_general(
       ((2, 4), 1.5)
     """
     del precision
-    if meta is not None:
-        fp8_state = _renamed_meta(meta, fp8_state)
     margin = recipe_integer("fp8_dot_general's margin", margin, 0, MAX_MARGIN)
     floating = all(is_floating(x.dtype) for x in (lhs, rhs))
     if not floating or not (preferred_element_type is None or is_floating(preferred_element_type)):
@@ -316,21 +310,6 @@ def fp8_dot_general(
             return _current(lhs, rhs, dims, out, margin, sharding)
         state = checked_fp8_state(as_fp8_state(fp8_state), None, "fp8_dot_general's fp8_state")
         return _delayed(lhs, rhs, state, dims, out, margin, sharding)
-
-
-def _renamed_meta(meta: Any, fp8_state: Any) -> Any:
-    """``meta``, ``fp8_state``'s earlier name, with a ``DeprecationWarning``."""
-    if fp8_state is not None:
-        raise TypeError(
-            "fp8_dot_general got both fp8_state= and meta= (its earlier name); pass "
-            "fp8_state= alone."
-        )
-    warnings.warn(
-        "fp8_dot_general's meta= is deprecated: pass the GEMM's FP8 state as fp8_state=.",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return meta
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,12 +35,12 @@ class Fp8State(NamedTuple):
     output_grad_scale: jax.Array
 
 
-def init_fp8_state(amax_history_length: int = 1024) -> Fp8State:
+def init_gemm_fp8_state(amax_history_length: int = 1024) -> Fp8State:
     """A fresh FP8 state for one GEMM: amax histories of zeros and scales of one, as Flax
-    initialises them.
+    initialises them (``jaxamp.init_fp8_state`` makes an autocast function's, one per GEMM).
 
     Examples:
-      >>> state = init_fp8_state(4)
+      >>> state = init_gemm_fp8_state(4)
       >>> state.input_amax_history.shape, state.input_scale.shape
       ((4,), (1,))
     """
@@ -48,21 +48,6 @@ def init_fp8_state(amax_history_length: int = 1024) -> Fp8State:
     history = jnp.zeros((n,), FLOAT32)
     scale = jnp.ones((1,), FLOAT32)
     return Fp8State(history, history, history, scale, scale, scale)
-
-
-Fp8Meta = Fp8State
-"""Deprecated: the earlier name of ``Fp8State``."""
-
-
-def init_meta(amax_history_length: int = 1024) -> Fp8State:
-    """Deprecated: the earlier name of ``init_fp8_state`` (warns)."""
-    warnings.warn(
-        "jaxamp.ops.init_meta is deprecated: it is jaxamp.ops.init_fp8_state now (the same "
-        "function), and jaxamp.ops.Fp8Meta is jaxamp.ops.Fp8State.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return init_fp8_state(amax_history_length)
 
 
 def as_fp8_state(state: Any) -> Fp8State:
@@ -181,7 +166,7 @@ def max_combined(tree: Any) -> Any:
     which the next step treats as a fresh state (scales of 1).
 
     Examples:
-      >>> state = max_combined(init_fp8_state(4))
+      >>> state = max_combined(init_gemm_fp8_state(4))
       >>> state.input_scale.dtype
       fp8_max32
     """

@@ -87,7 +87,7 @@ def value_and_grad(
       fun: the loss function.
       argnums: which positional arguments to differentiate. The optimizer's params
         are the first of them; others differentiated beside them (a 16-bit input, a
-        float8 scaling state) may have any dtype.
+        delayed-scaling FP8 state) may have any dtype.
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       transform: the ``value_and_grad`` to build on: ``jax.value_and_grad``
         (default), ``nnx.value_and_grad`` for NNX modules, or any function with
