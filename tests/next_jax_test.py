@@ -105,12 +105,17 @@ def test_the_flags_are_read_from_jax():
     assert "jax_enable_x64" not in ALL_NEXT or not jax.config.jax_enable_x64
 
 
-# In CI, all the flags at once over the sensitive suite but the zoo's layers that no flag
-# reaches in another way than the layers kept: the lifted transforms (checkpoint, custom
-# derivatives), softmax and attention (softmax's rule), the large constants (inline
-# constants). The whole zoo under the flags is the slow run below.
-_ZOO_UNDER_FLAGS = "scan or remat or vmap or jit or Attention or masked or softmax or LayerNorm"
-SENSITIVE_CI = tuple(s for s in SENSITIVE if not s.endswith("zoo_test.py"))
+# In CI, all the flags at once over the interpreter's, the constants' and the rules' own
+# tests, and the zoo's layers that the flags reach in another way than the layers kept:
+# the lifted transforms (checkpoint, custom derivatives), softmax (softmax's rule) and the
+# large constants (inline constants). The whole sensitive suite under the flags (models,
+# transformations, float8, the whole zoo) is the slow run below.
+_ZOO_UNDER_FLAGS = "scan or remat or vmap or jit or masked or softmax"
+SENSITIVE_CI = (
+    "tests/autocast/interpreter_test.py",
+    "tests/autocast/constants_test.py",
+    "tests/autocast/rules_test.py",
+)
 
 
 @pytest.mark.xdist_group("next_jax")

@@ -21,16 +21,21 @@ FORMS = [f for f in jaxamp.ops.MATMUL_FORMS if f != "native" or jax.default_back
 
 
 def _cases():
-    """(policy, form) pairs; a policy's default form on this backend is what every other
-    test of these models runs, so there it is ``slow`` (CI runs the other forms)."""
+    """(model, policy, form); a policy's default form on this backend is what every other
+    test of these models runs, so there it is ``slow``. CI runs each other (policy, form)
+    pair on one model, the models in turn; the slow run, every model."""
     from jaxamp._src.ops.forms import platform_form
 
+    i = 0
     for policy in POLICIES:
         compute = jaxamp.get_policy(policy).compute_dtype
         default = platform_form(jax.default_backend(), compute).name
         for form in FORMS:
-            marks = [pytest.mark.slow] if form == default else []
-            yield pytest.param(policy, form, marks=marks, id=f"{policy}-{form}")
+            for j, name in enumerate(MODELS):
+                in_ci = form != default and j == i % len(MODELS)
+                marks = [] if in_ci else [pytest.mark.slow]
+                yield pytest.param(name, policy, form, marks=marks, id=f"{name}-{policy}-{form}")
+            i += form != default
 
 
 IDS = jax.random.randint(jax.random.key(0), (4, 16), 1, 96)
@@ -82,8 +87,7 @@ def transformers_bert(policy):
 MODELS = {"jaxamp BERT": jaxamp_bert, "jaxamp GPT-2": jaxamp_gpt2, "BERT": transformers_bert}
 
 
-@pytest.mark.parametrize(("policy", "form"), list(_cases()))
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(("name", "policy", "form"), list(_cases()))
 def test_models_train_under_every_form(name, policy, form):
     amp_loss, fp32_loss, params, batch = MODELS[name](policy)
     with jaxamp.ops.use_matmul_form(form):
