@@ -311,7 +311,7 @@ def test_the_state_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
 def test_loss_scaled_refuses_the_state():
     w1, w2, x = _weights()
     state, _ = _delayed_grad(_two_layers, w1, w2, x)
-    with pytest.raises(ValueError, match="float8 scaling state"):
+    with pytest.raises(ValueError, match="FP8 state"):
         jaxamp.loss_scaled(optax.sgd(0.1)).init({"w": w1, "fp8": state})
 
 

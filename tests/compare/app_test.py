@@ -211,7 +211,7 @@ def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_train
 
 
 def test_delayed_fp8_step_carries_its_state_apart_from_the_optimizer_as_written_by_hand():
-    """The fp8-delayed variant's step on a model with BatchNorm: the scaling state is
+    """The fp8-delayed variant's step on a model with BatchNorm: the FP8 state is
     differentiated apart from the params and overwritten with its gradient, BatchNorm's
     statistics updated, only the params' gradients given to Adam: the same params, state and
     statistics as the documented step written out, step for step."""

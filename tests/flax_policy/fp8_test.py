@@ -248,7 +248,7 @@ def test_linen_state_survives_an_orbax_round_trip_bit_for_bit(tmp_path):
 def test_loss_scaled_refuses_the_state_instead_of_unscaling_it():
     model, x, variables = _train_linen("mixed_float8_delayed")
     tx = jaxamp.loss_scaled(optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"float8 scaling state.*_overwrite_with_gradient"):
+    with pytest.raises(ValueError, match=r"FP8 state.*_overwrite_with_gradient"):
         tx.init(variables)
     state = tx.init(variables["params"])
     grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
@@ -696,9 +696,9 @@ def test_loss_scaled_refuses_nnx_state_at_init():
     refused at once (it was accepted, and the state stepped by the optimizer)."""
     model = _nnx_model("mixed_float8_delayed")
     both = nnx.Any(nnx.Param, jaxamp.nnx.OverwriteWithGradient)
-    with pytest.raises(ValueError, match="float8 scaling state among the params"):
+    with pytest.raises(ValueError, match="FP8 state among the params"):
         nnx.Optimizer(model, jaxamp.loss_scaled(optax.sgd(0.1)), wrt=both)
-    with pytest.raises(ValueError, match="float8 scaling state among the params"):
+    with pytest.raises(ValueError, match="FP8 state among the params"):
         jaxamp.loss_scaled(optax.sgd(0.1)).init(nnx.state(model))
 
 

@@ -39,7 +39,7 @@ class Run:
     every seed of a comparison: ``reset`` starts it again from a seed's initial
     variables without compiling anything.
 
-    A delayed float8 variant keeps its scaling state in ``fp8_state`` (``{}`` for every
+    A delayed float8 variant keeps its FP8 state in ``fp8_state`` (``{}`` for every
     other variant): each step differentiates it beside the params and replaces it with
     its gradient, its next value; the optimizer never sees it.
     """
@@ -83,7 +83,7 @@ class Run:
             )
 
     def _initial_fp8_state(self, x: Any) -> Any:
-        """A delayed float8 policy's fresh scaling state (histories of zeros, scales of one)
+        """A delayed float8 policy's fresh FP8 state (histories of zeros, scales of one)
         for this model, or ``{}``; the same for every seed."""
         fp8 = self.variant.policy.fp8
         if fp8 is None or fp8.scaling != "delayed":

@@ -32,7 +32,7 @@ class Task:
         fp8: Any = None,
     ) -> tuple[Any, Any]:
         """The logits and the updated ``state`` (BatchNorm statistics); ``fp8``, a delayed
-        float8 policy's scaling state (the ``_overwrite_with_gradient`` collection), is
+        float8 policy's FP8 state (the ``_overwrite_with_gradient`` collection), is
         read, never updated: its next value is its gradient."""
         extra = {FP8_STATE: fp8} if fp8 else {}
         if self.has_batch_stats:

@@ -327,11 +327,11 @@ def _validated_seed(seed: Any) -> Any:
 
 
 def _refuse_fp8_state(tree: Any, what: str) -> None:
-    """Delayed float8 scaling state is replaced by its gradient, never stepped or unscaled."""
+    """Delayed scaling's FP8 state is replaced by its gradient, never stepped or unscaled."""
     paths = state_paths(tree)
     if paths:
         raise ValueError(
-            f"loss_scaled got float8 scaling state among the {what} ({paths[0]}"
+            f"loss_scaled got FP8 state among the {what} ({paths[0]}"
             f"{f' and {len(paths) - 1} more' if len(paths) > 1 else ''}). Its gradient is "
             "its next value: unscaling or stepping it would corrupt it. Differentiate params "
             "and state apart and set the state to its gradient: Linen, "
