@@ -24,7 +24,15 @@ from jaxamp._src.autocast.interpreter import (
     traced_dtype,
 )
 from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
-from jaxamp._src.dtypes import FLOAT32, is_16bit, is_float64, is_floating, is_narrow, is_narrower
+from jaxamp._src.dtypes import (
+    FLOAT32,
+    is_16bit,
+    is_float64,
+    is_floating,
+    is_narrow,
+    is_narrower,
+    promote,
+)
 from jaxamp._src.jaxprs import bind, in_backward_pass, in_no_fp8_scope
 from jaxamp._src.ops.fp8 import fp8_dot_general
 from jaxamp._src.ops.matmul import amp_conv_from_params, amp_dot_general
@@ -49,9 +57,9 @@ def _planned_inputs(eqn: Any, env: Env, wanted: Sequence[Any] | None = None) -> 
         if len({np.dtype(dtypes[i]) for i in members}) < 2:
             continue
         strong = [i for i in members if not _is_weak(atoms[i])]
-        target = functools.reduce(jnp.promote_types, [dtypes[i] for i in strong or members])
+        target = promote(*[dtypes[i] for i in strong or members])
         if any(_overflows(env.read(atoms[i]), target) for i in members if _is_weak(atoms[i])):
-            target = np.dtype(jnp.promote_types(target, FLOAT32))
+            target = promote(target, FLOAT32)
             env.context.kept.note()
         for i in members:
             dtypes[i] = target
@@ -199,7 +207,7 @@ def _compute(eqn: Any, env: Env) -> list[Any]:
         return _promote(eqn, env)  # integer matmuls and outer products are left alone
     compute = env.policy.compute_dtype
     if _is_vector_dot(eqn):
-        compute = np.dtype(functools.reduce(jnp.promote_types, [env.dtype(a) for a in eqn.invars]))
+        compute = promote(*[env.dtype(a) for a in eqn.invars])
     params = dict(eqn.params)
     if (
         env.policy.fp8 is not None
@@ -446,7 +454,7 @@ def _convert(eqn: Any, env: Env) -> list[Any]:
         # A Python scalar JAX narrows to a 16-bit operand's dtype (``jnp.where(m, s, -1e9)``
         # traced in float16): it keeps the value written, in float32, not ``inf``.
         env.context.kept.note()
-        return [np.asarray(value, jnp.promote_types(current, FLOAT32))]
+        return [np.asarray(value, promote(current, FLOAT32))]
     if (
         getattr(atom.aval, "weak_type", False)
         and is_16bit(new_dtype)
@@ -456,7 +464,7 @@ def _convert(eqn: Any, env: Env) -> list[Any]:
         # The same, computed from constants (``s + jnp.arange(n) * 1e5``) or selected by a
         # mask (``s + jnp.where(mask, 0.0, -1e9)``): kept wide.
         env.context.kept.note()
-        return [lax.convert_element_type(value, jnp.promote_types(current, FLOAT32))]
+        return [lax.convert_element_type(value, promote(current, FLOAT32))]
     (out,) = bind(eqn, [value])
     if is_floating(current) and is_floating(new_dtype) and is_narrower(new_dtype, current):
         env.remember_wide(out, env.read(atom))

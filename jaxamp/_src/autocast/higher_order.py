@@ -24,7 +24,7 @@ from jaxamp._src.autocast.interpreter import (
     traced_dtype,
 )
 from jaxamp._src.autocast.rules import primitive_names
-from jaxamp._src.dtypes import is_floating, is_narrower, upcast
+from jaxamp._src.dtypes import is_floating, is_narrower, promote, upcast
 from jaxamp._src.jaxprs import bind, equations, open_jaxpr
 
 # --- Calls and rematerialization --------------------------------------------------------------
@@ -111,7 +111,7 @@ def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def _promoted_to_outputs(dtypes: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
     """``dtypes``, each floating one promoted to its ``outs`` dtype where that is wider."""
     return [
-        np.dtype(jnp.promote_types(d, o.dtype)) if is_narrower(d, o.dtype) else d
+        promote(d, o.dtype) if is_narrower(d, o.dtype) else d
         for d, o in zip(dtypes, outs, strict=True)
     ]
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 from jax._src.sharding_impls import canonicalize_sharding
 
-from jaxamp._src.dtypes import FLOAT32, is_floating
+from jaxamp._src.dtypes import FLOAT32, is_floating, promote
 from jaxamp._src.errors import guide
 from jaxamp._src.jaxprs import FP8_SCOPE
 from jaxamp._src.ops.forms import free_dims
@@ -245,7 +245,7 @@ def _delayed_bwd(
 def _out_dtype(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype:
     if preferred_element_type is not None:
         return np.dtype(preferred_element_type)
-    return np.dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
+    return promote(lhs.dtype, rhs.dtype)
 
 
 def fp8_dot_general(
