@@ -18,6 +18,11 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp._src.autocast import constants
+from tests.helpers.expected_warnings import FLOAT16_OVERFLOW, NNX_SOW_OUTSIDE_CAPTURE
+
+# The constants under test are those float16 cannot hold: JAX's cast of one in a 16-bit
+# trace warns (numpy's overflow), and what is asserted is that its value is kept.
+pytestmark = FLOAT16_OVERFLOW
 
 IDIOMS = ("shift", "mask_mul", "where_inf", "where_fill", "where_scaled", "masked_output")
 
@@ -269,6 +274,7 @@ class _SowingNNX(nnx.Module):
         return h
 
 
+@NNX_SOW_OUTSIDE_CAPTURE
 @pytest.mark.parametrize("path", ["linen", "nnx"])
 def test_a_sown_value_keeps_a_constant_s_value(path):
     """State a call writes (a sown intermediate) holding such a constant keeps its value:
@@ -287,7 +293,7 @@ def test_a_sown_value_keeps_a_constant_s_value(path):
         sown = []
         for module in (_SowingNNX(), jaxamp.nnx.apply_policy(_SowingNNX(), "mixed_float16")):
             nnx.jit(lambda m, x: m(x))(module, x)
-            sown.append(module.shifted.value[0])
+            sown.append(module.shifted.get_value()[0])
         reference, out = sown
     assert bool(jnp.all(jnp.isfinite(reference)))
     np.testing.assert_allclose(np.asarray(out, np.float32), reference, rtol=1e-3)
@@ -445,3 +451,30 @@ def test_a_closed_over_mask_bias_keeps_its_value_under_simplified_constants(
     finally:
         jax.config.update("jax_use_simplified_jaxpr_constants", previous)
     np.testing.assert_allclose(got, f(x, w), atol=1e-2)
+
+
+@NNX_SOW_OUTSIDE_CAPTURE
+@pytest.mark.parametrize("path", ["linen", "nnx", "autocast"])
+def test_a_constant_is_kept_wide_under_a_users_strict_promotion(path):
+    """Keeping a constant wide is the rules' own promotion (float16 with float32 is
+    float32), made whatever the user's ``jax_numpy_dtype_promotion``: under "strict" it
+    raised TypePromotionError from inside the policy."""
+    x = jax.random.normal(jax.random.key(1), (3, 4))
+    with jax.numpy_dtype_promotion("strict"):
+        if path == "linen":
+            model = _SowingNet()
+            variables = model.init(jax.random.key(0), x)
+            policed = jaxamp.linen.apply_policy(model, "mixed_float16")
+            _, state = jax.jit(lambda v, x: policed.apply(v, x, mutable=["intermediates"]))(
+                variables, x
+            )
+            out = state["intermediates"]["shifted"][0]
+        elif path == "nnx":
+            module = jaxamp.nnx.apply_policy(_SowingNNX(), "mixed_float16")
+            nnx.jit(lambda m, x: m(x))(module, x)
+            out = module.shifted.get_value()[0]
+        else:
+            w = jax.random.normal(jax.random.key(0), (4, 8))
+            out = jax.jit(jaxamp.autocast(lambda w, x: x @ w + 1e5, "mixed_float16"))(w, x)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(jnp.max(jnp.abs(np.asarray(out, np.float32) - 1e5))) < 100
