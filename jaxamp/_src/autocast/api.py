@@ -84,7 +84,7 @@ def autocast(
         )
     config = AutocastConfig(policy, rules)
     if policy.fp8 is not None and policy.fp8.scaling == "delayed":
-        run = _interpreter(fun, config, residuals)  # takes the call's Store first
+        run = interpreter(fun, config, residuals)  # takes the call's Store first
         return fp8_state.with_state(run, policy.fp8.amax_history_length)
     return interpreted(fun, config, residuals)
 
@@ -131,7 +131,7 @@ def interpreted(
     context with float32 inputs, and each constant the 16-bit trace rounded to
     ``inf`` (``x + 1e5`` in float16) is evaluated with the value written there.
     """
-    run = _interpreter(fun, config, residuals, as_written)
+    run = interpreter(fun, config, residuals, as_written)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -140,32 +140,27 @@ def interpreted(
     return wrapped
 
 
-def _interpreter(
+def interpreter(
     fun: Callable[..., Any],
     config: AutocastConfig,
     residuals: str,
     as_written: Callable[[Any], Any] | None = None,
-) -> Callable[..., Any]:
-    """``interpreted``'s function taking the call's FP8 state (delayed scaling) first:
-    ``run(store, *args, **kwargs)`` (``None``: none; see ``fp8_state.with_state``)."""
+) -> Interpreted:
+    """``interpreted``'s evaluation, taking the call's FP8 state (delayed scaling) first:
+    ``interpreter(...)(store, *args, **kwargs)`` (``None``: none; see
+    ``fp8_state.with_state``). The policies call it so, one call fewer on the way."""
     validate_residuals(residuals)
     if not is_narrow(config.policy.compute_dtype) or config.policy.fp8 is not None:
         # A float8 GEMM keeps its own residuals (its float8 operands and scales); the
         # compute_dtype mode's recomputation around it gave NaN gradients (tested).
         residuals = "all"
     callee, method = _callee_and_method(fun)
-    run = _Interpreted(config, residuals, as_written, callee, method)
-
-    @functools.wraps(fun)
-    def with_store(store: fp8_state.Store | None, *args: Any, **kwargs: Any) -> Any:
-        return run(store, *args, **kwargs)
-
-    return with_store
+    return Interpreted(config, residuals, as_written, callee, method)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Interpreted:
-    """What ``interpreted`` fixes for every call; each call makes the rest (its trace, the
+class Interpreted:
+    """What ``interpreter`` fixes for every call; each call makes the rest (its trace, the
     constants as written, its ``CallContext``) and passes it down."""
 
     config: AutocastConfig
@@ -179,7 +174,8 @@ class _Interpreted:
         graph = graphs.splitter_for(tree)  # NO_GRAPH where no argument is a graph node
         nodes, state, others = graph.split(tree)
         arrays, rebuild_inputs = partition_arrays((state, others))
-        closed, rebuild_outputs = self._trace(graph, nodes, rebuild_inputs, arrays)
+        traced, rebuild_outputs = self._traceable(graph, nodes, rebuild_inputs)
+        closed = jax.make_jaxpr(traced)(*arrays)
         written, consts = self._as_written(nodes, rebuild_inputs, arrays, closed)
         evaluate = checkpoint_residuals(
             _evaluation(closed, consts, written, self.config, store, arrays), self.residuals
@@ -187,35 +183,29 @@ class _Interpreted:
         if store is not None and store.state is None:  # init_fp8_state: the GEMMs' keys
             jax.eval_shape(evaluate, arrays)
             return None
-        out, new_state = rebuild_outputs(evaluate(arrays))
+        out, new_state = rebuild_outputs[0](evaluate(arrays))
         nodes.update(new_state)
         return out
 
-    def _call(self, tree: Any) -> Any:
-        callee, args, kwargs = tree
-        if self.method is None:
-            return callee(*args, **kwargs)
-        return self.method(callee, *args, **kwargs)
-
-    def _trace(
-        self, graph: GraphSplitter, nodes: Nodes, rebuild_inputs: Any, arrays: list[Any]
-    ) -> tuple[Any, Callable[[Any], Any]]:
-        """``(closed, rebuild_outputs)``: the call traced on its arrays, pure (the nodes'
-        state in, the state it changed out), and a function from its outputs to
-        ``(output, changed state)``."""
+    def _traceable(
+        self, graph: GraphSplitter, nodes: Nodes, rebuild_inputs: Any
+    ) -> tuple[Callable[..., list[Any]], list[Callable[[Any], Any]]]:
+        """``(traced, rebuild_outputs)``: the call as a pure function of its arrays (the
+        nodes' state in, the state it changed out), and, once it is traced, the function
+        from its outputs to ``(output, changed state)``."""
         rebuild_outputs: list[Callable[[Any], Any]] = []
+        method = self.method
 
         def traced(*arrays: Any) -> list[Any]:
             state, others = rebuild_inputs(arrays)
             before = graph.state_values(state)
-            tree, merged = nodes.merge(state, others)
-            out = self._call(tree)
+            (callee, args, kwargs), merged = nodes.merge(state, others)
+            out = callee(*args, **kwargs) if method is None else method(callee, *args, **kwargs)
             out_arrays, rebuild = partition_arrays((out, graph.changed_state(before, merged)))
             rebuild_outputs.append(rebuild)
             return out_arrays
 
-        closed = jax.make_jaxpr(traced)(*arrays)
-        return closed, rebuild_outputs[0]
+        return traced, rebuild_outputs
 
     def _as_written(
         self, nodes: Nodes, rebuild_inputs: Any, arrays: list[Any], closed: Any
@@ -228,13 +218,16 @@ class _Interpreted:
             constants.rounded_to_inf(closed.jaxpr) or constants.consts_hold_inf(closed)
         ):
             return {}, consts
-        as_written = self.as_written
+        as_written, method = self.as_written, self.method
 
         def traced_as_written(*arrays: Any) -> Any:
             state, others = rebuild_inputs(arrays)
             tree, _ = nodes.merge(state, others)
+            callee, args, kwargs = tree
             with as_written(tree):
-                return self._call(tree)
+                if method is None:
+                    return callee(*args, **kwargs)
+                return method(callee, *args, **kwargs)
 
         wide = jax.make_jaxpr(traced_as_written)(*map(_as_float32_shape, arrays))
         for i, value in constants.written_consts(closed, wide).items():

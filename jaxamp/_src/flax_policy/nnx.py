@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jaxamp._src.autocast.api import interpreted
+from jaxamp._src.autocast.api import interpreter
 from jaxamp._src.autocast.rules import AutocastConfig, AutocastRules, policy_rules
 from jaxamp._src.backend import auto_policy
 from jaxamp._src.flax_policy import fp8 as fp8_state
@@ -69,7 +69,6 @@ def _policy_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """``__call__`` of a model under a policy: inputs cast, the call evaluated with the
     policy's rules (see ``jaxamp.linen.apply_policy``), outputs cast."""
     policy: Policy = getattr(self, _POLICY_ATTR)
-    base_call = type(self).__mro__[1].__call__
     # Graph nodes among the arguments (an nnx.Rngs, Variables) are passed as they are:
     # a tree map would copy them, and their updates would go to the copies.
     args, kwargs = jax.tree.map(
@@ -85,7 +84,7 @@ def _policy_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         module: nnx.Module, *args: Any, **kwargs: Any
     ) -> Any:  # cast in the program, as the Linen policy does
         with fp8_state.nnx_combined_state(iter_modules(module), combined):
-            return policy.cast_to_output(_run_layer(module, base_call, args, kwargs))
+            return policy.cast_to_output(_own_call(module, *args, **kwargs))
 
     # Delayed float8 scaling: the layers' state, converted once for the call. Under a
     # policy that narrows nothing the program is evaluated as traced, constants included.
@@ -94,7 +93,7 @@ def _policy_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         layer_plan.explaining_carry_errors(policy),
         fp8_state.nnx_max_combined(iter_modules(self)) as combined,
     ):
-        out = interpreted(call, config, residuals, as_written)(self, *args, **kwargs)
+        out = interpreter(call, config, residuals, as_written)(None, self, *args, **kwargs)
     return fp8_state.float32_state(out)  # a model returning its state: float32
 
 
@@ -143,16 +142,12 @@ def _embed_attend(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     return layer_plan.run_unhooked(self, plan, *args, **kwargs)
 
 
-def _own_call(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-    """The layer's own ``__call__`` (every wrapper ends here), run by ``_run_layer``."""
-    return _run_layer(self, type(self).__mro__[1].__call__, args, kwargs)
-
-
-def _run_layer(module: nnx.Module, call: Any, args: Any, kwargs: Any) -> Any:
-    """``call(module, *args, **kwargs)``; under delayed float8 scaling its GEMM reads its
-    state. Called with a float64 input (under ``jax_enable_x64``), it runs as written,
-    without the policy's settings: Flax computes such a layer in float64, and a policy
-    leaves float64 as written."""
+def _own_call(module: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+    """The layer's own ``__call__`` (every wrapper ends here, the policy's call too); under
+    delayed float8 scaling its GEMM reads its state. Called with a float64 input (under
+    ``jax_enable_x64``), it runs as written, without the policy's settings: Flax computes
+    such a layer in float64, and a policy leaves float64 as written."""
+    call = type(module).__mro__[1].__call__
     if layer_plan.has_float64((args, kwargs)):
         with _layer_as_written(module):
             return call(module, *args, **kwargs)
@@ -190,14 +185,15 @@ def _keeping_carry(call: Any) -> Any:
 def _subclass(cls: type, call_name: str) -> type:
     """A subclass of ``cls`` whose ``__call__`` is one of the wrappers above (cached); a
     recurrent cell's keeps its carry's dtypes too."""
-    methods = {
+    table: dict[str, dict[str, Callable[..., Any]]] = {
         "policy": {"__call__": _policy_call},
         "embed": {"__call__": _embed_call, "attend": _embed_attend},
         "as_traced": {"__call__": _as_traced_call},
         "fp8": {"__call__": _own_call},
         "cell": {"__call__": _own_call},
         "planned": {"__call__": _own_call},  # a layer with settings: as written for float64
-    }[call_name]
+    }
+    methods = table[call_name]
     if issubclass(cls, nnx.RNNCellBase) and call_name != "policy":
         methods = {**methods, "__call__": _keeping_carry(methods["__call__"])}
 
