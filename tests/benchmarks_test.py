@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks import autocast as autocast_benchmark
 from benchmarks import run
+from tests.helpers.expected_warnings import NATIVE_FORM_ON_CPU
 
 REQUIRED = (
     "framework",
@@ -191,6 +192,8 @@ def test_autocast_benchmark_at_small_size(tmp_path):
     assert "Autocast overhead" in (tmp_path / "autocast.md").read_text()
 
 
+# the benchmark times every form, the native one on XLA:CPU included
+@NATIVE_FORM_ON_CPU
 def test_matmul_forms_at_tiny_size(tmp_path):
     from benchmarks import matmul_forms
 

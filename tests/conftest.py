@@ -21,8 +21,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[_FOLDER] = tempfile.mkdtemp(prefix="jaxamp-test-cache-")
         config.stash[_OWNED] = os.environ[_FOLDER]
     jax.config.update("jax_compilation_cache_dir", os.environ[_FOLDER])
-    # Only programs that took a while to compile are worth a file.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # Every program, however quick to compile: the fresh processes rerun tests the workers
+    # ran (the next-JAX flags), and the two workers compile many of the same small programs.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

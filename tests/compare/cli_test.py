@@ -89,6 +89,7 @@ def test_compare_writes_report_and_plots(tmp_path, capsys):
             "fp32,fp16",
             "--data",
             "embedded",
+            "--no-numerics",  # the numerics checks' report has its own tests (app_test.py)
             "--out",
             str(out),
         ]
@@ -98,6 +99,7 @@ def test_compare_writes_report_and_plots(tmp_path, capsys):
     assert "variant" in printed and "fp16" in printed and "speed-up" in printed
     report = json.loads((out / "report.json").read_text())
     assert [r["variant"] for r in report["runs"]] == ["fp32", "fp16"]
+    assert all(r.get("divergence") is None for r in report["runs"])  # --no-numerics
     assert "environment" in report and "jax" in report["environment"]
     assert "| variant |" in (out / "report.md").read_text()
     for name in ("loss.png", "loss_scale.png", "underflow.png", "time.png", "accuracy.png"):

@@ -16,6 +16,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
+from tests.helpers.expected_warnings import FLOAT16_OVERFLOW
+
+# The planted faults include a mask constant float16 cannot hold: JAX's cast of it warns.
+pytestmark = FLOAT16_OVERFLOW
 
 H = jnp.array([[0.5, -1.0, 1.5, 0.25], [1.0, 0.75, -0.5, 2.0]])
 KEEP = jnp.array([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]])

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec
 import jaxamp
 from jaxamp._src.ops.forms import FORMS
 from jaxamp._src.ops.matmul import amp_conv_general_dilated, amp_dot_general
+from tests.helpers.expected_warnings import NATIVE_FORM_ON_CPU
 
 SIXTEEN = [jnp.bfloat16, jnp.float16]
 # The forms this backend runs: XLA:CPU fails on some bfloat16 dots of the native form.
@@ -47,6 +48,8 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# every form on purpose, the native one on XLA:CPU included
+@NATIVE_FORM_ON_CPU
 @pytest.mark.parametrize("form", sorted(FORMS))
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_all_three_gemms_take_16bit_operands_and_accumulate_in_float32(dtype, form):
@@ -122,6 +125,8 @@ def _lhs_contracts_last(text: str) -> list[bool]:
     return out
 
 
+# the native form beside the canonical one, on purpose
+@NATIVE_FORM_ON_CPU
 def test_canonical_form_lays_out_every_gemm_with_its_contraction_last():
     """The weight-gradient GEMM contracts dim 0 of both operands unless transposed first."""
     x, w = _inputs(jnp.bfloat16)

@@ -8,6 +8,7 @@ import pytest
 
 import jaxamp
 from jaxamp import DynamicLossScale
+from tests.helpers.expected_warnings import FLOAT16_STATISTICS, NO_STATISTIC
 from tests.helpers.train_steps import sample_params, traced_steps
 
 PARAMS = {"w": jnp.array([1.0, 2.0])}
@@ -127,6 +128,9 @@ def test_loss_scaled_records_which_leaves_were_non_finite(dtype):
         jaxamp.optim.nonfinite_gradients(jaxamp.loss_scaled(optax.sgd(1.0)).init(params))
 
 
+# float16 statistics on purpose beside bfloat16
+@FLOAT16_STATISTICS
+@NO_STATISTIC
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_hyperparameters_weight_sums_and_counters_are_never_cast(dtype, rounding):

@@ -23,6 +23,7 @@ from jaxamp._src.optim.rounding import (
     stochastic_round,
     validate_rounding,
 )
+from tests.helpers.expected_warnings import FLOAT16_STATISTICS
 
 SIXTEEN = [jnp.bfloat16, jnp.float16]
 # Each property test draws this many float32 values per example and rounds them under one
@@ -542,6 +543,8 @@ _NAMED = {
 }
 
 
+# the float16 names too, on purpose
+@FLOAT16_STATISTICS
 @pytest.mark.parametrize("name", [*JMP_DTYPE_NAMES, " BF16 ", "Float16"])
 def test_the_dtype_names_policies_accept(name):
     """Every dtype name of the library's vocabulary (jmp's grammar, which cast_floating and

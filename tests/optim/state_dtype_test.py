@@ -10,7 +10,11 @@ import optax
 import pytest
 
 import jaxamp
+from tests.helpers.expected_warnings import FLOAT16_STATISTICS
 from tests.helpers.train_steps import apply_step, dtypes_of, sample_params, traced_steps
+
+# float16 statistics on purpose beside bfloat16 (the warning has its own test).
+pytestmark = FLOAT16_STATISTICS
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
