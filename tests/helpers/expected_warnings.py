@@ -9,7 +9,7 @@ import pytest
 FLOAT16_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 # jaxamp's, where the 'native' matmul form runs on XLA:CPU
 NATIVE_FORM_ON_CPU = pytest.mark.filterwarnings(
-    "ignore:The 'native' matmul form on XLA:CPU:UserWarning"
+    "ignore:The 'native' matmul form on XLA.CPU:UserWarning"
 )
 # jaxamp's, where with_state_dtype stores statistics in float16
 FLOAT16_STATISTICS = pytest.mark.filterwarnings(
