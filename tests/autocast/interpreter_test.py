@@ -356,3 +356,28 @@ def test_a_gather_from_a_16_bit_activation_sums_its_gradient_in_float32(dtype, p
     reference = jax.jit(jax.grad(loss(model)))(variables)["params"]["Dense_0"]["bias"]
     eps = float(jnp.finfo(SIXTEEN[dtype]).eps)  # the summed cotangent is rounded once
     np.testing.assert_allclose(ours, reference, rtol=eps, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_custom_vjp_function_of_a_16_bit_value_runs_as_the_function_alone(policy):
+    """A custom_vjp function whose input the rules made 16-bit (a matmul's output), its
+    body multiplying by a Python float: bound with the 16-bit value, its float32 primal
+    failed (lax.mul: bfloat16 and float32). Value and gradients against the function
+    alone in float32."""
+
+    @jax.custom_vjp
+    def scale(x):
+        return x * 2.0
+
+    scale.defvjp(lambda x: (x * 2.0, None), lambda _, g: (g * 2.0,))
+
+    def f(x, w):
+        return jnp.sum(jnp.tanh(scale(x @ w)))
+
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8)) / 4
+    want = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+    got = jax.jit(jax.value_and_grad(jaxamp.autocast(f, policy), argnums=(0, 1)))(x, w)
+    assert got[0].dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in got[1])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05)

@@ -367,7 +367,9 @@ def _custom_vjp(eqn: Any, env: Env) -> list[Any]:
             fwd_with_rules, debug_info=getattr(thunk, "debug_info", None)
         ),
     )
-    return bind(eqn, [env.read(a) for a in eqn.invars], params)
+    # Its primal and forward jaxprs take the traced dtypes: a 16-bit value the rules made
+    # (a matmul's output) goes in as traced.
+    return bind(eqn, [env.read_as(a, traced_dtype(a)) for a in eqn.invars], params)
 
 
 def _zero_tangent(y: Any) -> Any:
