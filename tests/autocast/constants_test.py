@@ -478,3 +478,25 @@ def test_a_constant_is_kept_wide_under_a_users_strict_promotion(path):
             out = jax.jit(jaxamp.autocast(lambda w, x: x @ w + 1e5, "mixed_float16"))(w, x)
     assert bool(jnp.all(jnp.isfinite(out)))
     assert float(jnp.max(jnp.abs(np.asarray(out, np.float32) - 1e5))) < 100
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_autocast_outputs_keep_their_traced_dtype_where_a_constant_was_kept_wide(policy):
+    """A function traced on float16 inputs with a -1e9 mask returns float16 under autocast,
+    as it does alone (an output kept wider than traced is the policies' sown state): it
+    came back float32, silently, and a scan carrying it refused the carry."""
+    x = jnp.array([1.0, -2.0, 3.0, -0.5], jnp.float16)
+    f = lambda x: jax.nn.softmax(jnp.where(x > 0, x, -1e9))
+    g = jaxamp.autocast(f, policy)
+    assert g(x).dtype == f(x).dtype == jnp.float16
+    np.testing.assert_allclose(
+        np.asarray(g(x), np.float32), np.asarray(f(x), np.float32), atol=2e-3
+    )
+    carried, _ = jax.lax.scan(lambda c, _: (g(c), None), x, length=2)
+    alone, _ = jax.lax.scan(lambda c, _: (f(c), None), x, length=2)
+    assert carried.dtype == jnp.float16
+    np.testing.assert_allclose(
+        np.asarray(carried, np.float32), np.asarray(alone, np.float32), atol=2e-3
+    )
+    masked = jaxamp.autocast(lambda x: jnp.where(x > 0, x, -1e9), policy)(x)
+    assert masked.dtype == jnp.float16 and bool(jnp.all(jnp.isneginf(masked[x < 0])))

@@ -178,7 +178,10 @@ class Interpreted:
         closed = jax.make_jaxpr(traced)(*arrays)
         written, consts = self._as_written(nodes, rebuild_inputs, arrays, closed)
         evaluate = checkpoint_residuals(
-            _evaluation(closed, consts, written, self.config, store, arrays), self.residuals
+            _evaluation(
+                closed, consts, written, self.config, store, arrays, self.as_written is not None
+            ),
+            self.residuals,
         )
         if store is not None and store.state is None:  # init_fp8_state: the GEMMs' keys
             jax.eval_shape(evaluate, arrays)
@@ -242,10 +245,15 @@ def _evaluation(
     config: AutocastConfig,
     store: fp8_state.Store | None,
     arrays: list[Any],
+    keep_wider: bool,
 ) -> Callable[[list[Any]], list[Any]]:
     """The evaluation of ``closed`` with the rules on the call's arrays (``consts`` closed
     over, not arguments, so the rules see their values), with a ``CallContext`` made for
-    each evaluation: ``config``, the constants as written and the float8 ``store``."""
+    each evaluation: ``config``, the constants as written and the float8 ``store``.
+
+    Outputs come back in their traced dtypes. ``keep_wider`` (the policies, whose layers
+    are traced in 16 bits): an output a constant made wider than traced keeps its value
+    (state a call writes, a sown ``h + 1e5``), where its 16-bit type would hold ``inf``."""
 
     def evaluate_traced(traced_arrays: list[Any]) -> list[Any]:
         if store is not None:  # the arguments' names, for the float8 GEMMs' state
@@ -253,9 +261,8 @@ def _evaluation(
         context = CallContext(config, written, closed.jaxpr, store)
         outs = eval_jaxpr(closed.jaxpr, consts, traced_arrays, context)
         cast = cast_to_traced(outs, closed.jaxpr.outvars)
-        if not written and not context.kept.noted:
+        if not keep_wider or (not written and not context.kept.noted):
             return cast
-        # An output a constant made wider keeps its value (sown state).
         wider = map(_wider_than_traced, outs, closed.jaxpr.outvars)
         return [out if wide else c for out, c, wide in zip(outs, cast, wider, strict=True)]
 
