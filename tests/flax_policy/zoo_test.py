@@ -357,7 +357,9 @@ def _norm(d, kind, first):
     # moves the normalised values, and the input gradient, by up to 12% of its largest
     per_group = d.int(3, 4) if inputs == "masked" else d.int(4, 5)
     groups = d.int(2, 3) if kind == "GroupNorm" else 1
-    x = d.normal(d.int(2, 3), *d.each(d.pick(1, 2), 3, 2), groups * per_group)
+    # InstanceNorm reduces the spatial axes alone: two of them, 4 elements at least
+    positions = 2 if kind == "InstanceNorm" else d.pick(1, 2)
+    x = d.normal(d.int(2, 3), *d.each(positions, 3, 2), groups * per_group)
     if inputs == "offset":
         x = (16.0 + x).astype(jnp.bfloat16).astype(jnp.float32)
     spatial = tuple(range(1, x.ndim - 1))

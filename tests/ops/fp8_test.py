@@ -25,7 +25,8 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 def _np_scale(amax, fmax, margin=0):
     if not amax > 0:
         return np.float32(1)
-    return np.float32(1.0) / ((np.float32(fmax) / np.float32(amax)) / np.float32(2.0**margin))
+    with np.errstate(over="ignore"):  # a subnormal amax: fmax / amax is inf, the scale 0
+        return np.float32(1.0) / ((np.float32(fmax) / np.float32(amax)) / np.float32(2.0**margin))
 
 
 def _np_qdq(x, dtype, fmax, margin=0):
