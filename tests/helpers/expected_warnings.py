@@ -1,7 +1,7 @@
 """The warnings some tests cause on purpose, each as a named filter: the suite runs with
 warnings as errors (pyproject's ``filterwarnings``), and a test that means to cause one
-says which with ``@pytest.mark.filterwarnings(<name>)``. Each warning also has a test of
-its own that asserts it (``pytest.warns``)."""
+says which by decorating itself with the name. Each of jaxamp's own warnings also has a
+test that asserts it (``pytest.warns``)."""
 
 import pytest
 
