@@ -33,7 +33,8 @@ def _np_qdq(x, dtype, fmax, margin=0):
     """Quantize to float8 and back, in numpy (ml_dtypes), with a per-tensor amax scale."""
     x = np.asarray(x, np.float32)
     scale = _np_scale(np.max(np.abs(x)) if x.size else 0, fmax, margin)
-    q = np.clip(x / scale, -fmax, fmax).astype(dtype)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a scale of 0 (_np_scale): x / 0
+        q = np.clip(x / scale, -fmax, fmax).astype(dtype)
     return q.astype(np.float32), scale
 
 
