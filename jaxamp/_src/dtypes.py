@@ -15,22 +15,6 @@ from jaxamp._src.errors import invalid_choice
 T = TypeVar("T")
 
 FLOAT32 = np.dtype(np.float32)
-
-
-def promote(*dtypes: Any) -> np.dtype:
-    """JAX's standard promotion of ``dtypes`` (float16 with float32 is float32), whatever
-    ``jax_numpy_dtype_promotion`` says: the rules' own choice of a wider dtype, not an
-    implicit promotion of a user's values, which under ``"strict"`` JAX refuses.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> promote(jnp.bfloat16, jnp.float32)
-      dtype('float32')
-    """
-    with jax.numpy_dtype_promotion("standard"):
-        return np.dtype(functools.reduce(jnp.promote_types, dtypes))
-
-
 FLOAT64 = np.dtype(np.float64)
 
 # Floating dtypes a policy may name, with their canonical spelling.
@@ -76,6 +60,20 @@ HLO_DTYPE_NAMES = {
     "i64": "int64",
     "s64": "int64",
 }
+
+
+def promote(*dtypes: Any) -> np.dtype:
+    """JAX's standard promotion of ``dtypes`` (float16 with float32 is float32), whatever
+    ``jax_numpy_dtype_promotion`` says: the rules' own choice of a wider dtype, not an
+    implicit promotion of a user's values, which under ``"strict"`` JAX refuses.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> promote(jnp.bfloat16, jnp.float32)
+      dtype('float32')
+    """
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
 def hlo_dtype_name(element_type: str) -> str:

@@ -89,12 +89,13 @@ def autocast(
     return interpreted(fun, config, residuals)
 
 
-def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any] | None]:
-    """``(callee, method)``: a method bound to a graph node (an NNX module's) as the node
-    (split like an argument) and its function; anything else as ``(fun, None)``."""
+def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:
+    """``(callee, method)``, called as ``method(callee, *args, **kwargs)``: a method bound
+    to a graph node (an NNX module's) as the node (split like an argument) and its
+    function; anything else as itself and its type's ``__call__``."""
     if inspect.ismethod(fun) and graphs.splitter_for(fun.__self__).is_node(fun.__self__):
         return fun.__self__, fun.__func__
-    return fun, None
+    return fun, type(fun).__call__
 
 
 def _as_float32_shape(x: Any) -> Any:
@@ -167,7 +168,7 @@ class Interpreted:
     residuals: str
     as_written: Callable[[Any], Any] | None
     callee: Any
-    method: Callable[..., Any] | None
+    method: Callable[..., Any]  # called as method(callee, *args, **kwargs)
 
     def __call__(self, store: fp8_state.Store | None, *args: Any, **kwargs: Any) -> Any:
         tree = (self.callee, args, kwargs)
@@ -203,7 +204,7 @@ class Interpreted:
             state, others = rebuild_inputs(arrays)
             before = graph.state_values(state)
             (callee, args, kwargs), merged = nodes.merge(state, others)
-            out = callee(*args, **kwargs) if method is None else method(callee, *args, **kwargs)
+            out = method(callee, *args, **kwargs)
             out_arrays, rebuild = partition_arrays((out, graph.changed_state(before, merged)))
             rebuild_outputs.append(rebuild)
             return out_arrays
@@ -228,8 +229,6 @@ class Interpreted:
             tree, _ = nodes.merge(state, others)
             callee, args, kwargs = tree
             with as_written(tree):
-                if method is None:
-                    return callee(*args, **kwargs)
                 return method(callee, *args, **kwargs)
 
         wide = jax.make_jaxpr(traced_as_written)(*map(_as_float32_shape, arrays))
