@@ -139,3 +139,58 @@ def test_numerics_diff_forward_only_with_grad_false():
     assert diff.gradients == () and diff.loss is None
     assert diff.layers and {r.phase for r in diff.layers} == {"forward"}
     assert all(r.relative_error is not None and r.relative_error < 1e-2 for r in diff.layers)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("control", ["none", "cond"])
+def test_layer_values_are_the_jitted_models_whether_staged_or_eager(policy, control):
+    """``measure`` evaluates a program under one jit where it can (no control flow that
+    reads values) and one primitive at a time where it holds a ``cond``: either way each
+    layer's value is Flax's captured output of the jitted model under the policy."""
+    from jaxamp._src.numerics import evaluator, tracing
+    from jaxamp._src.numerics.numerics_diff import measure
+
+    model = LinenNet()
+    params = jax.tree.map(jnp.abs, model.init(jax.random.key(0), X))
+    x = jnp.abs(X) + 0.1
+
+    def loss(params, x):
+        out = model.apply(params, x)
+        if control == "cond":  # always true: the model's own value, behind a cond
+            out = jax.lax.cond(jnp.all(x > -1.0), lambda o: o, lambda o: -o, out)
+        return jnp.mean(out**2)
+
+    fun = jaxamp.autocast(loss, policy)
+    traced = tracing.trace(fun, 0, (params, x), {})
+    assert evaluator.stageable(traced.jaxpr) == (control == "none")
+    measured = measure(fun, (params, x))
+    inter = lambda p, x: model.apply(p, x, capture_intermediates=True)[1]["intermediates"]
+    ref = jax.jit(jaxamp.autocast(inter, policy))(params, x)
+    for name in ("embed", "amplify", "root", "head"):
+        np.testing.assert_array_equal(measured.last[f"LinenNet/{name}"], ref[name]["__call__"][0])
+    value, grads = jax.jit(jax.value_and_grad(fun))(params, x)
+    np.testing.assert_allclose(measured.outputs[0], value, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(measured.outputs[1]), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_long_scan_is_evaluated_eagerly_and_a_short_one_staged():
+    from jaxamp._src.numerics import evaluator
+
+    def body(c, _):
+        return jnp.tanh(c) * 0.5, c
+
+    short = jax.make_jaxpr(lambda c: jax.lax.scan(body, c, length=4))(1.0)
+    long = jax.make_jaxpr(lambda c: jax.lax.scan(body, c, length=evaluator.STAGED_EQUATIONS))(1.0)
+    assert evaluator.stageable(short) and not evaluator.stageable(long)
+    looped = jax.make_jaxpr(lambda c: jax.lax.while_loop(lambda c: c > 0.1, jnp.tanh, c))(1.0)
+    assert not evaluator.stageable(looped)
+
+
+def test_compare_runs_refuses_runs_measured_differently():
+    from jaxamp._src.numerics.numerics_diff import compare_runs, measure
+
+    loss = lambda w, x: jnp.mean((x @ w) ** 2)
+    args = (jnp.ones((6, 2)), X)
+    with pytest.raises(ValueError, match="has_aux, grad"):
+        compare_runs(measure(loss, args), measure(loss, args, grad=False))

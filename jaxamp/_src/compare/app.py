@@ -23,6 +23,7 @@ from jaxamp._src.compare.run import Run
 from jaxamp._src.compare.task import Task, make_task
 from jaxamp._src.compare.variants import FP16_ON_CPU, default_variants, get_variant
 from jaxamp._src.dtypes import is_float16
+from jaxamp._src.numerics.numerics_diff import measure
 from jaxamp._src.optim.gradients import value_and_grad
 from jaxamp._src.optim.opt_state import find_loss_scaled_state
 
@@ -54,6 +55,7 @@ def _numerics_before_training(
             return loss.mean()
 
     args = (params, state, x, y)
+    measured = measure(reference, args)  # once, for every variant and floor
     floors: dict[Any, Any] = {}  # per dtype (inputs rounded), per recipe and scale (ideal)
     for run in tqdm(runs, desc="per-layer divergence from fp32", unit="variant"):
         scale = None
@@ -65,16 +67,18 @@ def _numerics_before_training(
             scale = taken["initial"] if taken["used"] is None else taken["used"]
         policy = run.variant.policy
         dtype = numerics_checks.rounding_dtype(policy)
-        rows = numerics_checks.divergence(reference, run.loss_fn(rng), *args, loss_scale=scale)
+        rows = numerics_checks.divergence(measured, run.loss_fn(rng), *args, loss_scale=scale)
         taken = run.divergence_loss_scale
         finite = taken is None or taken["loss_finite"]  # a loss no scale makes finite: no floor
         if dtype != np.float32 and finite:  # float32 has no rounding to put a floor under
             if dtype not in floors:
-                floors[dtype] = numerics_checks.input_sensitivity(reference, dtype, *args)
+                floors[dtype] = numerics_checks.input_sensitivity(
+                    reference, dtype, *args, measured=measured
+                )
             ideal = (policy.compute_dtype, policy.fp8, scale)
             if ideal not in floors:
                 floors[ideal] = numerics_checks.ideal_rounding(
-                    reference, policy, *args, loss_scale=scale
+                    reference, policy, *args, loss_scale=scale, measured=measured
                 )
             rows = numerics_checks.with_floor(rows, floors[dtype], floors[ideal])
         run.divergence = rows

@@ -50,8 +50,8 @@ class CompareConfig:
         (``numerics_checks.with_floor``); when a variant computes in float16, a float16
         range check of the float32 model (``jaxamp.range_report``); during training,
         the first non-finite layer of a variant whose loss stops being finite
-        (``jaxamp.find_nonfinite``). Each is evaluated one primitive at a time, outside
-        the timed steps.
+        (``jaxamp.find_nonfinite``). Each runs outside the timed steps; the float32
+        model is measured once for every variant.
       width: channels of a ResNet's first stage.
       layers: BERT layers.
       hidden: BERT hidden size.

@@ -24,7 +24,7 @@ from jaxamp._src.autocast.rules import (
     primitive_names,
 )
 from jaxamp._src.numerics.find_nonfinite import find_nonfinite
-from jaxamp._src.numerics.numerics_diff import NEAR_ZERO, numerics_diff
+from jaxamp._src.numerics.numerics_diff import NEAR_ZERO, Measured, compare_runs, measure
 from jaxamp._src.numerics.range_report import range_report
 from jaxamp._src.ops.fp8_scaling import quantize
 from jaxamp._src.policy import Policy
@@ -43,13 +43,19 @@ FLAG_MINIMUM = 0.01
 
 
 def divergence(
-    reference: Callable, mixed: Callable, *args: Any, loss_scale: float | None = None
+    reference: Callable | Measured,
+    mixed: Callable,
+    *args: Any,
+    loss_scale: float | None = None,
 ) -> list[dict[str, Any]]:
     """Per layer and pass, how far ``mixed`` departs from ``reference`` (both losses of the
     same arguments, differentiated with respect to the first; ``mixed``'s loss multiplied
     by ``loss_scale`` as its training step does): the fields of
-    ``jaxamp.numerics_diff``'s rows (``scale_error`` is the one to read)."""
-    diff = numerics_diff(reference, policy=mixed, loss_scale=loss_scale)(*args)
+    ``jaxamp.numerics_diff``'s rows (``scale_error`` is the one to read). ``reference``
+    may be measured once (``numerics_diff.measure(reference, args)``) for many variants."""
+    if not isinstance(reference, Measured):
+        reference = measure(reference, args)
+    diff = compare_runs(reference, measure(mixed, args, loss_scale=loss_scale))
     return [
         {
             "layer": r.layer,
@@ -96,10 +102,14 @@ def rounded_inputs(reference: Callable, dtype: Any) -> Callable:
     return perturbed
 
 
-def input_sensitivity(reference: Callable, dtype: Any, *args: Any) -> dict[tuple[str, str], float]:
+def input_sensitivity(
+    reference: Callable, dtype: Any, *args: Any, measured: Measured | None = None
+) -> dict[tuple[str, str], float]:
     """Per (layer, pass), the ``scale_error`` of the float32 ``reference`` with its params and
-    inputs rounded to ``dtype`` (``rounded_inputs``) against ``reference``."""
-    return _by_key(divergence(reference, rounded_inputs(reference, dtype), *args))
+    inputs rounded to ``dtype`` (``rounded_inputs``) against ``reference`` (``measured``:
+    ``reference`` on ``args`` measured already)."""
+    rounded = rounded_inputs(reference, dtype)
+    return _by_key(divergence(measured or reference, rounded, *args))
 
 
 # What the floor's run computes in float32: every arithmetic primitive the rule table would
@@ -149,12 +159,17 @@ def ideal_recipe(reference: Callable, policy: Any) -> Callable:
 
 
 def ideal_rounding(
-    reference: Callable, policy: Any, *args: Any, loss_scale: float | None = None
+    reference: Callable,
+    policy: Any,
+    *args: Any,
+    loss_scale: float | None = None,
+    measured: Measured | None = None,
 ) -> dict[tuple[str, str], float]:
     """Per (layer, pass), the ``scale_error`` of ``ideal_recipe(reference, policy)``
-    against the float32 ``reference`` (its loss times ``loss_scale``, as the variant's)."""
+    against the float32 ``reference`` (its loss times ``loss_scale``, as the variant's;
+    ``measured``: ``reference`` on ``args`` measured already)."""
     ideal = ideal_recipe(reference, policy)
-    return _by_key(divergence(reference, ideal, *args, loss_scale=loss_scale))
+    return _by_key(divergence(measured or reference, ideal, *args, loss_scale=loss_scale))
 
 
 def with_floor(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_inexact, upcast_16bit
-from jaxamp._src.jaxprs import is_backward_name, open_jaxpr
+from jaxamp._src.jaxprs import is_backward_name, open_jaxpr, sub_jaxprs
 from jaxamp._src.numerics import phases, sources
 from jaxamp._src.numerics.shards import (
     Shards,
@@ -350,6 +350,38 @@ def run(
         return None
     finally:
         _WIDEN.reset(token)
+
+
+# Control flow whose evaluation here reads a value (a cond's index, a loop's condition,
+# a shard's view of its inputs): a program holding one is evaluated eagerly.
+_READS_VALUES = frozenset({"cond", "while", "shard_map"})
+# The most equations an unrolled staged evaluation may hold (scans run iteration by
+# iteration here, so a long scan would compile one copy of its body per iteration).
+STAGED_EQUATIONS = 20_000
+
+
+def _unrolled(jaxpr: Any) -> int | None:
+    """How many equations evaluating ``jaxpr`` binds (each scan's body once per
+    iteration), or ``None`` when it holds control flow that reads a value."""
+    total = 0
+    for eqn in open_jaxpr(jaxpr)[0].eqns:
+        if eqn.primitive.name in _READS_VALUES:
+            return None
+        inner = [_unrolled(sub) for sub in sub_jaxprs(eqn)]
+        if any(n is None for n in inner):
+            return None
+        count = sum(n for n in inner if n is not None) or 1
+        total += count * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+    return total
+
+
+def stageable(jaxpr: Any) -> bool:
+    """Whether ``run`` can evaluate ``jaxpr`` inside ``jax.jit`` (one compiled program
+    instead of one per primitive): no ``cond``, ``while`` or ``shard_map``, whose
+    evaluation here reads values, and at most ``STAGED_EQUATIONS`` equations unrolled.
+    Its visitor then sees tracers, and may only keep them (to return from the jit)."""
+    n = _unrolled(jaxpr)
+    return n is not None and n <= STAGED_EQUATIONS
 
 
 def finite(x: Any) -> bool:

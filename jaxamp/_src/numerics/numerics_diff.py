@@ -185,21 +185,31 @@ def _ratio(diff: float, scale: float) -> float:
 def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
     """Each layer's last forward value (its output), and the program's outputs. The
     backward pass is compared through the gradients of the parameters instead: the
-    order of its operations inside a layer may differ between the two programs."""
-    last: dict[str, Any] = {}
+    order of its operations inside a layer may differ between the two programs.
 
-    def visit(site: sites.Site, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
-        if site.primitive == "convert_element_type" or site.phase != "forward":
-            return  # a cast of a value is not a new value of the layer
-        if sites.LOSS_SCALE_SCOPE in site.name_stack:
-            return  # the loss times the scale: not a value of the model
-        floating = [o for o in outputs if is_inexact_array(o)]
-        if floating:
-            last[site.layer] = floating[-1]
+    Evaluated inside one ``jax.jit`` where the program allows (``evaluator.stageable``),
+    so that XLA compiles it once rather than each primitive on its own; eagerly, one
+    primitive at a time, where its control flow reads values."""
 
-    result = evaluator.run(traced.jaxpr, traced.args, visit, traced.primal_outputs)
-    assert result is not None  # visit never stops the run
-    return last, result[0]
+    def collect(args: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+        last: dict[str, Any] = {}
+
+        def visit(site: sites.Site, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
+            if site.primitive == "convert_element_type" or site.phase != "forward":
+                return  # a cast of a value is not a new value of the layer
+            if sites.LOSS_SCALE_SCOPE in site.name_stack:
+                return  # the loss times the scale: not a value of the model
+            floating = [o for o in outputs if is_inexact_array(o)]
+            if floating:
+                last[site.layer] = floating[-1]
+
+        result = evaluator.run(traced.jaxpr, args, visit, traced.primal_outputs)
+        assert result is not None  # visit never stops the run
+        return last, result[0]
+
+    if evaluator.stageable(traced.jaxpr):
+        return jax.jit(collect)(list(traced.args))
+    return collect(traced.args)
 
 
 _VARIABLE_VALUE = ("value", "raw_value")  # the array of an nnx.Variable, below its path
@@ -246,8 +256,10 @@ def numerics_diff(
     against float32, so that you can see where mixed precision departs from FP32.
 
     ``jaxamp.numerics_diff(loss_fn, policy="mixed_bfloat16")(params, batch)`` evaluates the loss
-    and its gradient twice, one primitive at a time: ``loss_fn`` as it is (float32), and
-    under ``jaxamp.autocast(loss_fn, policy)``. For a model whose policy is applied
+    and its gradient twice, ``loss_fn`` as it is (float32) and under
+    ``jaxamp.autocast(loss_fn, policy)``, keeping each layer's value: inside one ``jit``
+    where the program has no ``cond``, ``while`` or ``shard_map``, else one primitive at
+    a time. For a model whose policy is applied
     another way (``jaxamp.linen.apply_policy``), pass the mixed-precision loss itself as
     ``policy``. Layers are matched by the name stack, so both runs must use the same
     module names. Slow; for debugging.
@@ -300,28 +312,68 @@ def numerics_diff(
     scale = scale_of(loss_scale)
 
     def diff(*args: Any, **kwargs: Any) -> NumericsDiff:
-        ref = tracing.trace(fun, argnums, args, kwargs, has_aux=has_aux, grad=grad)
-        amp = tracing.trace(
-            amp_fun, argnums, args, kwargs, has_aux=has_aux, loss_scale=scale, grad=grad
+        ref = measure(fun, args, kwargs, argnums=argnums, has_aux=has_aux, grad=grad)
+        amp = measure(
+            amp_fun, args, kwargs, argnums=argnums, has_aux=has_aux, grad=grad, loss_scale=scale
         )
-        ref_last, ref_outs = _last_values(ref)
-        amp_last, amp_outs = _last_values(amp)
-        compared = [
-            _pair(layer, "forward", amp_last.get(layer), v) for layer, v in ref_last.items()
-        ]
-        ref_tree = jax.tree.unflatten(ref.out_tree, ref_outs)
-        amp_tree = jax.tree.unflatten(amp.out_tree, amp_outs)
-        if scale is not None and grad:  # the policy's loss and gradients, unscaled
-            amp_tree = jax.tree.map(lambda v: np.asarray(v, np.float64) / scale, amp_tree)
-        if not grad:
-            return NumericsDiff(
-                tuple(_layer_diffs(compared)), (), _losses(ref_tree, amp_tree, has_aux)
-            )
-        grads, backward = _gradient_pairs(ref_tree[1], amp_tree[1], argnums, ref_last)
-        layers = _layer_diffs(compared + backward)
-        return NumericsDiff(tuple(layers), tuple(grads), _losses(ref_tree[0], amp_tree[0], has_aux))
+        return compare_runs(ref, amp)
 
     return diff
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One run of a loss as ``numerics_diff`` compares it: each layer's last forward
+    value, and the outputs (``(value, gradients)`` with ``grad``; the gradients divided
+    by the loss scale the run was given)."""
+
+    last: dict[str, Any]
+    outputs: Any
+    argnums: int | Sequence[int]
+    has_aux: bool
+    grad: bool
+
+
+def measure(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    grad: bool = True,
+    loss_scale: float | None = None,
+) -> Measured:
+    """``fun`` on ``args`` measured for ``compare_runs`` (``numerics_diff`` measures the
+    float32 loss and the policy's, then compares them; a caller comparing many policies
+    with one float32 loss measures that once)."""
+    traced = tracing.trace(
+        fun, argnums, args, kwargs or {}, has_aux=has_aux, loss_scale=loss_scale, grad=grad
+    )
+    last, flat = _last_values(traced)
+    outputs = jax.tree.unflatten(traced.out_tree, flat)
+    if loss_scale is not None and grad:  # the loss and gradients, unscaled
+        outputs = jax.tree.map(lambda v: np.asarray(v, np.float64) / loss_scale, outputs)
+    return Measured(last, outputs, argnums, has_aux, grad)
+
+
+def compare_runs(ref: Measured, amp: Measured) -> NumericsDiff:
+    """Where ``amp`` departs from the float32 ``ref``, layer by layer (both measured
+    with the same ``argnums``, ``has_aux`` and ``grad``)."""
+    if (ref.argnums, ref.has_aux, ref.grad) != (amp.argnums, amp.has_aux, amp.grad):
+        raise ValueError(
+            "compare_runs needs two runs measured alike: argnums, has_aux, grad "
+            f"{(ref.argnums, ref.has_aux, ref.grad)} against "
+            f"{(amp.argnums, amp.has_aux, amp.grad)}."
+        )
+    compared = [_pair(layer, "forward", amp.last.get(layer), v) for layer, v in ref.last.items()]
+    if not ref.grad:
+        losses = _losses(ref.outputs, amp.outputs, ref.has_aux)
+        return NumericsDiff(tuple(_layer_diffs(compared)), (), losses)
+    grads, backward = _gradient_pairs(ref.outputs[1], amp.outputs[1], ref.argnums, ref.last)
+    layers = _layer_diffs(compared + backward)
+    losses = _losses(ref.outputs[0], amp.outputs[0], ref.has_aux)
+    return NumericsDiff(tuple(layers), tuple(grads), losses)
 
 
 def _losses(ref: Any, amp: Any, has_aux: bool) -> tuple[float, float] | None:
