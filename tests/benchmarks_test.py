@@ -8,6 +8,7 @@ import pytest
 from benchmarks import autocast as autocast_benchmark
 from benchmarks import run
 from tests.helpers.expected_warnings import NATIVE_FORM_ON_CPU
+from tests.helpers.promotion import FLAX, OPTAX
 
 REQUIRED = (
     "framework",
@@ -47,6 +48,8 @@ def _check(records):
             assert r["speedup_vs_fp32"] == 1.0
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_cpu_smoke_suite_on_one_model(tmp_path):
     """The smoke suite's small twin: one model, every variant and framework, one repeat
     (torch.compile, minutes of inductor compilation, is tested on its own)."""
@@ -114,6 +117,8 @@ def test_cpu_smoke_suite_times_torch_compile_beside_eager_autocast(tmp_path):
         assert "error" in (tmp_path / "benchmarks.md").read_text()
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_torch_compile_failure_is_a_row_not_a_crash(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from benchmarks import torch_bench
@@ -137,6 +142,8 @@ def test_torch_compile_failure_is_a_row_not_a_crash(tmp_path, monkeypatch):
     assert (tmp_path / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_gpu_suite_code_path_at_tiny_size(tmp_path):
     """The GPU suite's extras (largest batch, utilisation), exercised on CPU at tiny sizes."""
     records = run.main(
@@ -179,6 +186,8 @@ def test_bad_flags(argv):
         run.main(["--suite", "cpu-smoke", *argv])
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_autocast_benchmark_at_small_size(tmp_path):
     argv = ["--models", "bert", "--bert-batch", "1", "--warmup", "1", "--repeats", "1"]
     records = autocast_benchmark.main([*argv, "--out", str(tmp_path)])
@@ -193,6 +202,7 @@ def test_autocast_benchmark_at_small_size(tmp_path):
 
 
 # the benchmark times every form, the native one on XLA:CPU included
+@pytest.mark.standard_promotion(FLAX)
 @NATIVE_FORM_ON_CPU
 def test_matmul_forms_at_tiny_size(tmp_path):
     from benchmarks import matmul_forms
@@ -212,6 +222,8 @@ def test_matmul_forms_at_tiny_size(tmp_path):
     assert any(p.name.endswith(".hlo.txt") for p in (tmp_path / "hlo").iterdir())
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize(
     "bytes_model",
     ["gpt2-tiny", pytest.param("gpt2-small", marks=pytest.mark.slow)],
@@ -235,6 +247,8 @@ def test_optimizer_state_benchmark_at_small_size(tmp_path, bytes_model):
         assert (tmp_path / name).exists()
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("model", ["mlp", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
     from benchmarks import loss_scaling
@@ -261,6 +275,8 @@ def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
     assert (tmp_path / f"{name}.md").exists()
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_loss_scaling_benchmark_times_pytorch_gradscaler_beside_plain_adam(tmp_path):
     pytest.importorskip("torch")
     from benchmarks import loss_scaling
@@ -277,6 +293,8 @@ def test_loss_scaling_benchmark_times_pytorch_gradscaler_beside_plain_adam(tmp_p
         step()
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_profile_puts_each_thunk_of_a_compiled_step_in_a_category(tmp_path):
     from benchmarks import profile
 
@@ -365,6 +383,8 @@ ENTRY %main (a: bf16[4,4], b: bf16[4,4]) -> f32[4,4] {
     assert profile.torch_category("aten::add_") == "other"
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("model", ["gpt", "bert"])  # one model each: two short tests
 def test_fp8_training_benchmark_at_tiny_size(tmp_path, model):
     from benchmarks import fp8_training

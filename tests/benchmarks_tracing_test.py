@@ -5,9 +5,13 @@ import json
 
 import pytest
 
+from tests.helpers.promotion import FLAX
+
 pytest.importorskip("transformers")
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_tracing_benchmark_at_tiny_size(tmp_path):
     from benchmarks import tracing
 

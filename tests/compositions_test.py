@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests.helpers.promotion import OPTAX
 from tests.helpers.train_steps import loss_scaled_step
 
 LR = 0.05
@@ -117,6 +118,7 @@ def _cases():
         yield pytest.param(wrapper, jnp.float16, "float32", None, id=f"{wrapper}-float16 params")
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize(("wrapper", "dtype", "master_weights", "state_dtype"), list(_cases()))
 def test_composes_through_an_overflow(wrapper, dtype, master_weights, state_dtype):
     ours = _amp(wrapper, dtype, master_weights, state_dtype)

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
+from tests.helpers.promotion import SUBJECT
 
 bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -155,6 +156,7 @@ def _nnx(policy):
     return model if policy is None else jaxamp.nnx.apply_policy(model, policy)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @hypothesis.settings(max_examples=5, deadline=None)
 @hypothesis.given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1.0, 300.0]))
 def test_apply_policy_float32_is_the_model_alone(seed, scale):

@@ -32,6 +32,7 @@ import jaxamp
 from examples import distributed_train
 from jaxamp._src.optim.loss_scaled import LossScaledState
 from jaxamp._src.optim.state_dtype import StateDtypeState
+from tests.helpers.promotion import OPTAX
 from tests.helpers.train_steps import apply_step
 
 RECIPES = list(jaxamp.optim.OPTIMIZER_RECIPES)
@@ -129,6 +130,7 @@ class MLP(nn.Module):
         return nn.Dense(1)(nn.relu(nn.Dense(32)(x)))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("name", RECIPES)
 def test_linen_train_state(name):
     policy, tx = jaxamp.optimizer_recipe(name, optax.adam(1e-2))
@@ -194,6 +196,7 @@ def _nnx_params(model):
     return jax.device_get(jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("name", RECIPES)
 def test_nnx_optimizer(name):
     policy, tx = jaxamp.optimizer_recipe(name, optax.adam(1e-2))
@@ -300,6 +303,7 @@ def _adam_state(name, state):
     return (state.inner_state.inner_state if name == "bf16_stochastic" else state.inner_state)[0]
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("name", ["bf16_kahan", "bf16_stochastic"])
 def test_fsdp_matches_one_device(name):
     if jax.device_count() < 8:

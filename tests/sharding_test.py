@@ -25,6 +25,8 @@ EXAMPLE = ROOT / "examples" / "distributed_train.py"
 sys.path.insert(0, str(EXAMPLE.parent))
 import distributed_train  # noqa: E402
 
+from tests.helpers.promotion import FLAX  # noqa: E402
+
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 
 
@@ -109,6 +111,7 @@ def test_gradients_are_all_reduced_in_the_policys_dtype(policy, expected):
         np.testing.assert_allclose(jax.jit(fun)(w, x), jnp.full((4, 3), 2.0))
 
 
+@pytest.mark.standard_promotion(FLAX)
 @needs_8
 def test_data_parallel_and_fsdp_equal_one_device(tmp_path):
     outs = {}
@@ -120,6 +123,7 @@ def test_data_parallel_and_fsdp_equal_one_device(tmp_path):
     _assert_close(outs["single"], outs["fsdp"])
 
 
+@pytest.mark.standard_promotion(FLAX)
 @needs_8
 @pytest.mark.parametrize("mode", ["dp", "fsdp"])
 def test_a_non_finite_shard_skips_everywhere(tmp_path, mode):
@@ -233,6 +237,7 @@ def test_sharded_checkpoint_restores_on_4_and_1_devices(tmp_path):
         _assert_close(tmp_path / "full.npz", out)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @needs_8
 def test_jit_data_parallel_all_reduces_float32_gradients_on_cpu():
     """Under jit with a sharded batch, XLA places the gradient all-reduce itself; on CPU it

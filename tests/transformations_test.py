@@ -13,6 +13,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.helpers.promotion import FLAX
 
 POLICIES = ["mixed_bfloat16", "mixed_float16", "float32"]
 # Relative error of 16-bit compute against float32, for these small models.
@@ -65,6 +66,7 @@ def _leaves_close(ours, theirs, tolerance):
         assert _rel(a, b) < tolerance, (_rel(a, b), a.shape)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("build", [_linen, _autocast], ids=["apply_policy", "autocast"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_jvp_and_jacfwd(build, policy):
@@ -82,6 +84,7 @@ def test_jvp_and_jacfwd(build, policy):
     _leaves_close(dx, dx_ref, 2 * TOLERANCE[policy])
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("build", [_linen, _autocast], ids=["apply_policy", "autocast"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hessian_vector_product_and_hessian(build, policy):
@@ -109,6 +112,7 @@ def test_hessian_vector_product_and_hessian(build, policy):
     _leaves_close(hessian, jax.hessian(head(lambda p, x: ref(p, x)))(kernel), 4 * TOLERANCE[policy])
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_the_compiled_backward_keeps_the_rule_after_the_change_to_a_primitive():
     """16-bit operands, float32 results and float32 weight gradients, in the backward pass."""
     f, params = _linen("mixed_bfloat16")
@@ -125,6 +129,7 @@ def test_the_compiled_backward_keeps_the_rule_after_the_change_to_a_primitive():
     assert {g.dtype for g in jax.tree.leaves(jax.jit(grad)(params))} == {jnp.dtype(jnp.float32)}
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_nnx_model_forward_mode():
     class Model(nnx.Module):
         def __init__(self, rngs):
@@ -152,6 +157,7 @@ def _explicit_mesh():
     return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_data_parallel_step_on_an_explicit_mesh(policy):
     mesh = _explicit_mesh()
@@ -192,6 +198,7 @@ def test_out_sharding_is_kept_on_an_explicit_mesh():
     _leaves_close(nnx.state(grads), nnx.state(reference), 5e-2)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_fsdp_step_on_an_explicit_mesh():
     """Params sharded over the mesh (gathered for the matmuls), batch sharded."""
     mesh = _explicit_mesh()

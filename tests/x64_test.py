@@ -21,6 +21,7 @@ from flax import nnx
 
 import jaxamp
 from jaxamp.optim import DynamicLossScale, NoOpLossScale, StaticLossScale
+from tests.helpers.promotion import FLAX, OPTAX, SUBJECT
 
 F64 = np.dtype(np.float64)
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "float16"]
@@ -85,6 +86,7 @@ def _value_and_grad(name, policy):
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 @pytest.mark.parametrize("policy", AUTOCAST_POLICIES)
 @hypothesis.settings(max_examples=4, deadline=None)
@@ -166,6 +168,7 @@ def _linen(module, policy):
     return model.init, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("module", [Float64Net, Float32Net])
 @pytest.mark.parametrize("policy", POLICIES)
 @hypothesis.settings(max_examples=3, deadline=None)
@@ -223,6 +226,7 @@ def _nnx(module, policy):
         return ours, alone
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("module", [NnxFloat64Net, NnxFloat32Net])
 @pytest.mark.parametrize("policy", POLICIES)
 @hypothesis.settings(max_examples=3, deadline=None)
@@ -272,6 +276,7 @@ def _loss_scaled_steps(inner, scale, master_weights, skip_with):
     return tx, jax.jit(step), jax.jit(loop)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @hypothesis.settings(max_examples=12, deadline=None)
 @hypothesis.given(
     inner=st.sampled_from(list(INNERS)),

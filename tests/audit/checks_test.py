@@ -8,6 +8,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.helpers.promotion import FLAX, SUBJECT
 
 SIXTEEN = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 DTYPES = {**SIXTEEN, "float32": jnp.float32}
@@ -54,6 +55,8 @@ def test_flags_a_hand_written_16bit_softmax(dtype):
     assert not any(p.primitive == "reduce_max" for p in problems)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
 def test_the_same_softmax_under_a_policy_is_clean(policy):
     model = jaxamp.linen.apply_policy(HandSoftmax(), policy)
@@ -66,6 +69,8 @@ def test_the_same_softmax_under_a_policy_is_clean(policy):
     assert {op.layer for op in exps} == {"HandSoftmax"}
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("dtype", list(SIXTEEN))
 def test_flags_a_silent_float32_matmul(dtype):
     """A 16-bit layer beside a hand-written matmul on a float32 param: JAX promotes the
@@ -94,6 +99,7 @@ def test_flags_a_silent_float32_matmul(dtype):
     assert "Mixed" in str(error.value)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_a_policy_runs_a_hand_written_matmul_in_the_compute_dtype(policy):
     """As autocast does: ``x @ self.param(...)`` under apply_policy is a 16-bit matmul."""
@@ -117,6 +123,8 @@ def test_flags_16bit_accumulation(dtype):
     assert wide.problems() == []
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_sensitive_operations_carry_dtype_layer_pass_and_executions():
     model = jaxamp.linen.apply_policy(HandSoftmax(), "mixed_bfloat16")
     x = jnp.ones((2, 4))
@@ -157,6 +165,8 @@ EXACT_ACCUMULATIONS = {
 }
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("primitive", list(ACCUMULATIONS))
 def test_flags_16bit_sums_outside_reduce(primitive, dtype):

@@ -8,6 +8,7 @@ from jax import lax
 
 import jaxamp
 from jaxamp._src.audit.report import PrecisionReport
+from tests.helpers.promotion import FLAX
 
 STABLEHLO = """
 module @jit_f {
@@ -233,6 +234,8 @@ def test_compiled_bfloat16_softmax_reads_what_xla_cpu_computes():
         report.check()
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @ON_CPU
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_compiled_pooling_and_cumulative_sums(dtype):

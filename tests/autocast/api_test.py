@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec
 import jaxamp
 from jaxamp._src.jaxprs import equations as _equations
 from jaxamp.models import BasicBlock, BertClassifier, ResNet
+from tests.helpers.promotion import FLAX, OPTAX, OTHER_LIBRARY, SUBJECT
 from tests.helpers.tiny_configs import TINY_BERT
 
 MIXED = ["mixed_bfloat16", "mixed_float16"]
@@ -88,6 +89,8 @@ def test_matmuls_and_convolutions_take_compute_dtype_operands(case, policy):
     assert jax.jit(jaxamp.autocast(fun, policy))(w, x).dtype == jnp.float32
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_degenerate_dots_run_on_cpu():
     # XLA:CPU emits vector products element by element and rejects dot algorithms there.
     def fun(v, m):
@@ -137,6 +140,8 @@ PROMOTE_CASES = {
 }
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("case", PROMOTE_CASES)
 def test_mixed_inputs_promote_to_the_widest(case, policy):
@@ -177,6 +182,8 @@ def _layer_norm(y):
     return nn.LayerNorm().apply({"params": {"scale": jnp.ones(4), "bias": jnp.zeros(4)}}, y)
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize(
     "fun",
     [jax.nn.softmax, jax.nn.log_softmax, jax.scipy.special.logsumexp, _layer_norm],
@@ -213,6 +220,8 @@ def test_outputs_come_back_in_their_traced_dtypes_and_static_values_pass_through
     _assert_close(eager["y"], fun(w, x, jnp.tanh, scale=2.0)["y"], "bfloat16")
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_strong_outputs_stay_strong_and_numpy_strings_stay_static():
     def fun(x, activation):
         aux = jnp.sum(jnp.full((4,), 0.5))  # a weakly typed value made strong by a convert
@@ -289,6 +298,8 @@ NEEDS_PLAIN_CHECKPOINT = pytest.mark.xfail(
 )
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("case", COMPOSITION_CASES)
 def test_composes_with_grad_and_control_flow(case):
     fun = COMPOSITION_CASES[case]
@@ -317,6 +328,8 @@ def test_while_loop_carries_keep_their_dtypes():
     _assert_close(jax.jit(jaxamp.autocast(fun))(w, x), fun(w, x), "bfloat16")
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_float32_param_gradients_come_back_float32(policy):
     def loss(params, x):
@@ -330,6 +343,8 @@ def test_float32_param_gradients_come_back_float32(policy):
     _assert_close((value, grads), jax.value_and_grad(loss)(params, x), _compute(policy))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_vmap_outside():
     w, x = _inputs()
     wrapped = jax.vmap(jaxamp.autocast(lambda w, row: jax.nn.softmax(row @ w)), in_axes=(None, 0))
@@ -399,6 +414,8 @@ def _bert():
     return model, (variables["params"], {}), loss
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("residuals", ["all", "compute_dtype"])
 @pytest.mark.parametrize(
     "setup",
@@ -444,6 +461,8 @@ def test_flax_linen_models_match_apply_policy(setup, residuals):
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_nnx_module():
     model = nnx.Sequential(
         nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
@@ -471,6 +490,8 @@ def _stateful_nnx_model():
     )
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("under_nnx_jit", [False, True])
 def test_stateful_nnx_module_updates_its_state(under_nnx_jit):
     """BatchNorm's statistics and Dropout's RNG count move as in a plain call."""
@@ -493,6 +514,8 @@ def test_stateful_nnx_module_updates_its_state(under_nnx_jit):
     np.testing.assert_allclose(y, y_plain, rtol=0.1, atol=0.05)  # the same dropout mask
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_stateful_nnx_module_gradients():
     model = _stateful_nnx_model()
     x = jax.random.normal(jax.random.key(3), (16, 4))
@@ -502,6 +525,8 @@ def test_stateful_nnx_module_gradients():
     assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(params))
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_module_that_mutates_nothing_is_left_alone():
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     kernel = model.kernel[...]
@@ -509,6 +534,8 @@ def test_module_that_mutates_nothing_is_left_alone():
     assert model.kernel[...] is kernel
 
 
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
 def test_equinox_module():
     mlp = eqx.nn.MLP(4, 2, width_size=8, depth=2, key=jax.random.key(0))
     x = jnp.ones((3, 4))
@@ -526,6 +553,8 @@ def test_equinox_module():
     assert report.all_operands_in("bfloat16") and len(report.ops) == 8, report
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_training_steps_reduce_the_loss():
     model, (params, batch_stats), loss = _resnet()
     tx = optax.adam(1e-2)
@@ -615,6 +644,8 @@ def _assert_states_match(actual, expected, policy):
         _assert_close(leaves, expected_leaves, _compute(policy))
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("under_nnx_jit", [False, True])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_nnx_optimizer_argument_keeps_its_step_and_moments(policy, under_nnx_jit):
@@ -634,6 +665,8 @@ def test_nnx_optimizer_argument_keeps_its_step_and_moments(policy, under_nnx_jit
     _assert_close(losses[0], losses[1], "float32" if policy == "float32" else "bfloat16")
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_bound_method_of_an_optimizer():
     """``autocast(optimizer.update)``: the optimizer (``fun.__self__``) keeps its update
     and no tracer is left in it."""
@@ -655,6 +688,8 @@ def _dropout_with_rngs(w, rngs, x):
     return nnx.Dropout(0.5)(x @ w, rngs=rngs)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("under_nnx_jit", [False, True])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_nnx_rngs_argument_advances(policy, under_nnx_jit):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import jaxamp
 from jaxamp._src.autocast import constants
 from tests.helpers.expected_warnings import FLOAT16_OVERFLOW, NNX_SOW_OUTSIDE_CAPTURE
+from tests.helpers.promotion import SUBJECT
 
 # The constants under test are those float16 cannot hold: JAX's cast of one in a 16-bit
 # trace warns (numpy's overflow), and what is asserted is that its value is kept.
@@ -218,6 +219,7 @@ class _ControlFlowNNX(nnx.Module):
         return _control_flow_case(self.kind, self.dense(x))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("path", ["linen", "nnx"])
 @pytest.mark.parametrize("kind", ["cond", "fori_loop", "while_loop", "scan", "folded_array"])
 def test_a_constant_in_control_flow_or_an_array_keeps_its_value(kind, path):
@@ -352,7 +354,7 @@ class _MaskBiasNNX(nnx.Module):
         return jax.nn.softmax(self.dense(x) + jnp.where(mask, 0.0, -1e9))
 
 
-_CAPTURED = jnp.arange(4) * 1e5  # made outside the model: a constant of its program
+_CAPTURED = jnp.arange(4.0) * 1e5  # made outside the model: a constant of its program
 
 
 class _Captured(nn.Module):
@@ -392,6 +394,7 @@ _REVIEW_CASES = {
 }
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("path", ["linen", "nnx"])
 @pytest.mark.parametrize("case", _REVIEW_CASES)
 def test_constants_the_review_found_keep_their_value(case, path):

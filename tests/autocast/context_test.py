@@ -10,8 +10,10 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
+from tests.helpers.promotion import SUBJECT
 
 
 class _Meeting:
@@ -158,6 +160,8 @@ def _assert_bit_for_bit(alone, together):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_threads_autocasting_at_once_each_get_their_own_result():
     """Three threads autocast three functions under three policies at once, their traces
     and their evaluations overlapping: two under delayed float8 scaling, each with its

@@ -16,6 +16,7 @@ import jaxamp
 from jaxamp.ops import fp8_dot_general, max_combined
 from tests.helpers.expected_warnings import FP8_STATE_NOT_DIFFERENTIATED
 from tests.helpers.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
+from tests.helpers.promotion import FLAX, OPTAX
 
 DN = (((1,), (0,)), ((), ()))
 
@@ -255,6 +256,8 @@ def test_gemms_in_custom_derivatives_run_in_16_bits(recipe):
         assert jaxamp.precision_report(jax.grad(lambda a: f(*a)))(args).float8_gemms()
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_init_traces_an_nnx_model_without_changing_it():
     """init_fp8_state finds the GEMMs of an NNX model autocast runs without running it: its
     BatchNorm statistics stay as they were (they had been written with leaked tracers);
@@ -367,6 +370,8 @@ def _train(policy, steps=150, keep_first_state=False):
     return first, float(loss(params, x, labels))
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
 def test_both_recipes_train_close_to_16_bits(compute):
     """From the same initialisation the loss falls from 2.24 to 0.016 in float32 and in 16

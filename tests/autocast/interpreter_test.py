@@ -12,6 +12,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from tests.helpers.promotion import FLAX, OPTAX, SUBJECT
 
 SIXTEEN = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -65,6 +66,7 @@ class Rotary(nn.Module):
         return nn.Dense(4, name="out")(jnp.einsum("bts,bsd->btd", weights, x))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("dtype", list(SIXTEEN))
 def test_apply_policy_agrees_with_autocast_on_matmuls_the_model_writes(dtype):
     policy = f"p=f32,c={dtype},o=f32"
@@ -81,6 +83,8 @@ def test_apply_policy_agrees_with_autocast_on_matmuls_the_model_writes(dtype):
     a.check(dtype)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_float32_override_keeps_the_matmuls_a_layer_writes_in_float32():
     x = jax.random.normal(jax.random.key(1), (2, 6, 8))
 
@@ -101,6 +105,8 @@ def test_a_float32_override_keeps_the_matmuls_a_layer_writes_in_float32():
 # ------------------------------------------------------- found by review, with their repros
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_gradient_taken_inside_of_a_maximum_of_a_cast_value():
     """max must equal one of the 16-bit elements that flow on (its JVP compares them), so it
     reads the 16-bit value, not the float32 one the cast came from."""
@@ -118,6 +124,8 @@ def test_a_gradient_taken_inside_of_a_maximum_of_a_cast_value():
     np.testing.assert_array_equal(jaxamp.autocast(is_max)(x), [1.0, 0.0, 0.0])
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_custom_jvp_function_with_an_integer_output():
     @jax.custom_jvp
     def f(x):
@@ -135,6 +143,8 @@ def test_a_custom_jvp_function_with_an_integer_output():
     np.testing.assert_allclose(jaxamp.autocast(jax.grad(loss))(x), expected, rtol=1e-6)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_gradient_taken_inside_keeps_float32_weight_gradients():
     """``jaxamp.autocast(train_step)`` where the step calls ``jax.grad``: the backward GEMMs
     in the traced program keep their float32 result."""
@@ -152,6 +162,8 @@ def test_a_gradient_taken_inside_keeps_float32_weight_gradients():
     report.check("bfloat16")
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_export_with_a_symbolic_batch(policy):
     (batch,) = jax.export.symbolic_shape("b")
@@ -182,6 +194,8 @@ def test_a_float32_override_does_not_name_a_layer():
     assert report.problems("bfloat16", ignore=["head"]) == []
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_a_lookup_in_a_16_bit_activation_runs_in_the_traced_dtype():
     """A loss's ``take_along_axis`` of logits a 16-bit matmul made (under autocast): its
     gradient, a scatter-add, sums in the dtype the program had, float32."""

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from jaxamp._src.jaxprs import equations as _equations
+from tests.helpers.promotion import FLAX, SUBJECT
 
 F16, BF16 = jnp.float16, jnp.bfloat16
 
@@ -80,6 +81,8 @@ CASES = {
 }
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("case", CASES)
 def test_float32_ops_are_exact_where_16_bits_are_not(case, run):
@@ -149,6 +152,8 @@ def test_outer_products_are_not_rounded_to_16_bits():
     np.testing.assert_array_equal(ours, angles(positions, frequencies))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("fun", [jax.nn.softplus, jax.nn.mish, lambda x: jnp.logaddexp(x, -x)])
 def test_custom_jvp_functions_compute_in_float32_inside(fun):
     """softplus, mish and logaddexp are ``jax.custom_jvp`` functions: their exp and log1p
@@ -206,6 +211,8 @@ def _centred_softmax_jvp(primals, tangents):
     return y, y * (t - jnp.sum(y * t, -1, keepdims=True))  # softmax's own rule
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("fun", ["own_rule", "jax_softmax_custom_jvp"])
 def test_a_custom_jvp_rule_sums_its_tangents_in_float32(fun, dtype):

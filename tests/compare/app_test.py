@@ -21,6 +21,7 @@ from jaxamp._src.compare.accuracy import (
 from jaxamp._src.compare.app import compare
 from jaxamp._src.compare.config import CompareConfig, OptionError
 from jaxamp._src.compare.variants import FP16_ON_CPU
+from tests.helpers.promotion import FLAX, OPTAX
 
 TINY_BERT = dict(
     model="bert",
@@ -66,6 +67,7 @@ def bert_report():
     return copy.deepcopy(_bert_report())
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.xdist_group("bert_report")
 def test_report_has_one_complete_record_per_variant(bert_report):
     runs = bert_report["runs"]
@@ -89,6 +91,7 @@ def test_report_has_one_complete_record_per_variant(bert_report):
     assert picked["policy"] == str(jaxamp.auto_policy()) and picked["reason"]
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.xdist_group("bert_report")
 def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp_path):
     from jaxamp._src.compare.report import format_markdown, write_report
@@ -126,6 +129,8 @@ def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp
     assert tmp_path / "divergence.png" in paths and (tmp_path / "divergence.png").exists()
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_a_float16_run_that_diverges_names_the_first_non_finite_layer():
     """Images scaled by 1e6: float32 trains on them (BatchNorm normalises), float16
     cannot even hold the inputs: the policy's cast of the images to float16 is the
@@ -171,6 +176,7 @@ class _Squeezed(nn.Module):
         return nn.Dense(3, name="head")(nn.relu(h))
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_training_steps():
     """Training skips a step whose float16 gradients overflow and halves the scale; the
     divergence is taken at the first scale whose step the optimizer takes (no inf column)."""
@@ -210,6 +216,7 @@ def test_a_float16_first_step_that_overflows_is_skipped_and_compared_where_train
     assert f"| fp16 (loss scale {scales['used']:g}) |" in md
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_delayed_fp8_step_carries_its_state_apart_from_the_optimizer_as_written_by_hand():
     """The fp8-delayed variant's step on a model with BatchNorm: the FP8 state is
     differentiated apart from the params and overwritten with its gradient, BatchNorm's
@@ -263,6 +270,8 @@ def test_delayed_fp8_step_carries_its_state_apart_from_the_optimizer_as_written_
     assert not any(bool(v) for v in run.nonfinite)
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", ["fp8", "fp8-delayed"])
 def test_a_float8_step_on_an_inf_is_counted_non_finite(name):
     """float8 has no infinity: an operand holding one makes the matmul NaN, the step is
@@ -284,6 +293,8 @@ def test_a_float8_step_on_an_inf_is_counted_non_finite(name):
     assert "1 inf" in run.first_nonfinite["description"], run.first_nonfinite
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_float8_variants_train_beside_fp32_in_one_report(tmp_path):
     """``--variants fp32,fp8-delayed`` on a tiny BERT, offline: a record each, the same
     first loss, the float8 note and the non-finite column in the report (``fp8``, current
@@ -315,6 +326,7 @@ def test_float8_variants_train_beside_fp32_in_one_report(tmp_path):
     assert FP8_NOTE in format_markdown(report)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.xdist_group("bert_report")
 def test_same_initialisation_and_data_for_every_variant(bert_report):
     first_losses = [r["losses"][0] for r in bert_report["runs"]]
@@ -322,6 +334,8 @@ def test_same_initialisation_and_data_for_every_variant(bert_report):
     assert max(first_losses) - min(first_losses) < 0.05
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_resnet_with_batch_norm_recalibration():
     dataset = data.load_digits_28x28().subset(64, 32)
     config = CompareConfig(
@@ -342,6 +356,7 @@ def test_resnet_with_batch_norm_recalibration():
     assert compare(plain, dataset=dataset)["runs"][1]["bn_recalibration_change"] is None
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter():
     config = CompareConfig(
         variants=("fp32", "bf16_float32_master", "bf16_kahan", "bf16_stochastic", "bf16_naive"),
@@ -369,6 +384,8 @@ def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter(
     assert "bytes/param" in format_markdown(report)
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkeypatch):
     """Every seed starts again from its own initialisation, key and batches, on the
     programs compiled for the first seed: as if each seed had been compared alone."""
@@ -411,6 +428,8 @@ def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkey
     assert together["runs"][0]["final_loss_seeds"][0] != together["runs"][0]["final_loss_seeds"][1]
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_default_variants_on_a_cpu_say_why_fp16_is_left_out():
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU's default variants")
@@ -584,6 +603,8 @@ def _parity(report):
         assert verdicts[name] != "worse", (verdicts, accuracy, report["runs"])
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_accuracy_parity_on_real_data():
     """bf16, and fp16 with loss scaling, are not worse than fp32 on real digits: a narrow
     ResNet18, three seeds, read by the report's own paired test (by seed and by example:

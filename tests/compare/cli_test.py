@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxamp._src.compare.cli import build_parser, main
+from tests.helpers.promotion import OPTAX
 
 
 def parse(*args):
@@ -60,6 +61,8 @@ def test_config_errors_exit_2(capsys):
     assert "divisible" in capsys.readouterr().err
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_compare_writes_report_and_plots(tmp_path, capsys):
     out = tmp_path / "report"
     code = main(

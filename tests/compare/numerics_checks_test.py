@@ -8,6 +8,7 @@ import pytest
 
 import jaxamp
 from tests.helpers.gated_net import GatedNet, X
+from tests.helpers.promotion import FLAX, OPTAX, SUBJECT
 
 
 def _gated_divergence_report():
@@ -46,6 +47,8 @@ def test_divergence_table_marks_near_zero_rows_and_identical_values_and_explains
         assert phrase in paragraph, (phrase, paragraph)
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_divergence_plot_has_no_made_up_values_and_labels_what_it_shows(tmp_path):
     import matplotlib
 
@@ -109,6 +112,8 @@ def _divergence_of(module, variants):
     return {r.variant.name: r.divergence for r in runs}
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_hand_written_float16_softmax_is_flagged_above_its_floor():
     from jaxamp._src.compare import numerics_checks as in_compare
 
@@ -189,6 +194,8 @@ def test_the_ideal_recipe_rounds_its_gemms_alone(policy):
             assert all(op.lhs_dtype == op.rhs_dtype == wanted for op in report.ops), report.ops
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
     """A float16 loss scale so small that the gradients underflow: each backward row loses
     most of its size, and is flagged as such, though its floor is as high as a badly
@@ -215,6 +222,7 @@ def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
                 assert d["fault"] is None and 0.9 < d["size_ratio"] < 1.1, d
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_float8_variants_get_a_float8_floor_and_a_healthy_model_is_not_flagged():
     """A float8 variant's floor is made at its GEMMs' precision (float8 operands with
     current per-tensor scaling; inputs rounded to e4m3 with a per-tensor scale): a healthy

@@ -25,6 +25,7 @@ from jaxamp._src.compare.run import Run
 from jaxamp._src.compare.task import Task, make_task
 from jaxamp._src.compare.variants import get_variant
 from jaxamp._src.flax_policy.linen import apply_policy
+from tests.helpers.promotion import FLAX, SUBJECT
 
 
 def _in16(value, planted):
@@ -199,6 +200,8 @@ PLANTED = [
 IDS = [layer for _, layer, _ in PLANTED]
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("model, layer, upstream", PLANTED, ids=IDS)
 def test_a_planted_precision_fault_is_flagged_at_its_layer(model, layer, upstream):
     path = lambda name: f"{model.__name__}/{name}"
@@ -214,6 +217,8 @@ def test_a_planted_precision_fault_is_flagged_at_its_layer(model, layer, upstrea
         assert not faulty[(path(name), "forward")]["flagged"], faulty[(path(name), "forward")]
 
 
+@pytest.mark.standard_promotion(SUBJECT)
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("model", [m for m, _, _ in PLANTED], ids=IDS)
 def test_the_same_models_done_right_flag_nothing(model):
     rows = _divergence(model, planted=False)
@@ -235,6 +240,8 @@ def _healthy(rows):
     assert not ratios or max(ratios) < numerics_checks.FLAG_RATIO / 2, sorted(ratios)[-5:]
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_a_resnet_whose_batch_norms_cancel_flags_nothing():
     """A narrow ResNet18 at its initial weights, BatchNorm over the batch: its backward
     passes cancel, so bfloat16's gradients depart from fp32's by tens of percent; the

@@ -8,6 +8,7 @@ import pytest
 
 import jaxamp
 from jaxamp._src.compare.variants import PRECISION_VARIANTS, VARIANTS, default_variants, get_variant
+from tests.helpers.promotion import OPTAX
 
 
 def test_the_four_recipes():
@@ -20,6 +21,8 @@ def test_the_four_recipes():
     assert [VARIANTS[n].dynamic_loss_scaling for n in PRECISION_VARIANTS] == [0, 0, 0, 1]
 
 
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.standard_promotion(OPTAX)
 def test_the_optimizer_state_recipes_are_variants_too():
     params = {"w": jnp.ones(2, jnp.bfloat16)}
     for name in jaxamp.optim.OPTIMIZER_RECIPES:

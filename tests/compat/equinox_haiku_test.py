@@ -12,6 +12,7 @@ import pytest
 
 import jaxamp
 from tests.compat.harness import POLICIES, check_model
+from tests.helpers.promotion import OTHER_LIBRARY
 
 hk = pytest.importorskip("haiku")
 
@@ -101,6 +102,8 @@ def _each_model_one_policy(models):
     ]
 
 
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.parametrize(("name", "policy"), _each_model_one_policy(EQUINOX))
 def test_equinox_model(name, policy):
     model, x = EQUINOX[name]()
@@ -154,6 +157,8 @@ _HAIKU_CASES = [
 ]
 
 
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.parametrize(("name", "policy"), _HAIKU_CASES)
 def test_haiku_model(name, policy):
     forward, shape = HAIKU[name]

@@ -16,6 +16,7 @@ from jaxamp.models import BertClassifier, BertConfig, GPT2Config, GPT2LMHeadMode
 from tests.compat.harness import POLICIES, check_model
 from tests.compat.transformers_test import MODELS as TRANSFORMERS
 from tests.compat.transformers_test import _loss_of
+from tests.helpers.promotion import FLAX
 
 FORMS = [f for f in jaxamp.ops.MATMUL_FORMS if f != "native" or jax.default_backend() != "cpu"]
 
@@ -87,6 +88,7 @@ def transformers_bert(policy):
 MODELS = {"jaxamp BERT": jaxamp_bert, "jaxamp GPT-2": jaxamp_gpt2, "BERT": transformers_bert}
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize(("name", "policy", "form"), list(_cases()))
 def test_models_train_under_every_form(name, policy, form):
     amp_loss, fp32_loss, params, batch = MODELS[name](policy)

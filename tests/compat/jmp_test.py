@@ -20,6 +20,7 @@ import pytest
 
 import jaxamp
 from tests.compat.jmp_tests import loss_scale_test, policy_test
+from tests.helpers.promotion import OTHER_LIBRARY
 
 # Deliberate differences, each the reason of the cases it fails.
 ERROR_WORDING = (
@@ -96,6 +97,8 @@ def _mark_xfails(cls: type, xfails: dict[str, tuple[str, type[BaseException]]]) 
     return cls
 
 
+# jmp's test_cast_to_half compares a float32 array with a 16-bit one
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
 class TestJmpPolicy(policy_test.PolicyTest):
     """jmp's PolicyTest on jaxamp.Policy and jaxamp.get_policy."""
 

@@ -17,6 +17,7 @@ import pytest
 import jaxamp
 from tests.compat.harness import POLICIES, check_model
 from tests.helpers.expected_warnings import FLOAT16_OVERFLOW
+from tests.helpers.promotion import FLAX, OTHER_LIBRARY
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,6 +161,7 @@ def _cases():
 
 
 # DistilBERT's mask fill (finfo(float32).min) overflows float16 in its 16-bit trace
+@pytest.mark.standard_promotion(FLAX)
 @FLOAT16_OVERFLOW
 @pytest.mark.parametrize("name, path, policy", _cases())
 def test_transformers_model(name, path, policy, request):
@@ -186,6 +188,7 @@ def test_transformers_model(name, path, policy, request):
     )
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_distilbert_float16_nan_is_the_models_own():
     model, inputs, targets, loss_from_outputs = distilbert()
     half = transformers.FlaxDistilBertForSequenceClassification(model.config, dtype=jnp.float16)
@@ -221,6 +224,7 @@ def _in_mode(mode, name, model, inputs, targets, loss_from_outputs):
 
 # Train mode (dropout masks drawn, batch statistics updated) in CI; eval mode, which
 # runs a subset of the same program, in the slow run.
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("mode", [pytest.param("eval", marks=pytest.mark.slow), "train"])
 @pytest.mark.parametrize("path", ["apply_policy", "autocast"])
 @pytest.mark.parametrize("name", list(MODELS))
@@ -251,6 +255,7 @@ def test_a_float32_policy_is_the_identity(name, path, mode):
             assert "random_bits" in str(jax.make_jaxpr(alone)(model.params, batch))
 
 
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_path_override_reaches_a_tied_head(tied):
     """Bloom's tied head calls ``self.lm_head.apply({"params": {"kernel": embedding.T}}, h)``,

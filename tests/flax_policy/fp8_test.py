@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import jaxamp
 from jaxamp.ops import FP8_STATE_COLLECTION as STATE
 from tests.helpers.fp8_models import REALISTIC_FEATURES, REALISTIC_INPUT, Mlp
+from tests.helpers.promotion import FLAX, OPTAX, SUBJECT
 
 assert STATE == fp8_ops.OVERWRITE_WITH_GRADIENT
 
@@ -153,6 +154,7 @@ def _train_linen(policy, steps=3, reuse=False):
     return model, x, variables
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 def test_linen_layer_called_twice_records_the_larger_amax():
     model, x, variables = _train_linen("mixed_float8_delayed", reuse=True)
     d0 = variables["params"]["Dense_0"]
@@ -363,6 +365,7 @@ def test_float8_policy_grammar_and_errors():
     assert jaxamp.Fp8Recipe("Delayed") == jaxamp.Policy("float32", fp8="Delayed").fp8
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_accumulation_with_multisteps_advances_the_state_every_micro_step():
     """loss_scaled(MultiSteps(adam)): the optimizer averages gradients over micro-steps;
     the state never enters it, so each micro-batch's amax is pushed, none averaged."""
@@ -1118,6 +1121,7 @@ def test_amax_histories_of_different_lengths_are_not_one_state():
         )
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("override", ["mixed_bfloat16", "mixed_float16", "float32"])
 @pytest.mark.parametrize(
     "root", ["mixed_float8", "mixed_float8_delayed", "p=f32,c=f32,fp8=current"]
@@ -1161,6 +1165,7 @@ def test_an_override_out_of_float8_keeps_the_layers_own_matmuls_out(root, overri
     assert jaxamp.precision_report(lambda m: m(x))(model).float8_gemms() == (1, 1)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float8", "mixed_float8_delayed"])
 def test_a_models_own_variables_in_the_state_collection_are_left_alone(policy):
     """Variables a model keeps in '_overwrite_with_gradient' itself (by Flax's convention),
@@ -1484,6 +1489,7 @@ def test_a_refused_nested_policy_module_names_its_overrides_under_its_path():
         nested.init(jax.random.key(0), x)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell])
 def test_nn_rnn_under_delayed_scaling_is_refused_with_the_way_round(cell):
     """nn.RNN under a delayed policy: its scan broadcasts only the params, so the cell

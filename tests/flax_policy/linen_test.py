@@ -14,6 +14,7 @@ from flax.training import train_state
 
 import jaxamp
 from jaxamp.models import BasicBlock, BertClassifier, ResNet
+from tests.helpers.promotion import FLAX, SUBJECT
 from tests.helpers.tiny_configs import TINY_BERT
 
 DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
@@ -52,6 +53,7 @@ def bert_loss(model, tokens):
     return loss
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_resnet_dtypes(name, images):
     model = jaxamp.linen.apply_policy(tiny_resnet(), name)
@@ -74,6 +76,7 @@ def test_resnet_dtypes(name, images):
     assert {op.direction for op in report.ops} == {"forward", "backward"}
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_bert_dtypes(name, tokens):
     model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), name)
@@ -105,6 +108,7 @@ def test_float32_policy_has_no_16_bit_matmuls(images):
     report.check(jnp.float32)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_activations_are_in_compute_dtype(images, tokens):
     model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16")
     variables = model.init(jax.random.key(0), images)
@@ -135,6 +139,7 @@ def _flat(tree):
     return out
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_softmax_and_norm_statistics_are_float32(tokens):
     """Softmax runs on float32 values; LayerNorm statistics are float32 reductions."""
     model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
@@ -161,6 +166,7 @@ def _all_eqns(jaxpr):
                     yield from _all_eqns(inner)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_integer_inputs_are_never_cast(tokens):
     model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "bfloat16")
     variables = model.init(jax.random.key(0), tokens)
@@ -177,6 +183,7 @@ def test_integer_inputs_are_never_cast(tokens):
     assert seen == [jnp.int32]
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_close_to_float32_model(name, images, tokens):
     tol = {"float32": 1e-5, "mixed_bfloat16": 5e-2, "mixed_float16": 1e-2}[name]
@@ -193,6 +200,7 @@ def test_close_to_float32_model(name, images, tokens):
     np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_gradients_close_to_float32_model(images):
     plain = tiny_resnet()
     variables = plain.init(jax.random.key(0), images)
@@ -208,6 +216,7 @@ def test_gradients_close_to_float32_model(images):
         assert float(jnp.max(jnp.abs(r - g))) / scale < 0.1
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_step_compiles_once(images):
     model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16")
     variables = model.init(jax.random.key(0), images)
@@ -240,6 +249,7 @@ def resnet_loss_apply(apply_fn, params, batch_stats, images):
     return jnp.mean(logits.astype(jnp.float32) ** 2), (logits, updates)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_overrides_by_path_and_class(images):
     model = jaxamp.linen.apply_policy(tiny_resnet(), "mixed_bfloat16", overrides={"fc": "float32"})
     variables = model.init(jax.random.key(0), images)
@@ -355,6 +365,7 @@ def test_bad_arguments():
         jaxamp.linen.apply_policy(tiny_resnet(), "float32", residuals="some")
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_wrapper_behaves_like_the_module(tokens):
     model = jaxamp.linen.apply_policy(BertClassifier(TINY_BERT), "mixed_bfloat16")
     assert model.config is TINY_BERT
@@ -371,6 +382,7 @@ def test_auto_policy_default(images):
     assert model.policy == jaxamp.auto_policy()
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("kind", ["resnet", "bert"])
 def test_converts_are_hand_written_dtypes_plus_the_matmul_rule(kind, images, tokens):
     """With residuals="all", the converts of Flax's dtype= by hand, plus those the rule states.
@@ -442,6 +454,7 @@ class DirectAttention(nn.Module):
         return jax.nn.log_softmax(y) + jax.nn.softmax(y) + jax.nn.logsumexp(y, -1, keepdims=True)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_directly_called_softmax_runs_in_float32(name):
     """Every softmax, logsumexp and attention matmul of a model that calls them itself:
@@ -480,6 +493,7 @@ def _dense_operands(report):
     return {op.operand_dtype for op in report.ops}
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 def test_bind_tabulate_lazy_init_and_methods_keep_the_policy():
     model = jaxamp.linen.apply_policy(TwoMethods(), "mixed_bfloat16")
     x = jnp.ones((2, 3))
@@ -519,6 +533,7 @@ class Bare(nn.Module):
         return nn.Dense(2, name="head")(TwoMethods(name="backbone")(x))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_policy_module_is_a_submodule():
     x = jnp.ones((2, 3))
     variables = WithBackbone().init(jax.random.key(0), x)
@@ -535,6 +550,7 @@ def test_a_policy_module_is_a_submodule():
     )
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 def test_a_matmul_the_model_writes_follows_the_rules_compute_set():
     """The docstring said x @ self.param(...) runs in float32 and that rules.compute is
     unused; it runs in the compute dtype, and an empty compute set keeps it float32."""
@@ -658,6 +674,7 @@ def _field_model():
     return _WithField(_Tower(), _Head(_Tower()))
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 @pytest.mark.parametrize("placement", ["root", "submodule"])
 def test_init_under_a_policy_draws_field_submodules_values_as_the_model_alone(policy, placement):
@@ -697,6 +714,7 @@ def _lifted_outer(lift, tower):
     return Outer()
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.filterwarnings(
     "ignore:A delayed float8 policy module runs inside a Flax"
 )  # fp8_test's

@@ -15,6 +15,7 @@ import jaxamp
 from jaxamp._src.flax_policy.plan import nnx_promote_keeping_kernel
 from jaxamp._src.ops.matmul import DotGeneral
 from tests.helpers.nnx_models import ConvBlock, ResNet, Transformer
+from tests.helpers.promotion import FLAX
 
 DTYPES = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 IMAGES = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
@@ -44,6 +45,7 @@ def train_step_report(model, x):
     return jaxamp.precision_report(step)(state, x)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_dtypes_and_precision_report(kind, name):
@@ -93,6 +95,7 @@ def test_layer_settings():
     assert model.embed.embedding.get_raw_value() is table and table.dtype == jnp.float32
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])
 @pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
 def test_close_to_float32_model(kind, name):
@@ -102,6 +105,7 @@ def test_close_to_float32_model(kind, name):
     np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_train_with_optimizer_compiles_once_and_learns():
     model = make("resnet", "mixed_bfloat16")
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -121,6 +125,7 @@ def test_train_with_optimizer_compiles_once_and_learns():
     assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("float32")}
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_bfloat16_params_are_cast():
     model = make("resnet", "bfloat16")
     assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {np.dtype("bfloat16")}
@@ -152,6 +157,7 @@ def test_an_override_that_matches_a_layer_does_not_warn(recwarn):
     assert not [w for w in recwarn if "override" in str(w.message)]
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])
 @pytest.mark.parametrize("first", ["mixed_bfloat16", "mixed_float16"])
 def test_apply_twice_replaces_the_policy(kind, first):
@@ -190,6 +196,7 @@ def test_bad_arguments():
         jaxamp.nnx.apply_policy(make("resnet"), "p=f32,c=fp8")
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_a_model_under_a_policy_pickles():
     model = make("transformer", "mixed_bfloat16")
     restored = pickle.loads(pickle.dumps(model))
@@ -214,6 +221,7 @@ class DirectAttention(nnx.Module):
         return jax.nn.log_softmax(y) + jax.nn.softmax(y)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_directly_called_softmax_runs_in_float32(name):
     model = jaxamp.nnx.apply_policy(DirectAttention(nnx.Rngs(0)), name)

@@ -12,8 +12,9 @@ import pytest
 from flax import nnx
 
 import jaxamp
+from tests.helpers.promotion import FLAX
 
-X = (jnp.arange(6.0).reshape(2, 3) + 1j * jnp.ones((2, 3))).astype(jnp.complex64)
+X = jax.lax.complex(jnp.arange(6.0).reshape(2, 3), jnp.ones((2, 3)))  # complex64
 
 
 class LinenComplex(nn.Module):
@@ -32,6 +33,7 @@ class NNXComplex(nnx.Module):
         return self.real(self.complex(x))
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_complex_layers_and_inputs_are_not_cast_to_real(policy):
     reference = LinenComplex()
@@ -48,6 +50,7 @@ def test_complex_layers_and_inputs_are_not_cast_to_real(policy):
     assert created["params"]["real"]["kernel"].dtype == jnp.float32
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_nnx_complex_layers_are_not_cast_to_real(policy):
     expected = NNXComplex(nnx.Rngs(0))(X)

@@ -34,6 +34,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import jaxamp
+from tests.helpers.promotion import FLAX
 
 FAST, SLOW = 1, 25  # hypothesis examples per layer: CI, and the `slow` twin
 # The convolutions' space is the largest (rank, kernel, strides, dilations, groups, seven
@@ -1217,6 +1218,7 @@ def test_float32_policy_is_the_identity(api, name):
     _examples(check_identity, api, name, slow=False)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize(("api", "name"), _cases("mixed"))
 def test_mixed_policy_is_within_tolerance(api, name):
     _examples(check_mixed, api, name, slow=False, combinations=MIXED_FAST)
@@ -1237,6 +1239,7 @@ def test_mixed_policy_is_within_tolerance_slow(api, name):
 _CELLS = (nn.LSTMCell, nn.GRUCell, nn.SimpleCell)
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize(
     ("module", "args", "kwargs", "method"),
     [

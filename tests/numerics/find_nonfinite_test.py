@@ -9,6 +9,7 @@ from flax import nnx
 
 import jaxamp
 from tests.helpers.expected_warnings import FLOAT16_LOSS, FLOAT16_OVERFLOW
+from tests.helpers.promotion import FLAX
 from tests.numerics.nets import (
     DTYPES,
     LinenNet,
@@ -69,6 +70,7 @@ def test_log_of_zero_in_the_loss():
     assert fault.output.infs > 0 and fault.inputs[0].max_abs == 0.0
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", [None, "mixed_float16"])
 def test_nnx_backward_fault_named_by_module_path_and_model_untouched(policy):
     model = NnxNet(nnx.Rngs(0))
@@ -82,6 +84,7 @@ def test_nnx_backward_fault_named_by_module_path_and_model_untouched(policy):
     assert type(model.root) is NnxRoot
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_nnx_forward_float16_overflow():
     model = NnxNet(nnx.Rngs(0))
     model.amplify.kernel[...] = model.amplify.kernel[...] * 1e6

@@ -8,9 +8,11 @@ from flax import nnx
 
 import jaxamp
 from tests.helpers.gated_net import gated_setup
+from tests.helpers.promotion import FLAX
 from tests.numerics.nets import LinenNet, NnxNet, X, nnx_loss
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_numerics_diff_per_layer_under_autocast():
     """Each row is the relative error one computes by hand: the layer's output captured
     under autocast against float32, and the layer's parameter gradients."""
@@ -57,6 +59,7 @@ def test_numerics_diff_per_layer_under_autocast():
             assert error < rows[(layer, phase)], (layer, phase)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_numerics_diff_joins_nnx_gradients_to_their_layer():
     model = NnxNet(nnx.Rngs(0))
     diff = jaxamp.numerics_diff(nnx_loss, policy="mixed_bfloat16")(model, jnp.abs(X) + 0.1)
@@ -82,6 +85,7 @@ def test_numerics_diff_with_a_policy_applied_to_the_model():
     assert all(0 < e < 0.1 for e in paths.values())
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_numerics_diff_marks_rows_whose_float32_value_is_near_zero():
     """A zero gate: the gate's output and the branch's gradients are exactly 0 in both
     runs (identical: error 0, marked near zero). A gate of 1e-6: float16 flushes the

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import jaxamp
+from tests.helpers.promotion import SUBJECT
 from tests.numerics.nets import DTYPES, X, dense_loss, linen_setup
 
 
@@ -93,6 +94,7 @@ def test_range_report_flush_to_zero_boundary_is_float16_rounding():
     assert tiny.below_normal == 3 / 8, tiny  # and 2**-25 (1 + 2**-20); 2**-14 - 2**-26 rounds up
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 def test_range_report_under_a_policy_counts_only_its_16_bit_values():
     """A LayerNorm's statistics have huge derivatives for near-constant rows; a policy
     computes them in float32, so they are no reason to avoid float16."""

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
+from tests.helpers.promotion import FLAX
 from tests.numerics.nets import DTYPES
 
 
@@ -34,6 +35,7 @@ def test_a_custom_vjp_backward_fault_points_at_the_bwd_rule(dtype, jit_inside):
     assert fault.source.endswith(f"sources_test.py:{line} (_bad_bwd)"), fault.source
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_a_fault_in_a_jaxamp_model_points_at_the_models_line():
     """jaxamp.models' code counted as library code (the path named the module before it
     moved), so a fault in it was reported at the user's loss line."""

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxamp
+from tests.helpers.promotion import FLAX
 from tests.numerics.nets import DTYPES, LinenNet, X, linen_setup
 
 
@@ -28,6 +29,7 @@ def test_a_function_returning_activations_is_checked_forward_only(dtype):
     assert not full.forward_only and "forward only" not in full.table()
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_the_float16_walk_through_example(tmp_path):
     """examples/float16_overflow.py at a small size: the walk-through of the numerics guide."""
     import io

@@ -6,6 +6,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
+from tests.helpers.promotion import FLAX
 
 
 class Inner(nnx.Module):
@@ -96,6 +97,7 @@ def test_nested_nnx_fault_is_named_once_by_find_nonfinite():
     assert fault.primitive == "square" and fault.phase == "forward"
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", [None, "mixed_bfloat16"])
 def test_nested_nnx_numerics_diff_has_one_row_per_layer(policy):
     model = Deep(nnx.Rngs(0))
@@ -115,6 +117,7 @@ def test_nested_nnx_numerics_diff_has_one_row_per_layer(policy):
     assert "Deep/stage/blocks/0/fc " in table and "Deep/stage/Deep" not in table
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_nested_nnx_two_levels_numerics_diff():
     model = Outer(nnx.Rngs(0))
     model.enc.fc.kernel.set_value(jnp.eye(2) + 0.1)

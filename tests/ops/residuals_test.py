@@ -14,6 +14,7 @@ import jaxamp
 from jaxamp._src.jaxprs import equations as _equations
 from jaxamp._src.ops.residuals import saved_residuals
 from jaxamp.models import BasicBlock, BertClassifier, BertConfig, ResNet
+from tests.helpers.promotion import FLAX
 
 TINY_BERT = BertConfig(
     vocab_size=64,
@@ -58,6 +59,7 @@ def bert_setup(policy, residuals="compute_dtype"):
     return loss, variables["params"]
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("setup", [resnet_setup, bert_setup])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_activation_bytes_at_most_055_of_float32(setup, policy):
@@ -68,6 +70,7 @@ def test_activation_bytes_at_most_055_of_float32(setup, policy):
     assert dots < mixed
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("setup", [resnet_setup, bert_setup])
 def test_no_large_float32_residuals(setup):
     loss, params = setup("mixed_bfloat16")
@@ -91,6 +94,7 @@ def _relative_error(grads, reference):
     return (diff / norm) ** 0.5
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("setup", [resnet_setup, bert_setup])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_gradients_as_accurate_as_saving_everything(setup, policy):
@@ -113,6 +117,7 @@ def test_gradients_as_accurate_as_saving_everything(setup, policy):
     assert err_ckpt <= 1.5 * err_all + 1e-3, (err_all, err_ckpt)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_batch_statistics_stay_float32():
     plain = ResNet((1, 1), BasicBlock, num_classes=5, width=16)
     variables = plain.init(jax.random.key(0), IMAGES)
@@ -124,6 +129,7 @@ def test_batch_statistics_stay_float32():
         np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_short_run_converges():
     loss, params = bert_setup("mixed_bfloat16")
     tx = optax.adam(3e-3)
@@ -154,6 +160,7 @@ def test_checkpoint_residuals_holds_non_arrays_static():
         jaxamp.checkpoint_residuals(f, "none")
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_activation_bytes_by_dtype():
     loss, params = resnet_setup("mixed_bfloat16")
     by_dtype = jaxamp.ops.activation_bytes(loss, params, by_dtype=True)
@@ -191,6 +198,7 @@ def _large_float32_residuals(loss, params, activation_elements, *more):
     ]
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("norm", ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"])
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_linen_normalisation_layers_save_16_bit_residuals(norm, policy):
@@ -235,6 +243,7 @@ def test_linen_normalisation_layers_save_16_bit_residuals(norm, policy):
 DTYPE_OF = {"mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 
 
+@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("norm", ["BatchNorm", "LayerNorm", "GroupNorm", "RMSNorm"])
 def test_nnx_normalisation_layers_save_16_bit_residuals(norm):
     from flax import nnx

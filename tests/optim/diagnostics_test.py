@@ -8,6 +8,7 @@ import pytest
 
 import jaxamp
 from jaxamp import DynamicLossScale
+from tests.helpers.promotion import OPTAX
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -95,6 +96,7 @@ def test_raise_if_stuck_points_to_the_leaves_and_to_find_nonfinite():
         assert ("['w']" in message) == record
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("holder", ["train_state", "nnx"])
 def test_applied_steps_count_as_the_inner_optimizer_does(holder):
     """A TrainState and an nnx.Optimizer count every call; the inner optax state (the

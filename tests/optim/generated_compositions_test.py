@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import jaxamp
 from tests.helpers.expected_warnings import FLOAT16_STATISTICS, NO_STATISTIC
+from tests.helpers.promotion import OPTAX
 
 STEPS = 6
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -311,6 +312,7 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Found by the generated run: SAMState has a field named opt_state, which the lookup
 # took for an nnx.Optimizer's and looked inside, accepting loss_scaled inside SAM.
+@pytest.mark.standard_promotion(OPTAX)
 @example(Case("sgd", ("clip", "sam"), 1, "float32", False, "float32", "dynamic", ()))
 # Found by review: flatten around loss_scaled promoted mixed params to one float32 vector
 # (no master for the bfloat16 ones); adafactor under master_weights="none" was given the

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp import DynamicLossScale
+from tests.helpers.promotion import FLAX, OPTAX
 from tests.helpers.train_steps import loss_scaled_step
 
 PARAMS = {"w": jnp.array([1.0, 2.0])}
@@ -33,6 +34,7 @@ def _train_through_an_overflow(tx, steps=6, k=2):
     return params, jaxamp.optim.get_loss_scale(state)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_multisteps_inside_loss_scaled_trains_through_an_overflow():
     tx = jaxamp.loss_scaled(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
     params, scale = _train_through_an_overflow(tx)
@@ -127,6 +129,7 @@ def test_value_and_grad(has_aux):
     np.testing.assert_allclose(updates["w"], -0.1 * 6.0 * PARAMS["w"], rtol=1e-6)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_readme_linen_train_state():
     """The README's Linen example: three changed lines make a float16 loss-scaled step."""
     import flax.linen as nn
@@ -160,6 +163,7 @@ def test_readme_linen_train_state():
     assert jaxamp.optim.loss_scale_metrics(state.opt_state)["consecutive_skips"] == 0
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_readme_nnx_optimizer():
     """The README's NNX example."""
 
@@ -195,6 +199,7 @@ def test_readme_nnx_optimizer():
     assert int(model.dropout.rngs.count[...]) == 30
 
 
+@pytest.mark.standard_promotion(FLAX)
 def test_nnx_transform_is_used_on_a_model_with_batch_norm_and_dropout():
     """``transform=nnx.value_and_grad`` differentiates Params only, not RNG or BatchStat state."""
 
@@ -239,6 +244,7 @@ def _weighted_loss(params, x):
     return sum(terms) / 4.0
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @settings(max_examples=15, deadline=None)
 @given(
     param_dtypes=st.tuples(st.sampled_from(sorted(DTYPES)), st.sampled_from(sorted(DTYPES))),
@@ -292,6 +298,7 @@ def test_value_and_grad_of_params_and_an_input_matches_jax(
         np.testing.assert_array_equal(optax.apply_updates(p, u), stepped.astype(p.dtype))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_value_and_grad_refusal_names_what_was_written():
     """A transformation around loss_scaled that changes the params it sees is refused,
     naming the call the user wrote (its function and argnums) and the counts of each

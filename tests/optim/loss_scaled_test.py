@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import jaxamp
 from jaxamp._src.optim import loss_scaled as loss_scaled_module
 from jaxamp.optim import DynamicLossScale, LossScaledState, NoOpLossScale, StaticLossScale
+from tests.helpers.promotion import OPTAX
 from tests.helpers.train_steps import loss_scaled_step
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -51,6 +52,7 @@ def test_float16_gradient_that_flushes_to_zero_survives_scaling():
     assert bool(state.last_finite)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_overflow_skips_with_params_and_inner_state_bit_for_bit_unchanged(dtype, skip_with):
@@ -81,6 +83,7 @@ def test_overflow_skips_with_params_and_inner_state_bit_for_bit_unchanged(dtype,
     assert int(state.consecutive_skips) == 0 and int(state.skipped_steps) == 1
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
 @pytest.mark.parametrize("master_weights", ["float32", "kahan", "stochastic", "none"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,6 +205,7 @@ def _bytes_accessed(fn, *args) -> float:
     return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_the_check_reads_each_gradient_once_more_than_plain_optax():
     """The compiled loss-scaled Adam update reads and writes at most 2.5 gradient sizes
     more than plain optax's (the check's one read and its booleans, and the update that
@@ -237,6 +241,7 @@ def test_clipping_sees_unscaled_gradients():
     np.testing.assert_allclose(updates["w"], [-0.3, -0.4], rtol=1e-6)  # clipped to 0.5
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("master_weights", ["float32", "kahan", "stochastic", "none"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_weakly_typed_float32_param_beside_16_bit_ones_keeps_one_state_type(
@@ -257,6 +262,7 @@ def test_a_weakly_typed_float32_param_beside_16_bit_ones_keeps_one_state_type(
     assert update._cache_size() == 1
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16_bit_params_keep_a_float32_master(dtype):
     params = {"w": jnp.full(4, 1.0, dtype)}
@@ -280,6 +286,7 @@ def test_16_bit_params_keep_a_float32_master(dtype):
     assert float(optax.apply_updates(p, u)["w"][0]) == 1.0
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
 def test_master_adopts_changes_made_to_the_params_outside_update(dtype, skip_with):
@@ -334,6 +341,7 @@ def test_float32_params_have_no_master():
     assert state.master_params is None
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_training_resumed_from_a_flattened_state_is_bit_identical(dtype):
     """A state taken apart into its leaves (as a checkpoint stores it) and rebuilt trains
@@ -360,6 +368,7 @@ def test_training_resumed_from_a_flattened_state_is_bit_identical(dtype):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_state_dtypes_and_structure_stable_and_one_compile(dtype, skip_with):
@@ -391,6 +400,7 @@ def test_scale_history_records_the_scale_after_each_step():
     np.testing.assert_array_equal(jaxamp.optim.scale_history(state), [8.0, 4.0, 2.0, 1.0])
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_noop_scale_with_16bit_params_lands_on_the_rounded_float32_step(dtype):
     params = params_of(dtype)
@@ -471,6 +481,7 @@ def test_bad_arguments():
         jaxamp.loss_scaled(optax.sgd(0.1), skip_with="if")
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_select_mode_has_no_conditional_and_no_host_callback():
     """Skipping is decided on device: nothing in the program waits for the host."""
     params = params_of(jnp.float32)
@@ -484,6 +495,7 @@ def test_select_mode_has_no_conditional_and_no_host_callback():
     assert "conditional(" in text
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_orbax_checkpoint_resumes_bit_identically(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params = params_of(jnp.bfloat16)
@@ -619,6 +631,7 @@ def test_finiteness_check_equals_isfinite_of_the_unscaled_gradients(grads, inv_s
     )
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("recipe", ["float32", "stochastic"])
 def test_nonfinite_record_is_shaped_like_the_gradients_under_lookahead(dtype, recipe):
@@ -666,6 +679,7 @@ def test_complex_gradients_are_unscaled(master_weights):
     assert bool(state.last_finite)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("skip_with", ["select", "cond"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("make", [lambda: optax.adafactor(1e-2), lambda: optax.lamb(1e-2)])

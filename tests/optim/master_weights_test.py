@@ -10,6 +10,7 @@ import pytest
 
 import jaxamp
 from jaxamp import StaticLossScale
+from tests.helpers.promotion import OPTAX
 from tests.helpers.train_steps import apply_step
 
 RECIPES = ["float32", "kahan", "stochastic", "none"]
@@ -27,6 +28,7 @@ def _train(tx, params, grads_of, steps):
     return jax.jit(lambda p: jax.lax.fori_loop(0, steps, body, (p, tx.init(p))))(params)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_the_stall_updates_below_half_an_ulp(dtype):
     """sgd steps of 2**-13 on weights at 1 (the spacing just below 1 is 2**-8 in bfloat16,
@@ -49,6 +51,7 @@ def test_the_stall_updates_below_half_an_ulp(dtype):
     assert abs(float(finals["stochastic"].mean()) - target) < 0.2 * ulp  # about 5 SE
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_kahan_tracks_the_float32_sum(dtype):
     """Random small updates: Kahan stays within a 16-bit ulp of the float32 sum."""
@@ -101,6 +104,7 @@ KEEPS = {
 }
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_a_non_finite_step_is_skipped_bit_for_bit(recipe, dtype):
@@ -134,6 +138,7 @@ def test_a_non_finite_step_is_skipped_bit_for_bit(recipe, dtype):
     _assert_bits_equal(after.loss_scale, state.loss_scale, "loss_scale")  # static scale
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_mixed_dtype_params_donate_and_float32_leaves_follow_plain_optax(recipe, dtype):
@@ -182,6 +187,7 @@ def test_mixed_dtype_params_donate_and_float32_leaves_follow_plain_optax(recipe,
         assert state.master_params["b"].shape == () and state.master_params["w"].shape == (n,)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_kahan_discards_the_compensation_of_a_param_set_outside_update(dtype):
     """Weights zeroed (pruned) or clipped between steps: the compensation built up for
@@ -221,6 +227,7 @@ def test_kahan_discards_the_compensation_of_a_param_set_outside_update(dtype):
     np.testing.assert_array_equal(stepped[pruned | clipped], fresh[pruned | clipped])
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_state_is_arrays_stable_and_traced_once(recipe):
     params = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.zeros(4)}  # a float32 leaf too
@@ -241,6 +248,7 @@ def test_state_is_arrays_stable_and_traced_once(recipe):
     assert (state.rounding_key is not None) == (recipe == "stochastic")
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_stochastic_resume_through_orbax_is_bit_identical(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     params = {"w": jnp.linspace(-1, 1, 256).astype(jnp.bfloat16)}
@@ -273,6 +281,7 @@ def test_stochastic_resume_through_orbax_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_bytes_per_parameter_of_each_recipe():
     """Params + master/compensation + Adam state, read from the state pytree."""
     n = 1 << 16
@@ -300,6 +309,7 @@ def test_bad_master_weights():
         tx.update({"w": jnp.ones(2)}, state)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_complex_params_take_the_inner_update_as_it_is(recipe):
     """A complex param beside a 16-bit one takes the inner update unchanged in every

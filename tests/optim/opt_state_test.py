@@ -9,6 +9,7 @@ import pytest
 import jaxamp
 from jaxamp import DynamicLossScale
 from tests.helpers.expected_warnings import FLOAT16_STATISTICS, NO_STATISTIC
+from tests.helpers.promotion import OPTAX
 from tests.helpers.train_steps import sample_params, traced_steps
 
 PARAMS = {"w": jnp.array([1.0, 2.0])}
@@ -73,6 +74,7 @@ WRONG_ORDERS = {
 }
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("order", sorted(WRONG_ORDERS))
 def test_loss_scaled_inside_another_transformation_is_refused(order, dtype):
@@ -85,6 +87,7 @@ def test_loss_scaled_inside_another_transformation_is_refused(order, dtype):
         jax.jit(lambda p, s: value_and_grad(p, opt_state=s))(params, state)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_the_orders_that_work_give_float32_optaxs_updates(dtype):
     """The refused orders written the way that works: loss_scaled around everything."""
@@ -109,6 +112,7 @@ def test_the_orders_that_work_give_float32_optaxs_updates(dtype):
             np.testing.assert_allclose(got.astype(np.float32), exp.astype(np.float32), rtol=eps)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_loss_scaled_records_which_leaves_were_non_finite(dtype):
     params = {"a": jnp.ones(3, dtype), "b": {"c": jnp.ones(2, dtype)}}
@@ -129,6 +133,7 @@ def test_loss_scaled_records_which_leaves_were_non_finite(dtype):
 
 
 # float16 statistics on purpose beside bfloat16
+@pytest.mark.standard_promotion(OPTAX)
 @FLOAT16_STATISTICS
 @NO_STATISTIC
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -159,6 +164,7 @@ def test_hyperparameters_weight_sums_and_counters_are_never_cast(dtype, rounding
     assert float(sf.weight_sum) > 0 and dtypes[1:] == dtypes[:1] * 5 and traces == 1
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("params", [jnp.float32(1.0), jnp.ones(1)], ids=["scalar", "one"])
 def test_scalar_params_never_cast_hyperparameters(params):
     """With one scalar param every scalar state leaf has the param's shape and
@@ -186,6 +192,7 @@ def test_scalar_params_never_cast_hyperparameters(params):
     }
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_flatten_around_loss_scaled_with_mixed_dtypes_is_refused():
     """optax.flatten joins float32 and bfloat16 params into one float32 vector, so
     loss_scaled saw no 16-bit param, kept no master, and the bfloat16 params stalled

@@ -7,8 +7,10 @@ import optax
 import pytest
 
 import jaxamp
+from tests.helpers.promotion import OPTAX
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("name", list(jaxamp.optim.OPTIMIZER_RECIPES))
 def test_named_recipes_give_a_policy_and_an_optimizer(name):
     import flax.linen as nn
@@ -37,6 +39,7 @@ def test_named_recipes_give_a_policy_and_an_optimizer(name):
         jaxamp.optimizer_recipe("sr", optax.adam(1e-2))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_bf16_stochastic_recipe_trains_inject_hyperparams_adam():
     """The 6-bytes recipe with an injected learning rate: the loss goes down and the
     params stay finite (with b2 rounded to 1.0 they went NaN at the first step)."""
@@ -67,12 +70,15 @@ def test_bf16_stochastic_recipe_trains_inject_hyperparams_adam():
     assert float(hyper["b2"]) == np.float32(0.999) and hyper["b2"].dtype == jnp.float32
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_bf16_stochastic_recipe_rounds_params_and_state_with_independent_bits():
     """optimizer_recipe("bf16_stochastic"): the param and its optimizer state, both at the
     same value halfway between two bfloat16 neighbours, round up or down independently
     (agree in about half the elements; with the same bits they agreed in all)."""
     n = 1 << 14
-    x = 1.0 + (2 * jnp.arange(n) % 128 + 1) * 2.0**-8  # halfway between bfloat16 neighbours
+    x = (
+        1.0 + (2 * jnp.arange(n, dtype=jnp.float32) % 128 + 1) * 2.0**-8
+    )  # halfway between bfloat16 neighbours
     _, tx = jaxamp.optimizer_recipe(
         "bf16_stochastic", optax.trace(decay=0.9), loss_scale=jaxamp.StaticLossScale(1.0)
     )

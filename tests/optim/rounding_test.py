@@ -24,6 +24,7 @@ from jaxamp._src.optim.rounding import (
     validate_rounding,
 )
 from tests.helpers.expected_warnings import FLOAT16_STATISTICS
+from tests.helpers.promotion import OPTAX, SUBJECT
 
 SIXTEEN = [jnp.bfloat16, jnp.float16]
 # Each property test draws this many float32 values per example and rounds them under one
@@ -74,6 +75,7 @@ def test_unbiased_mean_over_many_draws(dtype):
         np.testing.assert_allclose((mean - lo) / ulp, fraction, atol=0.015)
 
 
+@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_exact_non_finite_and_out_of_range_values_round_to_nearest(dtype):
     """Exact values (zeros of both signs, the max, the smallest subnormal and normal),
@@ -544,6 +546,7 @@ _NAMED = {
 
 
 # the float16 names too, on purpose
+@pytest.mark.standard_promotion(OPTAX)
 @FLOAT16_STATISTICS
 @pytest.mark.parametrize("name", [*JMP_DTYPE_NAMES, " BF16 ", "Float16"])
 def test_the_dtype_names_policies_accept(name):
@@ -579,6 +582,7 @@ def test_a_bad_dtype_name_names_itself_and_the_choices(bad):
         assert re.search(rf"\b{name}\b", choices), (name, message)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_the_device_check_runs_on_cpu_at_tiny_size(tmp_path, monkeypatch):
     """benchmarks/rounding_on_device.py (a GPU check) runs its grid of fractions on the CPU."""
     from benchmarks import rounding_on_device

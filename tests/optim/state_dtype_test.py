@@ -11,6 +11,7 @@ import pytest
 
 import jaxamp
 from tests.helpers.expected_warnings import FLOAT16_STATISTICS
+from tests.helpers.promotion import OPTAX
 from tests.helpers.train_steps import apply_step, dtypes_of, sample_params, traced_steps
 
 # float16 statistics on purpose beside bfloat16 (the warning has its own test).
@@ -28,6 +29,7 @@ def _grads(step):
 
 # float32 storage with stochastic rounding is left out: float32 state rounded to float32
 # is the identity; test_float32_storage_is_plain_optax_bit_for_bit covers float32.
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize(
     "dtype, rounding",
     [
@@ -54,6 +56,7 @@ def test_adam_moments_in_dtype_counts_untouched_and_stable(dtype, rounding):
     assert int(state.count) == 4 and int(state.inner_state[0].count) == 4
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_updates_follow_float32_adam(dtype):
     tx = jaxamp.with_state_dtype(optax.adam(1e-2), {"mu": dtype, "nu": dtype})
@@ -107,6 +110,7 @@ def test_stochastic_state_rounding_is_reproducible_and_unbiased():
     assert abs(float(nearest.astype(jnp.float32).mean()) - expected) > 0.05  # it stalls
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_masked_lookahead_and_single_array_params():
     """Statistics are found in subtrees shaped like the params: under optax.masked (its
     MaskedNode placeholders in them), under optax.lookahead (shaped like the fast params,
@@ -134,6 +138,7 @@ def test_masked_lookahead_and_single_array_params():
     assert dtypes[1:] == dtypes[:1] * 3 and traces == 1
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("param_dtype", DTYPES)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_fields_not_named_keep_their_dtype_and_the_step_traces_once(param_dtype, rounding):
@@ -149,6 +154,7 @@ def test_fields_not_named_keep_their_dtype_and_the_step_traces_once(param_dtype,
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_float32_storage_is_plain_optax_bit_for_bit(rounding):
     """Float32 storage rounds nothing: params and state are exactly plain optax's."""
@@ -168,6 +174,7 @@ _MASK = {"a": True, "b": False, "c": {"d": True}}
 _LABELS = {"a": "x", "b": "y", "c": {"d": "x"}}
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, {"mu": jnp.bfloat16, "nu": jnp.bfloat16}])
@@ -201,6 +208,7 @@ def test_inside_masked_and_multi_transform(wrapper, flat, dtype):
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, {"mu": jnp.bfloat16}])
 def test_flattened_statistics_are_cast(dtype):
     """optax.flatten keeps Adam's moments as one vector of the params' total size: they
@@ -231,6 +239,7 @@ def test_nothing_to_cast_warns_and_field_errors_name_the_fields_found():
         jaxamp.with_state_dtype(optax.flatten(optax.adam(1e-2)), {"m": jnp.bfloat16}).init(params)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_around_loss_scaled_is_refused_at_init_and_inside_it_keeps_the_master(dtype):
     """with_state_dtype(loss_scaled(...)) stored the float32 master in 16 bits: 400 steps
@@ -255,6 +264,7 @@ def test_around_loss_scaled_is_refused_at_init_and_inside_it_keeps_the_master(dt
     assert float(params[0]) == float(jnp.bfloat16(1.0 - 400 * 2.0**-13))
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_copies_of_the_params_are_never_cast(dtype):
     """SAM's cache and Prodigy's params0 are copies of the params, not statistics: SAM
@@ -273,6 +283,7 @@ def test_copies_of_the_params_are_never_cast(dtype):
         np.testing.assert_array_equal(got, want)  # SAM(sgd) keeps no statistic at all
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_prodigys_initial_params_are_never_cast():
     """Prodigy's learning-rate estimate reads params0: rounded to bfloat16, it was 0.240
     against float32's 0.058. (float16 is left out: Prodigy's statistics start near its
@@ -286,6 +297,7 @@ def test_prodigys_initial_params_are_never_cast():
     np.testing.assert_allclose(got.inner_state.estim_lr, want.estim_lr, rtol=0.05)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_copies_are_found_under_jit_and_in_nested_states():
     """Which leaves are copies is read from the jaxpr of init, so it holds when init is
     traced, and through chains and schedule-free's z."""
@@ -301,6 +313,7 @@ def test_copies_are_found_under_jit_and_in_nested_states():
     }
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_optimizer_wide_scalars_of_a_scalar_param_are_never_cast():
     """With one scalar param every scalar leaf has the param's shape: Prodigy's estim_lr
     and numerator were cast to bfloat16 for a bare scalar and not for {"w": scalar}.
@@ -459,6 +472,7 @@ def test_copies_of_the_params_or_gradients_are_never_cast(name, dtype):
     assert dtypes[1:] == dtypes[:1] * 5 and traces == 1
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_adans_last_gradient_is_never_cast_and_its_statistics_are(dtype):
     """optax.adan keeps the last gradient (``g``, rounded with them) beside its three
@@ -527,6 +541,7 @@ def test_what_cannot_be_read_is_refused_by_name_unless_the_fields_are_named(dtyp
     assert {x.dtype for x in jax.tree.leaves(state.inner_state.trace)} == {np.dtype(dtype)}
 
 
+@pytest.mark.standard_promotion(OPTAX)
 def test_float16_statistics_warn_that_squared_gradients_flush():
     """Adam's nu in float16: a squared gradient of 1e-4 is below float16's smallest
     value, so nu flushes to zero and the update divides by eps alone (4.7x float32
@@ -539,6 +554,7 @@ def test_float16_statistics_warn_that_squared_gradients_flush():
         jaxamp.with_state_dtype(optax.adam(1e-3), jnp.bfloat16).init(params)
 
 
+@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_float64_statistics_are_left_as_written_under_x64(dtype):
     """Under x64 a float64 param's statistics stay float64, step for step with float64

@@ -8,6 +8,7 @@ import pytest
 import jaxamp
 from jaxamp.models import GPT2Config, GPT2LMHeadModel
 from tests.compare.models.counting import flax_param_count
+from tests.helpers.promotion import FLAX
 from tests.helpers.tiny_configs import TINY_GPT2
 
 
@@ -54,6 +55,8 @@ def test_gpt2_rejects_long_inputs():
         jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 17), jnp.int32)))
 
 
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.standard_promotion(FLAX)
 def test_gpt2_under_mixed_bfloat16(tokens):
     model = jaxamp.linen.apply_policy(GPT2LMHeadModel(TINY_GPT2), "mixed_bfloat16")
     variables = model.init(jax.random.key(0), tokens)
