@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +275,14 @@ class _Config:
     record_nonfinite: bool
     history_length: int
     seed: int
+
+
+def settings_of(tx: Any) -> _Config | None:
+    """The settings of a ``loss_scaled`` transformation, ``None`` for any other."""
+    init = getattr(tx, "init", None)
+    if isinstance(init, functools.partial) and init.func is _init:
+        return cast(_Config, init.args[0])
+    return None
 
 
 def _validated_inner(inner: Any) -> Any:

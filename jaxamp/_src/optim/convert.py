@@ -1,0 +1,503 @@
+"""``convert_state``: params and optimizer state written under one recipe, for another."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._src.dtypes import FLOAT32, is_floating, is_narrow
+from jaxamp._src.errors import invalid_choice
+from jaxamp._src.optim import master_weights as masters
+from jaxamp._src.optim.loss_scaled import LossScaledState, settings_of
+from jaxamp._src.optim.scales import DynamicLossScale
+from jaxamp._src.optim.state_dtype import StateDtypeState
+
+LOSS_SCALE_CHOICES = ("saved", "fresh")
+
+
+class Conversion(NamedTuple):
+    """One leaf ``convert_state`` changed.
+
+    Attributes:
+      path: where the leaf is in the result (``params['dense']['kernel']``,
+        ``opt_state.inner_state[0].mu['dense']['kernel']``), or, for a leaf dropped, where
+        it was in the saved state.
+      action: ``"cast"`` (to another dtype), ``"created"`` (the target's fresh value: the
+        saved state had none), ``"dropped"`` (the target has no place for it),
+        ``"derived"`` (computed from the saved weights: a master, a compensation) or
+        ``"resized"`` (the loss scale's history).
+      detail: what it came from or why, in a few words.
+      max_abs_error: the largest absolute change of what the leaf stands for (the weight
+        a param, its master and its compensation represent together; a moment's
+        value), in float64; ``0.0`` when exact.
+      max_rel_error: the same relative to the saved value (over its non-zero elements).
+    """
+
+    path: str
+    action: str
+    detail: str
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+
+    @property
+    def lossless(self) -> bool:
+        return self.max_abs_error == 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionReport:
+    """What ``convert_state`` did: every leaf it did not keep as saved, bit for bit.
+
+    Attributes:
+      rows: one ``Conversion`` per leaf cast, created, dropped, derived or resized.
+      kept: how many leaves were kept as saved.
+    """
+
+    rows: tuple[Conversion, ...]
+    kept: int
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the result holds every weight and statistic the saved state held."""
+        return all(r.lossless for r in self.rows)
+
+    def lossy(self) -> tuple[Conversion, ...]:
+        """The rows that changed a value."""
+        return tuple(r for r in self.rows if not r.lossless)
+
+    def worst(self) -> Conversion | None:
+        """The row with the largest relative error (``None`` when all are exact)."""
+        lossy = self.lossy()
+        return max(lossy, key=lambda r: r.max_rel_error) if lossy else None
+
+    def __str__(self) -> str:
+        head = f"{self.kept} leaves kept as saved; {len(self.rows)} changed"
+        if not self.rows:
+            return head + "."
+        lines = [head + ":"]
+        for r in self.rows:
+            error = (
+                ""
+                if r.lossless
+                else f" (max error {r.max_abs_error:.3g}, rel. {r.max_rel_error:.3g})"
+            )
+            lines.append(f"  {r.action:8s} {r.path}: {r.detail}{error}")
+        return "\n".join(lines)
+
+
+class LossyConversionError(ValueError):
+    """A conversion that would change a value, refused (``allow_lossy=False``)."""
+
+    def __init__(self, report: ConversionReport):
+        self.report = report
+        rows = report.lossy()
+        worst = report.worst()
+        assert worst is not None
+        super().__init__(
+            f"convert_state would change {len(rows)} value(s), the largest relative change "
+            f"{worst.max_rel_error:.3g} at {worst.path} ({worst.detail}). Pass "
+            "allow_lossy=True to accept it; the error's .report lists every change."
+        )
+
+
+class ConvertedState(NamedTuple):
+    """``convert_state``'s result: the params, the optimizer state and the report."""
+
+    params: Any
+    opt_state: Any
+    report: ConversionReport
+
+
+def _split(state: Any, where: str) -> tuple[LossScaledState | None, StateDtypeState | None, Any]:
+    """``(loss_scaled's state, with_state_dtype's state, the optax state inside them)``."""
+    ls = state if isinstance(state, LossScaledState) else None
+    inner = ls.inner_state if ls is not None else state
+    sd = inner if isinstance(inner, StateDtypeState) else None
+    core = sd.inner_state if sd is not None else inner
+    nested = jax.tree.leaves(
+        core, is_leaf=lambda x: isinstance(x, (LossScaledState, StateDtypeState))
+    )
+    for node in nested:
+        if isinstance(node, (LossScaledState, StateDtypeState)):
+            raise ValueError(
+                f"convert_state reads the {where} state as jaxamp builds it: loss_scaled "
+                "outermost, with_state_dtype directly inside it; it found a "
+                f"{type(node).__name__} deeper in the optax state."
+            )
+    return ls, sd, core
+
+
+def _f64(x: Any) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(FLOAT32) if _is_16bit(x) else x, np.float64)
+
+
+def _is_16bit(x: Any) -> bool:
+    return hasattr(x, "dtype") and is_narrow(x.dtype)
+
+
+def _errors(saved: np.ndarray, now: np.ndarray) -> tuple[float, float]:
+    """Largest absolute and relative change, 0 where both are the same value (NaNs too)."""
+    if saved.size == 0:
+        return 0.0, 0.0
+    same = (saved == now) | (np.isnan(saved) & np.isnan(now))
+    diff = np.where(same, 0.0, np.abs(saved - now))
+    diff = np.where(np.isnan(diff), np.inf, diff)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(diff == 0, 0.0, diff / np.abs(saved))
+    return float(diff.max()), float(np.nan_to_num(rel, nan=np.inf).max())
+
+
+class _Rows:
+    def __init__(self) -> None:
+        self.rows: list[Conversion] = []
+        self.kept = 0
+
+    def add(
+        self, path: str, action: str, detail: str, errors: tuple[float, float] = (0.0, 0.0)
+    ) -> None:
+        self.rows.append(Conversion(path, action, detail, *errors))
+
+
+def _weights(saved_params: Any, ls: LossScaledState | None) -> tuple[Any, str]:
+    """Each saved param's weight in float64 (its master, or the param plus its valid Kahan
+    compensation, or the param), and which of these it was."""
+    master = ls.master_params if ls is not None else None
+    compensation = ls.compensation if ls is not None else None
+    if master is not None:
+        master = masters.adopt_changes(master, saved_params)
+        return jax.tree.map(
+            lambda m, p: _f64(m) if _is_16bit(p) else _f64(p), master, saved_params
+        ), "the saved float32 master"
+    if compensation is not None:
+        compensation = masters.valid_compensation(saved_params, compensation)
+        return jax.tree.map(
+            lambda c, p: _f64(p) + _f64(c) if _is_16bit(p) else _f64(p), compensation, saved_params
+        ), "the saved param plus its Kahan compensation"
+    return jax.tree.map(_f64, saved_params), "the saved param"
+
+
+def _same_structure(saved: Any, like: Any, what: str) -> None:
+    a = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    b = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]}
+    if a != b:
+        only_saved, only_like = sorted(a - b)[:3], sorted(b - a)[:3]
+        raise ValueError(
+            f"convert_state needs the saved {what} and the target's to have the same leaves: "
+            f"only saved {only_saved}, only in the target {only_like}."
+        )
+
+
+def _new_param(weight: np.ndarray, saved: Any, like: Any, kahan: bool) -> jax.Array:
+    """The target's param: the weight rounded to nearest in the target's dtype; a 16-bit
+    param kept as saved where the target's dtype is its own and the weight is the param
+    plus a valid compensation (which rounds to it, ties included)."""
+    dtype = np.dtype(like.dtype)
+    if kahan and _is_16bit(saved) and np.dtype(saved.dtype) == dtype:
+        return jnp.asarray(saved)
+    wide = dtype if dtype.itemsize > 4 else np.dtype(np.float32)
+    return jnp.asarray(weight.astype(wide)).astype(dtype)
+
+
+def _represented(new_p: Any, master: Any, comp: Any) -> np.ndarray:
+    """The weight the target holds for one param, in float64."""
+    if master is not None and _is_16bit(new_p):
+        return _f64(master)
+    value = _f64(new_p)
+    if comp is not None and _is_16bit(new_p):
+        value = value + _f64(comp)
+    return value
+
+
+def convert_state(
+    saved_params: Any,
+    saved_opt_state: Any,
+    params: Any,
+    tx: Any,
+    *,
+    loss_scale: str = "saved",
+    allow_lossy: bool = False,
+) -> ConvertedState:
+    """Params and optimizer state saved under one precision recipe, for another.
+
+    The saved state is read for what it means: each param's weight (its float32
+    master, or the param plus its Kahan compensation, or the param), the inner
+    optimizer's statistics, the loss scale and its counters. The target's state is
+    ``tx.init`` of the converted params, filled with those meanings: the weight rounded to
+    the target's param dtype (and kept whole in a float32 master, or its rounding error
+    kept in a Kahan compensation, where the target has one), the statistics cast to the
+    dtypes the target stores them in, the loss scale kept where the target's scale is
+    dynamic. Every leaf not kept bit for bit is a row of the report, with the largest
+    error a cast introduced; a conversion that changes a value is refused unless
+    ``allow_lossy``.
+
+    Args:
+      saved_params: the params as saved.
+      saved_opt_state: their optimizer state as saved (restore it with the saved
+        recipe's template, as the guides restore any optax state), or ``None``.
+      params: the target's params or their ``jax.ShapeDtypeStruct`` (only the dtypes
+        are read): the new policy's ``param_dtype``.
+      tx: the target's optimizer (``optimizer_recipe``'s, ``loss_scaled``, any optax
+        transformation); its inner optimizer must be the saved one's.
+      loss_scale: ``"saved"`` keeps the saved scale where the target's is dynamic;
+        ``"fresh"`` starts the target's.
+      allow_lossy: accept a conversion that changes a value (a float32 weight rounded
+        to bfloat16 params with no master, statistics rounded to 16 bits).
+
+    Returns:
+      ``ConvertedState(params, opt_state, report)``.
+
+    Raises:
+      LossyConversionError: a value would change and ``allow_lossy`` is false.
+      ValueError: the params or the inner optimizers' states do not match.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax
+      >>> import jaxamp
+      >>> params = {"w": jnp.full((3,), 1.0 + 2.0**-12)}  # float32, no master
+      >>> saved = optax.adam(1e-3).init(params)
+      >>> _, tx = jaxamp.optimizer_recipe("bf16_float32_master", optax.adam(1e-3))
+      >>> like = {"w": jnp.zeros((3,), jnp.bfloat16)}
+      >>> new = jaxamp.optim.convert_state(params, saved, like, tx)
+      >>> new.params["w"].dtype, new.report.lossless  # the master keeps the float32 weight
+      (dtype(bfloat16), True)
+    """
+    if loss_scale not in LOSS_SCALE_CHOICES:
+        raise invalid_choice("loss_scale", loss_scale, LOSS_SCALE_CHOICES, quote=True)
+    _same_structure(saved_params, params, "params")
+    ls, sd, core = _split(saved_opt_state, "saved")
+    rows = _Rows()
+    weights, source = _weights(saved_params, ls)
+    kahan = ls is not None and ls.compensation is not None
+    new_params = jax.tree.map(
+        lambda w, s, like: _new_param(w, s, like, kahan), weights, saved_params, params
+    )
+    template = tx.init(new_params)
+    t_ls, t_sd, t_core = _split(template, "target")
+    master = comp = None
+    if t_ls is not None and t_ls.master_params is not None:
+        master = jax.tree.map(
+            lambda w, p, m: jnp.asarray(w.astype(np.float32)) if _is_16bit(p) else m,
+            weights,
+            new_params,
+            t_ls.master_params,
+        )
+    if t_ls is not None and t_ls.compensation is not None:
+        comp = jax.tree.map(
+            lambda w, p, c: (
+                jnp.asarray((w - _f64(p)).astype(np.float32)).astype(p.dtype) if _is_16bit(p) else c
+            ),
+            weights,
+            new_params,
+            t_ls.compensation,
+        )
+    _report_params(rows, saved_params, weights, new_params, master, comp, source)
+    prefix = "opt_state" + ".inner_state" * ((t_ls is not None) + (t_sd is not None))
+    inner = _convert_core(rows, core, t_core, prefix)
+    if t_sd is not None:
+        inner = _state_dtype(rows, sd, t_sd, inner, ls)
+    elif sd is not None:
+        rows.add("opt_state.inner_state", "dropped", "with_state_dtype's key and count")
+    if t_ls is None:
+        if ls is not None:
+            rows.add("opt_state", "dropped", "loss_scaled's scale and counters")
+        opt_state = inner
+    else:
+        opt_state = _loss_scaled(rows, ls, t_ls, tx, inner, master, comp, loss_scale)
+    report = ConversionReport(tuple(rows.rows), rows.kept)
+    if not allow_lossy and not report.lossless:
+        raise LossyConversionError(report)
+    return ConvertedState(new_params, opt_state, report)
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    # jaxlib ships PyTreeDef in a compiled module without a stub: mypy sees no __eq__
+    return bool(jax.tree.structure(a) == jax.tree.structure(b))  # type: ignore[operator]
+
+
+def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _bit_equal(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _report_params(
+    rows: _Rows,
+    saved: Any,
+    weights: Any,
+    new: Any,
+    master: Any,
+    comp: Any,
+    source: str,
+) -> None:
+    """One row per param whose weight, dtype or companion (master, compensation) changed."""
+    n = len(jax.tree.leaves(saved))
+    masters_ = jax.tree.leaves(master) if master is not None else [None] * n
+    comps = jax.tree.leaves(comp) if comp is not None else [None] * n
+    for (path, p), w, q, m, c in zip(
+        _leaves_with_paths(saved),
+        jax.tree.leaves(weights),
+        jax.tree.leaves(new),
+        masters_,
+        comps,
+        strict=True,
+    ):
+        holds = "float32 master" if m is not None else "Kahan compensation" if c is not None else ""
+        holds = holds if _is_16bit(q) else ""
+        errors = _errors(w, _represented(q, m, c))
+        saved_kind = source if _is_16bit(p) else "the saved param"
+        same_kind = (holds == "float32 master") == ("master" in saved_kind) and (
+            holds == "Kahan compensation"
+        ) == ("Kahan" in saved_kind)
+        if _bit_equal(p, q) and errors == (0.0, 0.0) and same_kind:
+            rows.kept += 1
+            continue
+        change = f"{np.dtype(p.dtype).name} -> {np.dtype(q.dtype).name}"
+        detail = f"{change}, from {saved_kind}" + (f"; its {holds} derived" if holds else "")
+        action = "cast" if np.dtype(p.dtype) != np.dtype(q.dtype) else "derived"
+        rows.add(f"params{path}", action, detail, errors)
+
+
+def _convert_core(rows: _Rows, saved: Any, target: Any, prefix: str) -> Any:
+    """The inner optimizer's state: each saved leaf in the target's dtype."""
+    if saved is None:
+        for path, _ in _leaves_with_paths(target):
+            rows.add(f"{prefix}{path}", "created", "no saved optimizer state")
+        return target
+    if not _same_tree(saved, target):
+        a, b = ({path for path, _ in _leaves_with_paths(x)} for x in (saved, target))
+        raise ValueError(
+            "convert_state converts what jaxamp's wrappers hold, not one optax optimizer "
+            "into another: the saved inner optimizer's state and the target's differ (only "
+            f"saved {sorted(a - b)[:3]}, only in the target {sorted(b - a)[:3]}; structures "
+            f"{jax.tree.structure(saved)} and {jax.tree.structure(target)})."
+        )
+    leaves = []
+    for (path, s), t in zip(_leaves_with_paths(saved), jax.tree.leaves(target), strict=True):
+        s = jnp.asarray(s)
+        if np.shape(s) != np.shape(t):
+            raise ValueError(
+                f"convert_state: the saved inner state's {path} has shape {np.shape(s)}, the "
+                f"target's {np.shape(t)}."
+            )
+        if s.dtype == t.dtype:
+            rows.kept += 1
+            leaves.append(s)
+            continue
+        cast = s.astype(t.dtype)
+        errors = _errors(_f64(s), _f64(cast)) if is_floating(s.dtype) else (0.0, 0.0)
+        name = f"{np.dtype(s.dtype).name} -> {np.dtype(t.dtype).name}"
+        rows.add(f"{prefix}{path}", "cast", name, errors)
+        leaves.append(cast)
+    return jax.tree.unflatten(jax.tree.structure(target), leaves)
+
+
+def _state_dtype(
+    rows: _Rows, saved: StateDtypeState | None, target: StateDtypeState, inner: Any, ls: Any
+) -> StateDtypeState:
+    if saved is not None:
+        rows.kept += 2
+        return StateDtypeState(inner, jnp.asarray(saved.rounding_key), jnp.asarray(saved.count))
+    applied = target.count
+    if ls is not None:  # the updates applied: steps less those skipped
+        applied = jnp.asarray(ls.step - ls.skipped_steps, target.count.dtype)
+    rows.add("opt_state.inner_state.rounding_key", "created", "the target's seed")
+    rows.add("opt_state.inner_state.count", "created", "the updates the saved state applied")
+    return StateDtypeState(inner, target.rounding_key, applied)
+
+
+def _history(saved: Any, step: Any, length: int) -> jax.Array:
+    """The saved ring buffer of scales re-laid for ``length`` entries (entry ``s % length``
+    the scale after step ``s``), the steps both can hold; the rest 0."""
+    old = np.asarray(saved)
+    new = np.zeros([length], old.dtype)
+    step = int(step)
+    for s in range(max(0, step - min(len(old), length)), step):
+        new[s % length] = old[s % len(old)]
+    return jnp.asarray(new)
+
+
+def _scale(rows: _Rows, ls: Any, target: Any, tx: Any, choice: str) -> Any:
+    config = settings_of(tx)
+    dynamic = config is not None and config.loss_scale.dynamic
+    if ls is None or choice == "fresh" or not dynamic:
+        why = (
+            "no saved loss scale"
+            if ls is None
+            else "fresh, as asked"
+            if choice == "fresh"
+            else "the target's loss scale is not dynamic"
+        )
+        rows.add("opt_state.loss_scale", "created", why)
+        return target.loss_scale
+    rule = config.loss_scale if config is not None else None
+    assert isinstance(rule, DynamicLossScale)  # the only dynamic one
+    scale = float(ls.loss_scale.scale)
+    clipped = float(np.clip(scale, rule.min_scale or 0.0, rule.max_scale or np.inf))
+    hysteresis = jnp.minimum(jnp.asarray(ls.loss_scale.hysteresis_left), rule.hysteresis)
+    if clipped != scale:
+        rows.add("opt_state.loss_scale.scale", "cast", f"{scale:g} clipped to {clipped:g}")
+    else:
+        rows.kept += 1
+    rows.kept += 2
+    return target.loss_scale._replace(
+        scale=jnp.asarray(clipped, jnp.float32),
+        growth_tracker=jnp.asarray(ls.loss_scale.growth_tracker),
+        hysteresis_left=hysteresis.astype(jnp.int32),
+    )
+
+
+def _loss_scaled(
+    rows: _Rows,
+    ls: LossScaledState | None,
+    target: LossScaledState,
+    tx: Any,
+    inner: Any,
+    master: Any,
+    comp: Any,
+    choice: str,
+) -> LossScaledState:
+    """The target's ``loss_scaled`` state: its scale, counters and history from the saved
+    one where there is one, its master and compensation derived from the weights."""
+    fields: dict[str, Any] = {"inner_state": inner, "master_params": master, "compensation": comp}
+    fields["loss_scale"] = _scale(rows, ls, target, tx, choice)
+    counters = ("skipped_steps", "consecutive_skips", "last_finite", "step")
+    if ls is None:
+        rows.add("opt_state.step", "created", "no saved loss_scaled state: its counters start at 0")
+    else:
+        fields.update({name: jnp.asarray(getattr(ls, name)) for name in counters})
+        rows.kept += len(counters)
+        length = target.scale_history.shape[0]
+        if ls.scale_history.shape[0] == length:
+            fields["scale_history"] = jnp.asarray(ls.scale_history)
+            rows.kept += 1
+        else:
+            fields["scale_history"] = _history(ls.scale_history, ls.step, length)
+            rows.add(
+                "opt_state.scale_history",
+                "resized",
+                f"{ls.scale_history.shape[0]} -> {length} entries (a record, not a state)",
+            )
+    key = target.rounding_key
+    if key is not None and ls is not None and ls.rounding_key is not None:
+        fields["rounding_key"] = jnp.asarray(ls.rounding_key)
+        rows.kept += 1
+    elif key is not None:
+        rows.add("opt_state.rounding_key", "created", "stochastic rounding from the target's seed")
+    elif ls is not None and ls.rounding_key is not None:
+        rows.add("opt_state.rounding_key", "dropped", "the target rounds to nearest")
+    if ls is not None:
+        for name, now in (("master_params", master), ("compensation", comp)):
+            if getattr(ls, name) is not None and now is None:
+                rows.add(f"opt_state.{name}", "dropped", "its weight is in the params' rows")
+        saved_record, fresh = ls.nonfinite_grads, target.nonfinite_grads
+        if fresh is not None and saved_record is not None and _same_tree(saved_record, fresh):
+            fields["nonfinite_grads"] = saved_record
+            rows.kept += len(jax.tree.leaves(saved_record))
+    return target._replace(**fields)

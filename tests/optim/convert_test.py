@@ -1,0 +1,273 @@
+"""Tests for jaxamp/_src/optim/convert.py: params and optimizer state moved between recipes.
+
+References: the weight each saved state stands for, computed here in float64 numpy (the
+master, or the 16-bit param plus its Kahan compensation, or the param); float32 optax,
+which a float32 master follows bit for bit; Orbax's own save and restore."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxamp
+from jaxamp.optim import LossyConversionError, convert_state
+from tests.helpers.promotion import OPTAX
+
+MASTERS = ("float32", "kahan", "stochastic", "none")
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+def _params(dtype=jnp.float32):
+    w = jax.random.normal(jax.random.key(0), (6, 5))
+    return {"w": w.astype(dtype), "b": jnp.linspace(-1.0, 1.0, 5).astype(dtype)}
+
+
+def _grads(params, i):
+    return jax.tree.map(lambda x: jnp.full(x.shape, 0.01 * (i + 1), jnp.float32), params)
+
+
+def _recipe(dtype, master):
+    """A loss_scaled Adam over params of ``dtype`` (float32: plain params, no master)."""
+    return jaxamp.loss_scaled(optax.adam(1e-2), master_weights=master)
+
+
+def _trained(dtype, master, steps=3):
+    tx = _recipe(dtype, master)
+    params = _params(dtype)
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for i in range(steps):
+        updates, state = step(_grads(params, i), state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _weight(params, state):
+    """What the saved state stands for, per leaf, in float64 (the reference)."""
+    p = jax.tree.map(lambda x: np.asarray(x.astype(jnp.float32), np.float64), params)
+    if state.master_params is not None:
+        return jax.tree.map(lambda m: np.asarray(m, np.float64), state.master_params)
+    if state.compensation is not None:
+        c = jax.tree.map(
+            lambda x: np.asarray(x.astype(jnp.float32), np.float64), state.compensation
+        )
+        return jax.tree.map(np.add, p, c)
+    return p
+
+
+def _like(params, dtype):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype
+        and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("master", MASTERS)
+def test_the_same_recipe_is_the_identity_bit_for_bit(dtype, master):
+    params, state = _trained(dtype, master)
+    out = convert_state(params, state, _like(params, dtype), _recipe(dtype, master))
+    assert out.report.rows == () and out.report.lossless
+    assert _leaves_equal(out.params, params) and _leaves_equal(out.opt_state, state)
+    assert jax.tree.structure(out.opt_state) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("name", list(jaxamp.optim.OPTIMIZER_RECIPES))
+@pytest.mark.standard_promotion(OPTAX)
+def test_each_named_recipe_converts_to_itself_bit_for_bit(name):
+    policy, tx = jaxamp.optimizer_recipe(name, optax.adam(1e-2))
+    params = _params(policy.param_dtype)
+    state = tx.init(params)
+    for i in range(2):
+        updates, state = tx.update(_grads(params, i), state, params)
+        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+    out = convert_state(params, state, _like(params, policy.param_dtype), tx)
+    assert out.report.rows == ()
+    assert _leaves_equal(out.params, params) and _leaves_equal(out.opt_state, state)
+
+
+def _fits(w, saved_param, dtype, saved, target):
+    """Whether the target recipe can hold the float64 weight ``w`` exactly: whole in a
+    float32 master; as a 16-bit param and the 16-bit rest (Kahan: the saved param kept
+    where it was Kahan's already, else ``w`` rounded to nearest); as a 16-bit param."""
+    low = np.dtype(dtype)
+    fits = lambda x, d: np.array_equal(x.astype(d).astype(np.float64), x)
+    if target == "float32":
+        return fits(w, np.float32)
+    if target == "kahan":
+        p = np.asarray(saved_param) if saved == "kahan" else w.astype(np.float32).astype(low)
+        return fits(w - p.astype(np.float64), low)
+    return fits(w, low)
+
+
+def _holds(params, state):
+    """The weight the converted state holds, in float64."""
+    return _weight(params, state)
+
+
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("saved", "target"), list(itertools.product(MASTERS, MASTERS)))
+def test_every_pair_keeps_the_weight_or_is_refused_naming_the_error(dtype, saved, target):
+    """Lossless exactly where the target can hold the saved weight (the reference: the
+    weight computed here in float64); refused otherwise, and with allow_lossy the error
+    the report names is the difference from that weight, at most half a 16-bit ulp."""
+    params, state = _trained(dtype, saved)
+    want = _weight(params, state)
+    tx = _recipe(dtype, target)
+    try:
+        out = convert_state(params, state, _like(params, dtype), tx)
+        lossless = True
+    except LossyConversionError as e:
+        lossless = False
+        out = convert_state(params, state, _like(params, dtype), tx, allow_lossy=True)
+        assert e.report.lossy() == out.report.lossy()
+    got = _holds(out.params, out.opt_state)
+    for (path, w), g in zip(
+        jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True
+    ):
+        error = float(np.max(np.abs(w - g)))
+        row = [r for r in out.report.rows if r.path == f"params{jax.tree_util.keystr(path)}"]
+        assert error == (row[0].max_abs_error if row else 0.0), (path, row)
+        if not lossless:
+            ulp = np.abs(np.spacing(w.astype(np.dtype(dtype))).astype(np.float64))
+            assert np.all(np.abs(w - g) <= ulp / 2 + 1e-30)
+    # lossless exactly where the target can hold the weight (derived here in numpy)
+    assert lossless == all(
+        _fits(w, params_leaf, dtype, saved, target)
+        for w, params_leaf in zip(jax.tree.leaves(want), jax.tree.leaves(params), strict=True)
+    )
+    assert jax.tree.structure(out.opt_state) == jax.tree.structure(tx.init(out.params))
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_float32_run_continued_with_a_float32_master_follows_float32_optax():
+    """Convert float32 params and Adam state to bfloat16 params with a float32 master
+    mid-run: the conversion is exact, and the master goes on as float32 optax alone does
+    (the reference), to float32 rounding (the two programs fuse Adam's arithmetic apart)."""
+    ref_tx = optax.adam(1e-2)
+    params = _params()
+    state = ref_tx.init(params)
+    ref_step = jax.jit(ref_tx.update)
+    for i in range(3):
+        updates, state = ref_step(_grads(params, i), state, params)
+        params = optax.apply_updates(params, updates)
+    tx = jaxamp.loss_scaled(optax.adam(1e-2), loss_scale=jaxamp.NoOpLossScale())
+    out = convert_state(params, state, _like(params, jnp.bfloat16), tx)
+    assert out.report.lossless and {r.action for r in out.report.rows} == {"cast", "created"}
+    low, low_state = out.params, out.opt_state
+    assert _leaves_equal(low_state.master_params, params)
+    assert _leaves_equal(low_state.inner_state, state)
+    step = jax.jit(tx.update)
+    for i in range(3, 6):
+        updates, state = ref_step(_grads(params, i), state, params)
+        params = optax.apply_updates(params, updates)
+        updates, low_state = step(_grads(low, i), low_state, low)
+        low = optax.apply_updates(low, updates)
+    for m, p in zip(jax.tree.leaves(low_state.master_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(m, p, rtol=1e-6, atol=1e-7)
+    assert _leaves_equal(
+        low, jax.tree.map(lambda m: m.astype(jnp.bfloat16), low_state.master_params)
+    )
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_statistics_rounded_to_16_bits_are_refused_and_measured():
+    params, state = _trained(jnp.bfloat16, "float32")
+    tx = jaxamp.loss_scaled(jaxamp.with_state_dtype(optax.adam(1e-2), jnp.bfloat16))
+    with pytest.raises(LossyConversionError, match="allow_lossy=True") as e:
+        convert_state(params, state, _like(params, jnp.bfloat16), tx)
+    rows = {r.path: r for r in e.value.report.lossy()}
+    mu = state.inner_state[0].mu["w"]
+    path = "opt_state.inner_state.inner_state[0].mu['w']"
+    want = np.max(
+        np.abs(
+            np.asarray(mu, np.float64)
+            - np.asarray(mu.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        )
+    )
+    assert rows[path].max_abs_error == want > 0
+    out = convert_state(params, state, _like(params, jnp.bfloat16), tx, allow_lossy=True)
+    assert out.opt_state.inner_state.inner_state[0].mu["w"].dtype == jnp.bfloat16
+    # the count of updates the saved state applied is what the new rounding key folds in
+    assert int(out.opt_state.inner_state.count) == 3
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_the_loss_scale_is_kept_clipped_or_started_fresh():
+    params, state = _trained(jnp.float16, "float32")
+    like = _like(params, jnp.float16)
+    saved = float(state.loss_scale.scale)
+    kept = convert_state(params, state, like, _recipe(jnp.float16, "float32"))
+    assert float(kept.opt_state.loss_scale.scale) == saved
+    small = jaxamp.loss_scaled(
+        optax.adam(1e-2), jaxamp.DynamicLossScale(init_scale=512.0, max_scale=1024.0)
+    )
+    clipped = convert_state(params, state, like, small)
+    assert float(clipped.opt_state.loss_scale.scale) == 1024.0
+    assert any("clipped to 1024" in r.detail for r in clipped.report.rows)
+    for tx, choice in [
+        (jaxamp.loss_scaled(optax.adam(1e-2), jaxamp.NoOpLossScale()), "saved"),
+        (_recipe(jnp.float16, "float32"), "fresh"),
+    ]:
+        fresh = convert_state(params, state, like, tx, loss_scale=choice)
+        assert _leaves_equal(fresh.opt_state.loss_scale, tx.init(params).loss_scale)
+    with pytest.raises(ValueError, match="'saved', 'fresh'"):
+        convert_state(params, state, like, small, loss_scale="keep")
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_another_inner_optimizer_or_other_params_are_refused_by_name():
+    params, state = _trained(jnp.bfloat16, "float32")
+    with pytest.raises(ValueError, match="not one optax optimizer into another"):
+        convert_state(
+            params, state, _like(params, jnp.bfloat16), jaxamp.loss_scaled(optax.sgd(0.1))
+        )
+    other = {"w": params["w"]}
+    with pytest.raises(ValueError, match=r"only saved \[\"\['b'\]\"\]"):
+        convert_state(params, state, _like(other, jnp.bfloat16), _recipe(jnp.bfloat16, "float32"))
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_converted_state_restored_through_orbax_steps_under_jit(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params, state = _trained(jnp.bfloat16, "kahan")
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    template = {"params": params, "opt_state": state}
+    like = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", like)
+    tx = _recipe(jnp.float32, "float32")
+    out = convert_state(restored["params"], restored["opt_state"], _like(params, jnp.float32), tx)
+    assert out.report.lossless
+    np.testing.assert_array_equal(
+        np.asarray(out.params["w"], np.float64), _weight(params, state)["w"].astype(np.float32)
+    )
+    fresh = tx.init(out.params)
+    assert jax.tree.structure(out.opt_state) == jax.tree.structure(fresh)
+    assert [x.dtype for x in jax.tree.leaves(out.opt_state)] == [
+        x.dtype for x in jax.tree.leaves(fresh)
+    ]
+    updates, _ = jax.jit(tx.update)(_grads(params, 0), out.opt_state, out.params)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_the_guides_examples_run():
+    """docs/guides/checkpoints.md's three moves, as written (under strict promotion)."""
+    import doctest
+    import pathlib
+
+    guide = pathlib.Path(__file__).parents[2] / "docs" / "guides" / "checkpoints.md"
+    result = doctest.testfile(str(guide), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 15 and result.failed == 0
