@@ -271,3 +271,36 @@ def test_the_guides_examples_run():
     guide = pathlib.Path(__file__).parents[2] / "docs" / "guides" / "checkpoints.md"
     result = doctest.testfile(str(guide), module_relative=False, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 15 and result.failed == 0
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_an_nnx_optimizer_moves_to_a_float32_master_and_trains_as_float32():
+    """nnx.Optimizer's state (its leaves wrapped in Variables) converted, written back
+    into the target's optimizer, and stepped: the master follows the float32 optimizer
+    going on alone on the same gradients (the reference), to float32 rounding."""
+    from flax import nnx
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    for _ in range(2):
+        opt.update(model, nnx.grad(loss)(model))
+    _, tx = jaxamp.optimizer_recipe("bf16_float32_master", optax.adam(1e-2))
+    low = nnx.Linear(4, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    low_opt = nnx.Optimizer(low, tx, wrt=nnx.Param)
+    out = convert_state(nnx.state(model, nnx.Param), opt.opt_state, nnx.state(low, nnx.Param), tx)
+    assert out.report.lossless
+    nnx.update(low, out.params)
+    is_var = lambda v: hasattr(v, "set_value")
+    jax.tree.map(lambda v, new: v.set_value(new), low_opt.opt_state, out.opt_state, is_leaf=is_var)
+    assert low.kernel.get_value().dtype == jnp.bfloat16
+    for i in range(3):  # the same gradients for both: float32 Adam's reference steps
+        grads = jax.tree.map(lambda p, i=i: jnp.full(p.shape, 0.01 * (i + 1)), nnx.state(model))
+        opt.update(model, grads)
+        scale = jaxamp.optim.get_loss_scale(low_opt.opt_state)
+        low_opt.update(low, jax.tree.map(lambda g, s=scale: g * s, grads))
+    master = low_opt.opt_state.master_params
+    np.testing.assert_allclose(
+        master["kernel"].get_value(), model.kernel.get_value(), rtol=1e-5, atol=1e-6
+    )

@@ -112,6 +112,19 @@ class ConvertedState(NamedTuple):
     report: ConversionReport
 
 
+def _is_variable(x: Any) -> bool:
+    """An ``nnx.Variable`` (``nnx.Optimizer`` wraps its state's leaves in them)."""
+    return callable(getattr(x, "get_value", None))
+
+
+def _plain(tree: Any) -> Any:
+    """``tree`` with each ``nnx.Variable`` replaced by its array (the containers, such as
+    ``nnx.State``, kept): NNX's params and optimizer state read as Linen's are."""
+    return jax.tree.map(
+        lambda x: x.get_value() if _is_variable(x) else x, tree, is_leaf=_is_variable
+    )
+
+
 def _split(state: Any, where: str) -> tuple[LossScaledState | None, StateDtypeState | None, Any]:
     """``(loss_scaled's state, with_state_dtype's state, the optax state inside them)``."""
     ls = state if isinstance(state, LossScaledState) else None
@@ -267,6 +280,7 @@ def convert_state(
     """
     if loss_scale not in LOSS_SCALE_CHOICES:
         raise invalid_choice("loss_scale", loss_scale, LOSS_SCALE_CHOICES, quote=True)
+    saved_params, saved_opt_state, params = _plain((saved_params, saved_opt_state, params))
     _same_structure(saved_params, params, "params")
     ls, sd, core = _split(saved_opt_state, "saved")
     rows = _Rows()
