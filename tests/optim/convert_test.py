@@ -304,3 +304,86 @@ def test_an_nnx_optimizer_moves_to_a_float32_master_and_trains_as_float32():
     np.testing.assert_allclose(
         master["kernel"].get_value(), model.kernel.get_value(), rtol=1e-5, atol=1e-6
     )
+
+
+def _sgd(name):
+    return jaxamp.optimizer_recipe(name, optax.sgd(1.0), loss_scale=jaxamp.NoOpLossScale())[1]
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_kahan_weight_halfway_between_bfloat16_values_moves_to_a_master_unchanged():
+    """A Kahan step leaves p = 1 + 2**-7 and c = -2**-8: the weight 1 + 2**-8 lies halfway
+    between two bfloat16 values, and the master's param must be the master rounded to
+    nearest (1.0, even), else the next step takes the param for a change made outside
+    update. Reference: the weight by hand, and the Kahan state stepped unconverted."""
+    kahan = _sgd("bf16_kahan")
+    p = {"w": jnp.array([1.0], jnp.bfloat16)}
+    state = kahan.init(p)
+    updates, state = kahan.update({"w": jnp.array([-(2.0**-8 + 2.0**-20)])}, state, p)
+    p = optax.apply_updates(p, updates)
+    assert float(p["w"][0]) + float(state.compensation["w"][0]) == 1 + 2.0**-8
+    master = _sgd("bf16_float32_master")
+    out = convert_state(p, state, _like(p, jnp.bfloat16), master)
+    assert out.report.lossless
+    zero = {"w": jnp.zeros((1,))}
+    _, after = jax.jit(master.update)(zero, out.opt_state, out.params)
+    assert float(after.master_params["w"][0]) == 1 + 2.0**-8
+
+
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_the_identity_keeps_non_finite_params_and_their_companions_bit_for_bit(master, value):
+    params, state = _trained(jnp.bfloat16, master)
+    params = {**params, "b": params["b"].at[1].set(value)}
+    out = convert_state(params, state, _like(params, jnp.bfloat16), _recipe(jnp.bfloat16, master))
+    assert out.report.rows == ()
+    assert _leaves_equal(out.params, params) and _leaves_equal(out.opt_state, state)
+
+
+@pytest.mark.standard_promotion(OPTAX)
+@pytest.mark.parametrize("master", MASTERS)
+def test_a_nan_payload_survives_a_change_of_recipe_that_keeps_the_param(master):
+    """bfloat16 NaNs with payloads (0x7FC1, 0x7FA0) stay those bits where the param is
+    kept (here: a master recipe to any other, whose weight for them is the param's NaN)."""
+    params, state = _trained(jnp.bfloat16, "none")
+    bits = np.array([0x7FC1, 0x7FA0, 0x3F80, 0x0000, 0x7FC0], np.uint16)
+    params = {**params, "b": jnp.asarray(bits.view(jnp.bfloat16))}
+    out = convert_state(params, state, _like(params, jnp.bfloat16), _recipe(jnp.bfloat16, master))
+    assert np.asarray(out.params["b"]).view(np.uint16).tolist() == bits.tolist()
+    assert out.report.lossless
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_params_and_masters_keep_the_targets_sharding():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    params = _params()
+    state = optax.adam(1e-2).init(params)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=sharding), params
+    )
+    out = convert_state(params, state, like, _recipe(jnp.bfloat16, "float32"))
+    for leaf in jax.tree.leaves((out.params, out.opt_state.master_params)):
+        assert leaf.sharding == sharding
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_state_restored_without_a_template_is_refused_with_the_way_round(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params, state = _trained(jnp.bfloat16, "float32")
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    with ocp.StandardCheckpointer() as ckpt:
+        plain = ckpt.restore(tmp_path / "ckpt")
+    tx = _recipe(jnp.bfloat16, "kahan")
+    with pytest.raises(ValueError, match=r"without a template.*saved_tx\.init"):
+        convert_state(plain["params"], plain["opt_state"], _like(params, jnp.bfloat16), tx)
+    adam = optax.adam(1e-2)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "plain", {"opt_state": adam.init(params)})
+        bare = ckpt.restore(tmp_path / "plain")["opt_state"]
+    with pytest.raises(ValueError, match="without a template"):
+        convert_state(params, bare, _like(params, jnp.bfloat16), adam)

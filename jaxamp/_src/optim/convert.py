@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +15,7 @@ from jaxamp._src.dtypes import FLOAT32, is_floating, is_narrow
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim import master_weights as masters
 from jaxamp._src.optim.loss_scaled import LossScaledState, settings_of
+from jaxamp._src.optim.rounding import round_in_float32
 from jaxamp._src.optim.scales import DynamicLossScale
 from jaxamp._src.optim.state_dtype import StateDtypeState
 
@@ -125,8 +128,24 @@ def _plain(tree: Any) -> Any:
     )
 
 
+_UNTYPED = (
+    "the saved optimizer state is plain dicts and lists (an Orbax restore without a "
+    "template?): restore it with the saved recipe's state as the template, e.g. "
+    "ckpt.restore(path, jax.tree.map(ocp.utils.to_shape_dtype_struct, {'params': params, "
+    "'opt_state': saved_tx.init(params)})), and convert that."
+)
+
+
+def _normalised(tree: Any) -> set[str]:
+    """Leaf paths with attribute and key steps written alike (``.mu`` and ``['mu']``)."""
+    paths = {path for path, _ in _leaves_with_paths(tree)}
+    return {re.sub(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]", r"/\1\2\3", p) for p in paths}
+
+
 def _split(state: Any, where: str) -> tuple[LossScaledState | None, StateDtypeState | None, Any]:
     """``(loss_scaled's state, with_state_dtype's state, the optax state inside them)``."""
+    if isinstance(state, Mapping) and {"loss_scale", "inner_state"} <= set(state):
+        raise ValueError(f"convert_state: {_UNTYPED}")
     ls = state if isinstance(state, LossScaledState) else None
     inner = ls.inner_state if ls is not None else state
     sd = inner if isinstance(inner, StateDtypeState) else None
@@ -145,7 +164,9 @@ def _split(state: Any, where: str) -> tuple[LossScaledState | None, StateDtypeSt
 
 
 def _f64(x: Any) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(FLOAT32) if _is_16bit(x) else x, np.float64)
+    """``x`` in float64 (a signalling NaN's cast raises numpy's invalid flag: ignored)."""
+    with np.errstate(invalid="ignore"):
+        return np.asarray(jnp.asarray(x).astype(FLOAT32) if _is_16bit(x) else x, np.float64)
 
 
 def _is_16bit(x: Any) -> bool:
@@ -175,22 +196,20 @@ class _Rows:
         self.rows.append(Conversion(path, action, detail, *errors))
 
 
-def _weights(saved_params: Any, ls: LossScaledState | None) -> tuple[Any, str]:
-    """Each saved param's weight in float64 (its master, or the param plus its valid Kahan
-    compensation, or the param), and which of these it was."""
+def _weights(saved_params: Any, ls: LossScaledState | None) -> Any:
+    """Each saved param's weight in float64: its master, or the param plus its valid Kahan
+    compensation, or the param."""
     master = ls.master_params if ls is not None else None
     compensation = ls.compensation if ls is not None else None
     if master is not None:
         master = masters.adopt_changes(master, saved_params)
-        return jax.tree.map(
-            lambda m, p: _f64(m) if _is_16bit(p) else _f64(p), master, saved_params
-        ), "the saved float32 master"
+        return jax.tree.map(lambda m, p: _f64(m) if _is_16bit(p) else _f64(p), master, saved_params)
     if compensation is not None:
         compensation = masters.valid_compensation(saved_params, compensation)
         return jax.tree.map(
             lambda c, p: _f64(p) + _f64(c) if _is_16bit(p) else _f64(p), compensation, saved_params
-        ), "the saved param plus its Kahan compensation"
-    return jax.tree.map(_f64, saved_params), "the saved param"
+        )
+    return jax.tree.map(_f64, saved_params)
 
 
 def _same_structure(saved: Any, like: Any, what: str) -> None:
@@ -202,27 +221,6 @@ def _same_structure(saved: Any, like: Any, what: str) -> None:
             f"convert_state needs the saved {what} and the target's to have the same leaves: "
             f"only saved {only_saved}, only in the target {only_like}."
         )
-
-
-def _new_param(weight: np.ndarray, saved: Any, like: Any, kahan: bool) -> jax.Array:
-    """The target's param: the weight rounded to nearest in the target's dtype; a 16-bit
-    param kept as saved where the target's dtype is its own and the weight is the param
-    plus a valid compensation (which rounds to it, ties included)."""
-    dtype = np.dtype(like.dtype)
-    if kahan and _is_16bit(saved) and np.dtype(saved.dtype) == dtype:
-        return jnp.asarray(saved)
-    wide = dtype if dtype.itemsize > 4 else np.dtype(np.float32)
-    return jnp.asarray(weight.astype(wide)).astype(dtype)
-
-
-def _represented(new_p: Any, master: Any, comp: Any) -> np.ndarray:
-    """The weight the target holds for one param, in float64."""
-    if master is not None and _is_16bit(new_p):
-        return _f64(master)
-    value = _f64(new_p)
-    if comp is not None and _is_16bit(new_p):
-        value = value + _f64(comp)
-    return value
 
 
 def convert_state(
@@ -284,31 +282,14 @@ def convert_state(
     _same_structure(saved_params, params, "params")
     ls, sd, core = _split(saved_opt_state, "saved")
     rows = _Rows()
-    weights, source = _weights(saved_params, ls)
-    kahan = ls is not None and ls.compensation is not None
-    new_params = jax.tree.map(
-        lambda w, s, like: _new_param(w, s, like, kahan), weights, saved_params, params
+    provisional = jax.tree.map(
+        lambda w, like: jnp.asarray(w.astype(np.float32)).astype(like.dtype),
+        _weights(saved_params, ls),
+        params,
     )
-    template = tx.init(new_params)
+    template = tx.init(provisional)  # its structure and dtypes; every value is replaced
     t_ls, t_sd, t_core = _split(template, "target")
-    master = comp = None
-    if t_ls is not None and t_ls.master_params is not None:
-        master = jax.tree.map(
-            lambda w, p, m: jnp.asarray(w.astype(np.float32)) if _is_16bit(p) else m,
-            weights,
-            new_params,
-            t_ls.master_params,
-        )
-    if t_ls is not None and t_ls.compensation is not None:
-        comp = jax.tree.map(
-            lambda w, p, c: (
-                jnp.asarray((w - _f64(p)).astype(np.float32)).astype(p.dtype) if _is_16bit(p) else c
-            ),
-            weights,
-            new_params,
-            t_ls.compensation,
-        )
-    _report_params(rows, saved_params, weights, new_params, master, comp, source)
+    new_params, master, comp = _params(rows, saved_params, params, ls, t_ls, provisional)
     prefix = "opt_state" + ".inner_state" * ((t_ls is not None) + (t_sd is not None))
     inner = _convert_core(rows, core, t_core, prefix)
     if t_sd is not None:
@@ -341,41 +322,125 @@ def _bit_equal(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def _report_params(
+def _kind(state: LossScaledState | None, param: Any) -> str:
+    """How a recipe holds a param's weight: ``"master"``, ``"kahan"`` or ``"param"``."""
+    if state is None or not _is_16bit(param):
+        return "param"
+    if state.master_params is not None:
+        return "master"
+    return "kahan" if state.compensation is not None else "param"
+
+
+_HOLDS = {
+    "master": "; its float32 master derived",
+    "kahan": "; its Kahan rest derived",
+    "param": "",
+}
+_FROM = {
+    "master": "the saved float32 master",
+    "kahan": "the saved param plus its Kahan compensation",
+    "param": "the saved param",
+}
+
+
+def _param(
+    w: np.ndarray, p: Any, like: Any, kind: str, master: Any, comp: Any
+) -> tuple[jax.Array, Any, Any]:
+    """``(param, master, compensation)`` holding the weight ``w`` as a recipe of ``kind``
+    does in ``like``'s dtype (the master and the compensation ``None`` where unused): the
+    param the weight rounded to nearest (as ``adopt_changes`` reads a master's param);
+    the saved param's bits where it is that value already (a NaN's payload too); the
+    rest, where finite, in a compensation."""
+    dtype = np.dtype(like.dtype)
+    wide = dtype if dtype.itemsize > 4 else np.dtype(np.float32)
+    new_master = new_comp = None
+    if kind == "master":
+        new_master = jnp.asarray(w.astype(np.float32))
+        new_p = round_in_float32(new_master, dtype).astype(dtype)
+    else:
+        new_p = jnp.asarray(w.astype(wide)).astype(dtype)
+    if np.dtype(p.dtype) == dtype and _same_values(_f64(p), _f64(new_p)):
+        new_p = jnp.asarray(p)
+    if kind == "kahan":
+        rest = w - _f64(new_p)
+        rest = np.where(np.isfinite(rest), rest, 0.0)
+        new_comp = jnp.asarray(rest.astype(np.float32)).astype(dtype)
+    sharding = getattr(like, "sharding", None)
+    if sharding is not None:  # where the target's params are laid out
+        new_p = jax.device_put(new_p, sharding)
+        new_master = None if new_master is None else jax.device_put(new_master, sharding)
+        new_comp = None if new_comp is None else jax.device_put(new_comp, sharding)
+    return (
+        new_p,
+        (master if new_master is None else new_master),
+        (comp if new_comp is None else new_comp),
+    )
+
+
+def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.all((a == b) | (np.isnan(a) & np.isnan(b))))
+
+
+def _params(
     rows: _Rows,
     saved: Any,
-    weights: Any,
-    new: Any,
-    master: Any,
-    comp: Any,
-    source: str,
-) -> None:
-    """One row per param whose weight, dtype or companion (master, compensation) changed."""
+    like: Any,
+    ls: LossScaledState | None,
+    target: LossScaledState | None,
+    provisional: Any,
+) -> tuple[Any, Any, Any]:
+    """The target's params, master and compensation (each ``None`` where its recipe has
+    none), one row per param whose weight, dtype or companion changed."""
+    weights = _weights(saved, ls)
+    t_master = target.master_params if target is not None else None
+    t_comp = target.compensation if target is not None else None
     n = len(jax.tree.leaves(saved))
-    masters_ = jax.tree.leaves(master) if master is not None else [None] * n
-    comps = jax.tree.leaves(comp) if comp is not None else [None] * n
-    for (path, p), w, q, m, c in zip(
+    s_masters = (
+        jax.tree.leaves(ls.master_params)
+        if ls is not None and ls.master_params is not None
+        else [None] * n
+    )
+    s_comps = (
+        jax.tree.leaves(ls.compensation)
+        if ls is not None and ls.compensation is not None
+        else [None] * n
+    )
+    t_masters = jax.tree.leaves(t_master) if t_master is not None else [None] * n
+    t_comps = jax.tree.leaves(t_comp) if t_comp is not None else [None] * n
+    new_p, new_m, new_c = [], [], []
+    for (path, p), w, lk, q0, sm, sc, tm, tc in zip(
         _leaves_with_paths(saved),
         jax.tree.leaves(weights),
-        jax.tree.leaves(new),
-        masters_,
-        comps,
+        jax.tree.leaves(like),
+        jax.tree.leaves(provisional),
+        s_masters,
+        s_comps,
+        t_masters,
+        t_comps,
         strict=True,
     ):
-        holds = "float32 master" if m is not None else "Kahan compensation" if c is not None else ""
-        holds = holds if _is_16bit(q) else ""
-        errors = _errors(w, _represented(q, m, c))
-        saved_kind = source if _is_16bit(p) else "the saved param"
-        same_kind = (holds == "float32 master") == ("master" in saved_kind) and (
-            holds == "Kahan compensation"
-        ) == ("Kahan" in saved_kind)
-        if _bit_equal(p, q) and errors == (0.0, 0.0) and same_kind:
+        s_kind, t_kind = _kind(ls, p), _kind(target, q0)
+        if np.dtype(p.dtype) == np.dtype(lk.dtype) and s_kind == t_kind:  # as saved, bit for bit
             rows.kept += 1
+            new_p.append(jnp.asarray(p))
+            new_m.append(tm if sm is None or t_kind != "master" else jnp.asarray(sm))
+            new_c.append(tc if sc is None or t_kind != "kahan" else jnp.asarray(sc))
             continue
+        q, m, c = _param(w, p, lk, t_kind, tm, tc)
+        new_p.append(q)
+        new_m.append(m)
+        new_c.append(c)
+        represented = (
+            _f64(m) if t_kind == "master" else _f64(q) + (_f64(c) if t_kind == "kahan" else 0.0)
+        )
         change = f"{np.dtype(p.dtype).name} -> {np.dtype(q.dtype).name}"
-        detail = f"{change}, from {saved_kind}" + (f"; its {holds} derived" if holds else "")
         action = "cast" if np.dtype(p.dtype) != np.dtype(q.dtype) else "derived"
-        rows.add(f"params{path}", action, detail, errors)
+        detail = f"{change}, from {_FROM[s_kind]}{_HOLDS[t_kind]}"
+        rows.add(f"params{path}", action, detail, _errors(w, represented))
+    structure = jax.tree.structure(saved)
+    master = None if t_master is None else jax.tree.unflatten(structure, new_m)
+    comp = None if t_comp is None else jax.tree.unflatten(structure, new_c)
+    return jax.tree.unflatten(structure, new_p), master, comp
 
 
 def _convert_core(rows: _Rows, saved: Any, target: Any, prefix: str) -> Any:
@@ -385,6 +450,8 @@ def _convert_core(rows: _Rows, saved: Any, target: Any, prefix: str) -> Any:
             rows.add(f"{prefix}{path}", "created", "no saved optimizer state")
         return target
     if not _same_tree(saved, target):
+        if _normalised(saved) == _normalised(target):
+            raise ValueError(f"convert_state: {_UNTYPED}")
         a, b = ({path for path, _ in _leaves_with_paths(x)} for x in (saved, target))
         raise ValueError(
             "convert_state converts what jaxamp's wrappers hold, not one optax optimizer "
@@ -459,7 +526,16 @@ def _scale(rows: _Rows, ls: Any, target: Any, tx: Any, choice: str) -> Any:
         rows.add("opt_state.loss_scale.scale", "cast", f"{scale:g} clipped to {clipped:g}")
     else:
         rows.kept += 1
-    rows.kept += 2
+    saved_hysteresis = int(ls.loss_scale.hysteresis_left)
+    if int(hysteresis) != saved_hysteresis:
+        rows.add(
+            "opt_state.loss_scale.hysteresis_left",
+            "cast",
+            f"{saved_hysteresis} lowered to the target's hysteresis {int(hysteresis)}",
+        )
+    else:
+        rows.kept += 1
+    rows.kept += 1
     return target.loss_scale._replace(
         scale=jnp.asarray(clipped, jnp.float32),
         growth_tracker=jnp.asarray(ls.loss_scale.growth_tracker),
@@ -514,4 +590,6 @@ def _loss_scaled(
         if fresh is not None and saved_record is not None and _same_tree(saved_record, fresh):
             fields["nonfinite_grads"] = saved_record
             rows.kept += len(jax.tree.leaves(saved_record))
+        elif saved_record is not None:
+            rows.add("opt_state.nonfinite_grads", "dropped", "the target records no skipped step")
     return target._replace(**fields)
