@@ -49,7 +49,6 @@ def _check(records):
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_cpu_smoke_suite_on_one_model(tmp_path):
     """The smoke suite's small twin: one model, every variant and framework, one repeat
     (torch.compile, minutes of inductor compilation, is tested on its own)."""
@@ -118,7 +117,6 @@ def test_cpu_smoke_suite_times_torch_compile_beside_eager_autocast(tmp_path):
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_torch_compile_failure_is_a_row_not_a_crash(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from benchmarks import torch_bench
@@ -142,7 +140,6 @@ def test_torch_compile_failure_is_a_row_not_a_crash(tmp_path, monkeypatch):
     assert (tmp_path / "benchmarks.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_gpu_suite_code_path_at_tiny_size(tmp_path):
     """The GPU suite's extras (largest batch, utilisation), exercised on CPU at tiny sizes."""
@@ -187,7 +184,6 @@ def test_bad_flags(argv):
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_autocast_benchmark_at_small_size(tmp_path):
     argv = ["--models", "bert", "--bert-batch", "1", "--warmup", "1", "--repeats", "1"]
     records = autocast_benchmark.main([*argv, "--out", str(tmp_path)])
@@ -223,7 +219,6 @@ def test_matmul_forms_at_tiny_size(tmp_path):
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize(
     "bytes_model",
     ["gpt2-tiny", pytest.param("gpt2-small", marks=pytest.mark.slow)],
@@ -247,7 +242,6 @@ def test_optimizer_state_benchmark_at_small_size(tmp_path, bytes_model):
         assert (tmp_path / name).exists()
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("model", ["mlp", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
@@ -276,7 +270,6 @@ def test_loss_scaling_benchmark_at_tiny_size(tmp_path, model):
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_loss_scaling_benchmark_times_pytorch_gradscaler_beside_plain_adam(tmp_path):
     pytest.importorskip("torch")
     from benchmarks import loss_scaling
@@ -293,7 +286,6 @@ def test_loss_scaling_benchmark_times_pytorch_gradscaler_beside_plain_adam(tmp_p
         step()
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_profile_puts_each_thunk_of_a_compiled_step_in_a_category(tmp_path):
     from benchmarks import profile
@@ -383,7 +375,6 @@ ENTRY %main (a: bf16[4,4], b: bf16[4,4]) -> f32[4,4] {
     assert profile.torch_category("aten::add_") == "other"
 
 
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("model", ["gpt", "bert"])  # one model each: two short tests
 def test_fp8_training_benchmark_at_tiny_size(tmp_path, model):

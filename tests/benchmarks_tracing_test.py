@@ -11,7 +11,6 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_tracing_benchmark_at_tiny_size(tmp_path):
     from benchmarks import tracing
 

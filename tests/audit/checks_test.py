@@ -56,7 +56,6 @@ def test_flags_a_hand_written_16bit_softmax(dtype):
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "float32"])
 def test_the_same_softmax_under_a_policy_is_clean(policy):
     model = jaxamp.linen.apply_policy(HandSoftmax(), policy)
@@ -69,7 +68,6 @@ def test_the_same_softmax_under_a_policy_is_clean(policy):
     assert {op.layer for op in exps} == {"HandSoftmax"}
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("dtype", list(SIXTEEN))
 def test_flags_a_silent_float32_matmul(dtype):
@@ -124,7 +122,6 @@ def test_flags_16bit_accumulation(dtype):
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 def test_sensitive_operations_carry_dtype_layer_pass_and_executions():
     model = jaxamp.linen.apply_policy(HandSoftmax(), "mixed_bfloat16")
     x = jnp.ones((2, 4))
@@ -165,7 +162,6 @@ EXACT_ACCUMULATIONS = {
 }
 
 
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("primitive", list(ACCUMULATIONS))

@@ -235,7 +235,6 @@ def test_compiled_bfloat16_softmax_reads_what_xla_cpu_computes():
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 @ON_CPU
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_compiled_pooling_and_cumulative_sums(dtype):

@@ -90,7 +90,6 @@ def test_matmuls_and_convolutions_take_compute_dtype_operands(case, policy):
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 def test_degenerate_dots_run_on_cpu():
     # XLA:CPU emits vector products element by element and rejects dot algorithms there.
     def fun(v, m):
@@ -141,7 +140,6 @@ PROMOTE_CASES = {
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", MIXED)
 @pytest.mark.parametrize("case", PROMOTE_CASES)
 def test_mixed_inputs_promote_to_the_widest(case, policy):
@@ -183,7 +181,6 @@ def _layer_norm(y):
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize(
     "fun",
     [jax.nn.softmax, jax.nn.log_softmax, jax.scipy.special.logsumexp, _layer_norm],
@@ -220,7 +217,6 @@ def test_outputs_come_back_in_their_traced_dtypes_and_static_values_pass_through
     _assert_close(eager["y"], fun(w, x, jnp.tanh, scale=2.0)["y"], "bfloat16")
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 def test_strong_outputs_stay_strong_and_numpy_strings_stay_static():
     def fun(x, activation):
@@ -299,7 +295,6 @@ NEEDS_PLAIN_CHECKPOINT = pytest.mark.xfail(
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("case", COMPOSITION_CASES)
 def test_composes_with_grad_and_control_flow(case):
     fun = COMPOSITION_CASES[case]
@@ -329,7 +324,6 @@ def test_while_loop_carries_keep_their_dtypes():
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_float32_param_gradients_come_back_float32(policy):
     def loss(params, x):
@@ -343,7 +337,6 @@ def test_float32_param_gradients_come_back_float32(policy):
     _assert_close((value, grads), jax.value_and_grad(loss)(params, x), _compute(policy))
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 def test_vmap_outside():
     w, x = _inputs()
@@ -415,7 +408,6 @@ def _bert():
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("residuals", ["all", "compute_dtype"])
 @pytest.mark.parametrize(
     "setup",
@@ -462,7 +454,6 @@ def test_flax_linen_models_match_apply_policy(setup, residuals):
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_nnx_module():
     model = nnx.Sequential(
         nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 2, rngs=nnx.Rngs(1))
@@ -491,7 +482,6 @@ def _stateful_nnx_model():
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("under_nnx_jit", [False, True])
 def test_stateful_nnx_module_updates_its_state(under_nnx_jit):
     """BatchNorm's statistics and Dropout's RNG count move as in a plain call."""
@@ -515,7 +505,6 @@ def test_stateful_nnx_module_updates_its_state(under_nnx_jit):
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_stateful_nnx_module_gradients():
     model = _stateful_nnx_model()
     x = jax.random.normal(jax.random.key(3), (16, 4))
@@ -526,7 +515,6 @@ def test_stateful_nnx_module_gradients():
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_module_that_mutates_nothing_is_left_alone():
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     kernel = model.kernel[...]
@@ -534,7 +522,6 @@ def test_module_that_mutates_nothing_is_left_alone():
     assert model.kernel[...] is kernel
 
 
-@pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.standard_promotion(OTHER_LIBRARY)
 def test_equinox_module():
     mlp = eqx.nn.MLP(4, 2, width_size=8, depth=2, key=jax.random.key(0))
@@ -553,7 +540,6 @@ def test_equinox_module():
     assert report.all_operands_in("bfloat16") and len(report.ops) == 8, report
 
 
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.standard_promotion(FLAX)
 def test_training_steps_reduce_the_loss():
     model, (params, batch_stats), loss = _resnet()
@@ -645,7 +631,6 @@ def _assert_states_match(actual, expected, policy):
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("under_nnx_jit", [False, True])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_nnx_optimizer_argument_keeps_its_step_and_moments(policy, under_nnx_jit):
@@ -665,7 +650,6 @@ def test_nnx_optimizer_argument_keeps_its_step_and_moments(policy, under_nnx_jit
     _assert_close(losses[0], losses[1], "float32" if policy == "float32" else "bfloat16")
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_bound_method_of_an_optimizer():
     """``autocast(optimizer.update)``: the optimizer (``fun.__self__``) keeps its update
@@ -688,7 +672,6 @@ def _dropout_with_rngs(w, rngs, x):
     return nnx.Dropout(0.5)(x @ w, rngs=rngs)
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("under_nnx_jit", [False, True])
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])

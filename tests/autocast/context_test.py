@@ -161,7 +161,6 @@ def _assert_bit_for_bit(alone, together):
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 def test_threads_autocasting_at_once_each_get_their_own_result():
     """Three threads autocast three functions under three policies at once, their traces
     and their evaluations overlapping: two under delayed float8 scaling, each with its

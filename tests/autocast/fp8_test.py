@@ -257,7 +257,6 @@ def test_gemms_in_custom_derivatives_run_in_16_bits(recipe):
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_init_traces_an_nnx_model_without_changing_it():
     """init_fp8_state finds the GEMMs of an NNX model autocast runs without running it: its
     BatchNorm statistics stay as they were (they had been written with leaked tracers);
@@ -370,7 +369,6 @@ def _train(policy, steps=150, keep_first_state=False):
     return first, float(loss(params, x, labels))
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.parametrize("compute", ["bf16", "f16"])
 def test_both_recipes_train_close_to_16_bits(compute):

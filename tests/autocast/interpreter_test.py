@@ -84,7 +84,6 @@ def test_apply_policy_agrees_with_autocast_on_matmuls_the_model_writes(dtype):
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 def test_a_float32_override_keeps_the_matmuls_a_layer_writes_in_float32():
     x = jax.random.normal(jax.random.key(1), (2, 6, 8))
 
@@ -106,7 +105,6 @@ def test_a_float32_override_keeps_the_matmuls_a_layer_writes_in_float32():
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 def test_a_gradient_taken_inside_of_a_maximum_of_a_cast_value():
     """max must equal one of the 16-bit elements that flow on (its JVP compares them), so it
     reads the 16-bit value, not the float32 one the cast came from."""
@@ -124,7 +122,6 @@ def test_a_gradient_taken_inside_of_a_maximum_of_a_cast_value():
     np.testing.assert_array_equal(jaxamp.autocast(is_max)(x), [1.0, 0.0, 0.0])
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 def test_a_custom_jvp_function_with_an_integer_output():
     @jax.custom_jvp
@@ -144,7 +141,6 @@ def test_a_custom_jvp_function_with_an_integer_output():
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 def test_a_gradient_taken_inside_keeps_float32_weight_gradients():
     """``jaxamp.autocast(train_step)`` where the step calls ``jax.grad``: the backward GEMMs
     in the traced program keep their float32 result."""
@@ -162,7 +158,6 @@ def test_a_gradient_taken_inside_keeps_float32_weight_gradients():
     report.check("bfloat16")
 
 
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_export_with_a_symbolic_batch(policy):
@@ -194,7 +189,6 @@ def test_a_float32_override_does_not_name_a_layer():
     assert report.problems("bfloat16", ignore=["head"]) == []
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_a_lookup_in_a_16_bit_activation_runs_in_the_traced_dtype():
     """A loss's ``take_along_axis`` of logits a 16-bit matmul made (under autocast): its

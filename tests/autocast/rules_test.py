@@ -82,7 +82,6 @@ CASES = {
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("case", CASES)
 def test_float32_ops_are_exact_where_16_bits_are_not(case, run):
@@ -153,7 +152,6 @@ def test_outer_products_are_not_rounded_to_16_bits():
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("fun", [jax.nn.softplus, jax.nn.mish, lambda x: jnp.logaddexp(x, -x)])
 def test_custom_jvp_functions_compute_in_float32_inside(fun):
     """softplus, mish and logaddexp are ``jax.custom_jvp`` functions: their exp and log1p
@@ -211,7 +209,6 @@ def _centred_softmax_jvp(primals, tangents):
     return y, y * (t - jnp.sum(y * t, -1, keepdims=True))  # softmax's own rule
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("fun", ["own_rule", "jax_softmax_custom_jvp"])

@@ -130,7 +130,6 @@ def test_per_layer_divergence_and_float16_check_before_training(bert_report, tmp
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_a_float16_run_that_diverges_names_the_first_non_finite_layer():
     """Images scaled by 1e6: float32 trains on them (BatchNorm normalises), float16
     cannot even hold the inputs: the policy's cast of the images to float16 is the
@@ -271,7 +270,6 @@ def test_delayed_fp8_step_carries_its_state_apart_from_the_optimizer_as_written_
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("name", ["fp8", "fp8-delayed"])
 def test_a_float8_step_on_an_inf_is_counted_non_finite(name):
     """float8 has no infinity: an operand holding one makes the matmul NaN, the step is
@@ -293,7 +291,6 @@ def test_a_float8_step_on_an_inf_is_counted_non_finite(name):
     assert "1 inf" in run.first_nonfinite["description"], run.first_nonfinite
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_float8_variants_train_beside_fp32_in_one_report(tmp_path):
     """``--variants fp32,fp8-delayed`` on a tiny BERT, offline: a record each, the same
@@ -334,7 +331,6 @@ def test_same_initialisation_and_data_for_every_variant(bert_report):
     assert max(first_losses) - min(first_losses) < 0.05
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_resnet_with_batch_norm_recalibration():
     dataset = data.load_digits_28x28().subset(64, 32)
@@ -385,7 +381,6 @@ def test_optimizer_state_recipes_run_as_variants_with_their_bytes_per_parameter(
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkeypatch):
     """Every seed starts again from its own initialisation, key and batches, on the
     programs compiled for the first seed: as if each seed had been compared alone."""
@@ -428,7 +423,6 @@ def test_seeds_reuse_each_variants_compiled_steps_and_match_separate_runs(monkey
     assert together["runs"][0]["final_loss_seeds"][0] != together["runs"][0]["final_loss_seeds"][1]
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_default_variants_on_a_cpu_say_why_fp16_is_left_out():
     if jax.default_backend() != "cpu":
@@ -603,7 +597,6 @@ def _parity(report):
         assert verdicts[name] != "worse", (verdicts, accuracy, report["runs"])
 
 
-@pytest.mark.standard_promotion(OPTAX)
 @pytest.mark.standard_promotion(OPTAX)
 def test_accuracy_parity_on_real_data():
     """bf16, and fp16 with loss scaling, are not worse than fp32 on real digits: a narrow

@@ -62,7 +62,6 @@ def test_config_errors_exit_2(capsys):
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_compare_writes_report_and_plots(tmp_path, capsys):
     out = tmp_path / "report"
     code = main(

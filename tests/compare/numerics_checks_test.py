@@ -48,7 +48,6 @@ def test_divergence_table_marks_near_zero_rows_and_identical_values_and_explains
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_divergence_plot_has_no_made_up_values_and_labels_what_it_shows(tmp_path):
     import matplotlib
 
@@ -112,7 +111,6 @@ def _divergence_of(module, variants):
     return {r.variant.name: r.divergence for r in runs}
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 def test_a_hand_written_float16_softmax_is_flagged_above_its_floor():
     from jaxamp._src.compare import numerics_checks as in_compare
@@ -194,7 +192,6 @@ def test_the_ideal_recipe_rounds_its_gemms_alone(policy):
             assert all(op.lhs_dtype == op.rhs_dtype == wanted for op in report.ops), report.ops
 
 
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.standard_promotion(FLAX)
 def test_gradients_flushed_to_zero_are_flagged_whatever_the_floor():
     """A float16 loss scale so small that the gradients underflow: each backward row loses

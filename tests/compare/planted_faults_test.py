@@ -201,7 +201,6 @@ IDS = [layer for _, layer, _ in PLANTED]
 
 
 @pytest.mark.standard_promotion(SUBJECT)
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("model, layer, upstream", PLANTED, ids=IDS)
 def test_a_planted_precision_fault_is_flagged_at_its_layer(model, layer, upstream):
     path = lambda name: f"{model.__name__}/{name}"
@@ -217,7 +216,6 @@ def test_a_planted_precision_fault_is_flagged_at_its_layer(model, layer, upstrea
         assert not faulty[(path(name), "forward")]["flagged"], faulty[(path(name), "forward")]
 
 
-@pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.standard_promotion(SUBJECT)
 @pytest.mark.parametrize("model", [m for m, _, _ in PLANTED], ids=IDS)
 def test_the_same_models_done_right_flag_nothing(model):
@@ -240,7 +238,6 @@ def _healthy(rows):
     assert not ratios or max(ratios) < numerics_checks.FLAG_RATIO / 2, sorted(ratios)[-5:]
 
 
-@pytest.mark.standard_promotion(FLAX)
 @pytest.mark.standard_promotion(FLAX)
 def test_a_resnet_whose_batch_norms_cancel_flags_nothing():
     """A narrow ResNet18 at its initial weights, BatchNorm over the batch: its backward

@@ -22,7 +22,6 @@ def test_the_four_recipes():
 
 
 @pytest.mark.standard_promotion(OPTAX)
-@pytest.mark.standard_promotion(OPTAX)
 def test_the_optimizer_state_recipes_are_variants_too():
     params = {"w": jnp.ones(2, jnp.bfloat16)}
     for name in jaxamp.optim.OPTIMIZER_RECIPES:

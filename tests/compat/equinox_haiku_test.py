@@ -103,7 +103,6 @@ def _each_model_one_policy(models):
 
 
 @pytest.mark.standard_promotion(OTHER_LIBRARY)
-@pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.parametrize(("name", "policy"), _each_model_one_policy(EQUINOX))
 def test_equinox_model(name, policy):
     model, x = EQUINOX[name]()
@@ -157,7 +156,6 @@ _HAIKU_CASES = [
 ]
 
 
-@pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.standard_promotion(OTHER_LIBRARY)
 @pytest.mark.parametrize(("name", "policy"), _HAIKU_CASES)
 def test_haiku_model(name, policy):

@@ -56,7 +56,6 @@ def test_gpt2_rejects_long_inputs():
 
 
 @pytest.mark.standard_promotion(FLAX)
-@pytest.mark.standard_promotion(FLAX)
 def test_gpt2_under_mixed_bfloat16(tokens):
     model = jaxamp.linen.apply_policy(GPT2LMHeadModel(TINY_GPT2), "mixed_bfloat16")
     variables = model.init(jax.random.key(0), tokens)
