@@ -2,7 +2,7 @@
 
 Flax policies, op-level autocast, loss scaling as an optax transformation, precision tools."""
 
-from jaxamp import debug, linen, nnx, ops, optim
+from jaxamp import checkpoint, debug, linen, nnx, ops, optim
 from jaxamp._src.audit.report import precision_report
 from jaxamp._src.autocast.api import autocast, autocast_float32
 from jaxamp._src.autocast.fp8_state import init_fp8_state
@@ -36,6 +36,7 @@ __all__ = (
     "autocast",
     "autocast_float32",
     "cast_floating",
+    "checkpoint",
     "checkpoint_residuals",
     "debug",
     "dot_product_attention",

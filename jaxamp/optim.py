@@ -1,12 +1,5 @@
 """Loss scaling and optimizer state as optax transformations, and their records."""
 
-from jaxamp._src.optim.convert import (
-    Conversion,
-    ConversionReport,
-    ConvertedState,
-    LossyConversionError,
-    convert_state,
-)
 from jaxamp._src.optim.diagnostics import (
     LossScaleStuckError,
     loss_scale_metrics,
@@ -31,19 +24,14 @@ from jaxamp._src.optim.state_dtype import StateDtypeState, with_state_dtype
 __all__ = (
     "MASTER_WEIGHTS",
     "OPTIMIZER_RECIPES",
-    "Conversion",
-    "ConversionReport",
-    "ConvertedState",
     "DynamicLossScale",
     "LossScaleState",
     "LossScaleStuckError",
     "LossScaledState",
-    "LossyConversionError",
     "NoOpLossScale",
     "StateDtypeState",
     "StaticLossScale",
     "all_finite",
-    "convert_state",
     "find_loss_scaled_state",
     "get_loss_scale",
     "loss_scale_metrics",

@@ -1,4 +1,4 @@
-"""Tests for jaxamp/_src/optim/convert.py: params and optimizer state moved between recipes.
+"""Tests for jaxamp/_src/checkpoint/state.py: params and optimizer state moved between recipes.
 
 References: the weight each saved state stands for, computed here in float64 numpy (the
 master, or the 16-bit param plus its Kahan compensation, or the param); float32 optax,
@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp.optim import LossyConversionError, convert_state
+from jaxamp.checkpoint import LossyConversionError, convert_state
 from tests.helpers.promotion import OPTAX
 
 MASTERS = ("float32", "kahan", "stochastic", "none")

@@ -1,8 +1,7 @@
-"""``convert_state``: params and optimizer state written under one recipe, for another."""
+"""``convert_state``: params and optimizer state saved under one recipe, for another."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -11,6 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._src.checkpoint.report import (
+    ConversionReport,
+    LossyConversionError,
+    Rows,
+    errors,
+)
 from jaxamp._src.dtypes import FLOAT32, is_floating, is_narrow
 from jaxamp._src.errors import invalid_choice
 from jaxamp._src.optim import master_weights as masters
@@ -20,91 +25,6 @@ from jaxamp._src.optim.scales import DynamicLossScale
 from jaxamp._src.optim.state_dtype import StateDtypeState
 
 LOSS_SCALE_CHOICES = ("saved", "fresh")
-
-
-class Conversion(NamedTuple):
-    """One leaf ``convert_state`` changed.
-
-    Attributes:
-      path: where the leaf is in the result (``params['dense']['kernel']``,
-        ``opt_state.inner_state[0].mu['dense']['kernel']``), or, for a leaf dropped, where
-        it was in the saved state.
-      action: ``"cast"`` (to another dtype), ``"created"`` (the target's fresh value: the
-        saved state had none), ``"dropped"`` (the target has no place for it),
-        ``"derived"`` (computed from the saved weights: a master, a compensation) or
-        ``"resized"`` (the loss scale's history).
-      detail: what it came from or why, in a few words.
-      max_abs_error: the largest absolute change of what the leaf stands for (the weight
-        a param, its master and its compensation represent together; a moment's
-        value), in float64; ``0.0`` when exact.
-      max_rel_error: the same relative to the saved value (over its non-zero elements).
-    """
-
-    path: str
-    action: str
-    detail: str
-    max_abs_error: float = 0.0
-    max_rel_error: float = 0.0
-
-    @property
-    def lossless(self) -> bool:
-        return self.max_abs_error == 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ConversionReport:
-    """What ``convert_state`` did: every leaf it did not keep as saved, bit for bit.
-
-    Attributes:
-      rows: one ``Conversion`` per leaf cast, created, dropped, derived or resized.
-      kept: how many leaves were kept as saved.
-    """
-
-    rows: tuple[Conversion, ...]
-    kept: int
-
-    @property
-    def lossless(self) -> bool:
-        """Whether the result holds every weight and statistic the saved state held."""
-        return all(r.lossless for r in self.rows)
-
-    def lossy(self) -> tuple[Conversion, ...]:
-        """The rows that changed a value."""
-        return tuple(r for r in self.rows if not r.lossless)
-
-    def worst(self) -> Conversion | None:
-        """The row with the largest relative error (``None`` when all are exact)."""
-        lossy = self.lossy()
-        return max(lossy, key=lambda r: r.max_rel_error) if lossy else None
-
-    def __str__(self) -> str:
-        head = f"{self.kept} leaves kept as saved; {len(self.rows)} changed"
-        if not self.rows:
-            return head + "."
-        lines = [head + ":"]
-        for r in self.rows:
-            error = (
-                ""
-                if r.lossless
-                else f" (max error {r.max_abs_error:.3g}, rel. {r.max_rel_error:.3g})"
-            )
-            lines.append(f"  {r.action:8s} {r.path}: {r.detail}{error}")
-        return "\n".join(lines)
-
-
-class LossyConversionError(ValueError):
-    """A conversion that would change a value, refused (``allow_lossy=False``)."""
-
-    def __init__(self, report: ConversionReport):
-        self.report = report
-        rows = report.lossy()
-        worst = report.worst()
-        assert worst is not None
-        super().__init__(
-            f"convert_state would change {len(rows)} value(s), the largest relative change "
-            f"{worst.max_rel_error:.3g} at {worst.path} ({worst.detail}). Pass "
-            "allow_lossy=True to accept it; the error's .report lists every change."
-        )
 
 
 class ConvertedState(NamedTuple):
@@ -171,29 +91,6 @@ def _f64(x: Any) -> np.ndarray:
 
 def _is_16bit(x: Any) -> bool:
     return hasattr(x, "dtype") and is_narrow(x.dtype)
-
-
-def _errors(saved: np.ndarray, now: np.ndarray) -> tuple[float, float]:
-    """Largest absolute and relative change, 0 where both are the same value (NaNs too)."""
-    if saved.size == 0:
-        return 0.0, 0.0
-    same = (saved == now) | (np.isnan(saved) & np.isnan(now))
-    diff = np.where(same, 0.0, np.abs(saved - now))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = np.where(diff == 0, 0.0, diff / np.abs(saved))
-    return float(diff.max()), float(np.nan_to_num(rel, nan=np.inf).max())
-
-
-class _Rows:
-    def __init__(self) -> None:
-        self.rows: list[Conversion] = []
-        self.kept = 0
-
-    def add(
-        self, path: str, action: str, detail: str, errors: tuple[float, float] = (0.0, 0.0)
-    ) -> None:
-        self.rows.append(Conversion(path, action, detail, *errors))
 
 
 def _weights(saved_params: Any, ls: LossScaledState | None) -> Any:
@@ -272,7 +169,7 @@ def convert_state(
       >>> saved = optax.adam(1e-3).init(params)
       >>> _, tx = jaxamp.optimizer_recipe("bf16_float32_master", optax.adam(1e-3))
       >>> like = {"w": jnp.zeros((3,), jnp.bfloat16)}
-      >>> new = jaxamp.optim.convert_state(params, saved, like, tx)
+      >>> new = jaxamp.checkpoint.convert_state(params, saved, like, tx)
       >>> new.params["w"].dtype, new.report.lossless  # the master keeps the float32 weight
       (dtype(bfloat16), True)
     """
@@ -281,7 +178,7 @@ def convert_state(
     saved_params, saved_opt_state, params = _plain((saved_params, saved_opt_state, params))
     _same_structure(saved_params, params, "params")
     ls, sd, core = _split(saved_opt_state, "saved")
-    rows = _Rows()
+    rows = Rows()
     provisional = jax.tree.map(
         lambda w, like: jnp.asarray(w.astype(np.float32)).astype(like.dtype),
         _weights(saved_params, ls),
@@ -382,7 +279,7 @@ def _same_values(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _params(
-    rows: _Rows,
+    rows: Rows,
     saved: Any,
     like: Any,
     ls: LossScaledState | None,
@@ -436,14 +333,14 @@ def _params(
         change = f"{np.dtype(p.dtype).name} -> {np.dtype(q.dtype).name}"
         action = "cast" if np.dtype(p.dtype) != np.dtype(q.dtype) else "derived"
         detail = f"{change}, from {_FROM[s_kind]}{_HOLDS[t_kind]}"
-        rows.add(f"params{path}", action, detail, _errors(w, represented))
+        rows.add(f"params{path}", action, detail, errors(w, represented))
     structure = jax.tree.structure(saved)
     master = None if t_master is None else jax.tree.unflatten(structure, new_m)
     comp = None if t_comp is None else jax.tree.unflatten(structure, new_c)
     return jax.tree.unflatten(structure, new_p), master, comp
 
 
-def _convert_core(rows: _Rows, saved: Any, target: Any, prefix: str) -> Any:
+def _convert_core(rows: Rows, saved: Any, target: Any, prefix: str) -> Any:
     """The inner optimizer's state: each saved leaf in the target's dtype."""
     if saved is None:
         for path, _ in _leaves_with_paths(target):
@@ -472,15 +369,15 @@ def _convert_core(rows: _Rows, saved: Any, target: Any, prefix: str) -> Any:
             leaves.append(s)
             continue
         cast = s.astype(t.dtype)
-        errors = _errors(_f64(s), _f64(cast)) if is_floating(s.dtype) else (0.0, 0.0)
+        error = errors(_f64(s), _f64(cast)) if is_floating(s.dtype) else (0.0, 0.0)
         name = f"{np.dtype(s.dtype).name} -> {np.dtype(t.dtype).name}"
-        rows.add(f"{prefix}{path}", "cast", name, errors)
+        rows.add(f"{prefix}{path}", "cast", name, error)
         leaves.append(cast)
     return jax.tree.unflatten(jax.tree.structure(target), leaves)
 
 
 def _state_dtype(
-    rows: _Rows, saved: StateDtypeState | None, target: StateDtypeState, inner: Any, ls: Any
+    rows: Rows, saved: StateDtypeState | None, target: StateDtypeState, inner: Any, ls: Any
 ) -> StateDtypeState:
     if saved is not None:
         rows.kept += 2
@@ -504,7 +401,7 @@ def _history(saved: Any, step: Any, length: int) -> jax.Array:
     return jnp.asarray(new)
 
 
-def _scale(rows: _Rows, ls: Any, target: Any, tx: Any, choice: str) -> Any:
+def _scale(rows: Rows, ls: Any, target: Any, tx: Any, choice: str) -> Any:
     config = settings_of(tx)
     dynamic = config is not None and config.loss_scale.dynamic
     if ls is None or choice == "fresh" or not dynamic:
@@ -544,7 +441,7 @@ def _scale(rows: _Rows, ls: Any, target: Any, tx: Any, choice: str) -> Any:
 
 
 def _loss_scaled(
-    rows: _Rows,
+    rows: Rows,
     ls: LossScaledState | None,
     target: LossScaledState,
     tx: Any,
