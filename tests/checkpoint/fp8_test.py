@@ -101,3 +101,18 @@ def test_nnx_state_moves_between_history_lengths():
     found = {path: value for path, value in jax.tree_util.tree_flatten_with_path(nnx.state(new))[0]}
     histories = [v for p, v in found.items() if "input_amax_history" in jax.tree_util.keystr(p)]
     assert [np.asarray(h).tolist() for h in histories] == [[0.0, 5.0, 6.0, 7.0]]
+
+
+def test_the_target_may_be_shapes_from_eval_shape():
+    x = jnp.ones((2, 4))
+    policy = lambda n: f"p=f32,c=bf16,o=f32,fp8=delayed,fp8_history={n}"
+    saved = jaxamp.linen.apply_policy(_Mlp(), policy(4)).init(jax.random.key(0), x)
+    like = jax.eval_shape(jaxamp.linen.apply_policy(_Mlp(), policy(8)).init, jax.random.key(1), x)
+    out, report = convert_fp8_state(saved, like)
+    assert report.lossless
+    history = out[FP8_STATE_COLLECTION]["Dense_0"]["input_amax_history"]
+    assert isinstance(history, jax.Array) and history.shape == (8,)
+    fresh, _ = convert_fp8_state({"params": saved["params"]}, like)
+    scale = fresh[FP8_STATE_COLLECTION]["Dense_1"]["kernel_scale"]
+    np.testing.assert_array_equal(scale, np.ones(1))
+    assert isinstance(fresh["params"]["Dense_0"]["kernel"], jax.ShapeDtypeStruct)

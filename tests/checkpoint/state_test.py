@@ -387,3 +387,47 @@ def test_a_state_restored_without_a_template_is_refused_with_the_way_round(tmp_p
         bare = ckpt.restore(tmp_path / "plain")["opt_state"]
     with pytest.raises(ValueError, match="without a template"):
         convert_state(params, bare, _like(params, jnp.bfloat16), adam)
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_master_above_float16s_range_is_refused_where_its_param_would_be_inf():
+    """A bfloat16 weight of 1e5 with a float32 master, moved to float16 params: the master
+    holds it, but its float16 param is inf (float16's max is 65504), and the next step
+    makes it NaN. Reference: float16's range, by hand."""
+    adam = optax.adam(1e-3)
+    _, tx = jaxamp.optimizer_recipe("bf16_float32_master", adam)
+    params = {"w": jnp.asarray([1e5, 1.0], jnp.bfloat16)}
+    target = jaxamp.loss_scaled(adam, master_weights="float32")
+    with pytest.raises(LossyConversionError, match=r"params\['w'\]") as e:
+        convert_state(params, tx.init(params), _like(params, jnp.float16), target)
+    assert e.value.report.worst().max_abs_error == np.inf
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_scale_that_never_moved_starts_fresh_under_a_dynamic_target():
+    """A no-op (or static) scale's 1.0 is not dynamic scaling's state: under a dynamic
+    target it starts at the target's initial scale (kept only when asked)."""
+    params = {"w": jnp.ones((3,), jnp.bfloat16)}
+    saved = jaxamp.loss_scaled(optax.adam(1e-3), jaxamp.NoOpLossScale())
+    state = saved.init(params)
+    for i in range(2):
+        _, state = saved.update(_grads(params, i), state, params)
+    target = jaxamp.loss_scaled(optax.adam(1e-3))
+    like = _like(params, jnp.float16)
+    out = convert_state(params, state, like, target)
+    assert float(out.opt_state.loss_scale.scale) == 2.0**16
+    assert any("never moved" in r.detail for r in out.report.rows)
+    kept = convert_state(params, state, like, target, loss_scale="saved")
+    assert float(kept.opt_state.loss_scale.scale) == 1.0
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_with_state_dtypes_count_is_the_inner_optimizers_without_loss_scaled():
+    params = _params()
+    adam = optax.adam(1e-3)
+    state = adam.init(params)
+    for i in range(5):
+        _, state = adam.update(_grads(params, i), state, params)
+    _, tx = jaxamp.optimizer_recipe("bf16_stochastic", adam)
+    out = convert_state(params, state, _like(params, jnp.bfloat16), tx, allow_lossy=True)
+    assert int(out.opt_state.inner_state.count) == 5 == int(state[0].count)

@@ -64,7 +64,9 @@ def convert_fp8_state(
     Args:
       saved: the saved variables: Linen's (``{"params": ..., "_overwrite_with_gradient":
         ...}``), ``nnx.state(model)``, or ``jaxamp.init_fp8_state``'s dict.
-      like: the target's, of the same form (the new policy's, with any params).
+      like: the target's, of the same form (the new policy's, with any params), arrays or
+        ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` of its ``init``); its FP8 state is
+        filled (fresh where nothing was saved), its other leaves returned as they are.
       allow_lossy: accept a shorter history that drops a history's largest amax.
 
     Returns:
@@ -85,10 +87,13 @@ def convert_fp8_state(
     rows = Rows()
     values: dict[str, Any] = {}
     for key, target in new.items():
-        if key not in old:
-            rows.add(key, "created", "no saved FP8 state: fresh, as a run starts")
+        if key in old:
+            values[key] = _leaf(rows, key, old[key], target)
             continue
-        values[key] = _leaf(rows, key, old[key], target)
+        rows.add(key, "created", "no saved FP8 state: fresh, as a run starts")
+        if not hasattr(target, "__array__"):  # a jax.ShapeDtypeStruct: the fresh value
+            fresh = jnp.zeros if key.rsplit("/", 1)[-1] in _HISTORIES else jnp.ones
+            values[key] = fresh(target.shape, target.dtype)
     for key in sorted(set(old) - set(new)):
         rows.add(key, "dropped", "the target's policy keeps no FP8 state there")
     report = ConversionReport(tuple(rows.rows), rows.kept)
@@ -99,8 +104,9 @@ def convert_fp8_state(
 
 
 def _leaf(rows: Rows, key: str, saved: Any, target: Any) -> jax.Array:
-    """One saved FP8 leaf in the target's shape and dtype."""
-    s, t_shape = np.asarray(saved), np.shape(target)
+    """One saved FP8 leaf in the target's shape and dtype (the target an array or a
+    ``jax.ShapeDtypeStruct``)."""
+    s, t_shape, t_dtype = np.asarray(saved), tuple(target.shape), np.dtype(target.dtype)
     name = key.rsplit("/", 1)[-1]
     if name in _HISTORIES and s.shape[:-1] == t_shape[:-1] and s.shape[-1] != t_shape[-1]:
         resized = resize_history(s, t_shape[-1])
@@ -110,15 +116,15 @@ def _leaf(rows: Rows, key: str, saved: Any, target: Any) -> jax.Array:
             rel = np.where(change == 0, 0.0, change / np.abs(before))
         detail = f"history {s.shape[-1]} -> {t_shape[-1]} entries"
         rows.add(key, "resized", detail, (float(change.max()), float(rel.max())))
-        return jnp.asarray(resized, jnp.asarray(target).dtype)
+        return jnp.asarray(resized, t_dtype)
     if s.shape != t_shape:
         raise ValueError(
             f"convert_fp8_state: the saved {key} has shape {s.shape}, the target's {t_shape} "
             "(another stack of layers, or another model): it converts histories of another "
             "length only."
         )
-    if s.dtype != np.dtype(jnp.asarray(target).dtype):
-        rows.add(key, "cast", f"{s.dtype} -> {jnp.asarray(target).dtype}")
+    if s.dtype != t_dtype:
+        rows.add(key, "cast", f"{s.dtype} -> {t_dtype}")
     else:
         rows.kept += 1
-    return jnp.asarray(s, jnp.asarray(target).dtype)
+    return jnp.asarray(s, t_dtype)

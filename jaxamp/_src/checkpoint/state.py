@@ -24,7 +24,7 @@ from jaxamp._src.optim.rounding import round_in_float32
 from jaxamp._src.optim.scales import DynamicLossScale
 from jaxamp._src.optim.state_dtype import StateDtypeState
 
-LOSS_SCALE_CHOICES = ("saved", "fresh")
+LOSS_SCALE_CHOICES = ("auto", "saved", "fresh")
 
 
 class ConvertedState(NamedTuple):
@@ -126,7 +126,7 @@ def convert_state(
     params: Any,
     tx: Any,
     *,
-    loss_scale: str = "saved",
+    loss_scale: str = "auto",
     allow_lossy: bool = False,
 ) -> ConvertedState:
     """Params and optimizer state saved under one precision recipe, for another.
@@ -150,8 +150,12 @@ def convert_state(
         are read): the new policy's ``param_dtype``.
       tx: the target's optimizer (``optimizer_recipe``'s, ``loss_scaled``, any optax
         transformation); its inner optimizer must be the saved one's.
-      loss_scale: ``"saved"`` keeps the saved scale where the target's is dynamic;
-        ``"fresh"`` starts the target's.
+      loss_scale: where the target's scale is dynamic, ``"saved"`` keeps the saved
+        scale (clipped to the target's bounds), ``"fresh"`` starts the target's, and
+        ``"auto"`` keeps it only where it moved (a growth count, or a history that is not
+        the scale throughout: a dynamic scale at work), else starts fresh: a no-op or
+        static scale of 1 kept under a dynamic one would start float16 gradients 16
+        doublings low.
       allow_lossy: accept a conversion that changes a value (a float32 weight rounded
         to bfloat16 params with no master, statistics rounded to 16 bits).
 
@@ -190,7 +194,7 @@ def convert_state(
     prefix = "opt_state" + ".inner_state" * ((t_ls is not None) + (t_sd is not None))
     inner = _convert_core(rows, core, t_core, prefix)
     if t_sd is not None:
-        inner = _state_dtype(rows, sd, t_sd, inner, ls)
+        inner = _state_dtype(rows, sd, t_sd, inner, ls, core)
     elif sd is not None:
         rows.add("opt_state.inner_state", "dropped", "with_state_dtype's key and count")
     if t_ls is None:
@@ -327,9 +331,9 @@ def _params(
         new_p.append(q)
         new_m.append(m)
         new_c.append(c)
-        represented = (
-            _f64(m) if t_kind == "master" else _f64(q) + (_f64(c) if t_kind == "kahan" else 0.0)
-        )
+        represented = _f64(q) + (_f64(c) if t_kind == "kahan" else 0.0)
+        if t_kind == "master":  # the master, where the param could hold its rounding
+            represented = np.where(np.isfinite(represented) | ~np.isfinite(w), _f64(m), represented)
         change = f"{np.dtype(p.dtype).name} -> {np.dtype(q.dtype).name}"
         action = "cast" if np.dtype(p.dtype) != np.dtype(q.dtype) else "derived"
         detail = f"{change}, from {_FROM[s_kind]}{_HOLDS[t_kind]}"
@@ -377,16 +381,26 @@ def _convert_core(rows: Rows, saved: Any, target: Any, prefix: str) -> Any:
 
 
 def _state_dtype(
-    rows: Rows, saved: StateDtypeState | None, target: StateDtypeState, inner: Any, ls: Any
+    rows: Rows,
+    saved: StateDtypeState | None,
+    target: StateDtypeState,
+    inner: Any,
+    ls: Any,
+    core: Any,
 ) -> StateDtypeState:
     if saved is not None:
         rows.kept += 2
         return StateDtypeState(inner, jnp.asarray(saved.rounding_key), jnp.asarray(saved.count))
-    applied = target.count
+    applied, detail = target.count, "no count saved: 0"
+    counts = [x for path, x in _leaves_with_paths(core) if path.endswith(".count")]
     if ls is not None:  # the updates applied: steps less those skipped
         applied = jnp.asarray(ls.step - ls.skipped_steps, target.count.dtype)
+        detail = "the updates the saved state applied"
+    elif counts:  # the inner optimizer's own count (Adam's)
+        applied = jnp.asarray(max(int(c) for c in counts), target.count.dtype)
+        detail = "the updates the saved optimizer counted"
     rows.add("opt_state.inner_state.rounding_key", "created", "the target's seed")
-    rows.add("opt_state.inner_state.count", "created", "the updates the saved state applied")
+    rows.add("opt_state.inner_state.count", "created", detail)
     return StateDtypeState(inner, target.rounding_key, applied)
 
 
@@ -401,16 +415,32 @@ def _history(saved: Any, step: Any, length: int) -> jax.Array:
     return jnp.asarray(new)
 
 
+def _moved(ls: LossScaledState) -> bool:
+    """Whether the saved loss scale shows dynamic scaling at work: a growth count, or a
+    written history entry other than the scale (no-op and static scales never move)."""
+    scale = np.asarray(ls.loss_scale.scale)
+    history = np.asarray(ls.scale_history)
+    written = history[history != 0]
+    return bool(int(ls.loss_scale.growth_tracker) > 0 or np.any(written != scale))
+
+
 def _scale(rows: Rows, ls: Any, target: Any, tx: Any, choice: str) -> Any:
     config = settings_of(tx)
     dynamic = config is not None and config.loss_scale.dynamic
+    if choice == "auto" and ls is not None and not _moved(ls):
+        choice = "fresh"
+        auto = True
+    else:
+        auto = False
     if ls is None or choice == "fresh" or not dynamic:
         why = (
             "no saved loss scale"
             if ls is None
-            else "fresh, as asked"
-            if choice == "fresh"
             else "the target's loss scale is not dynamic"
+            if not dynamic
+            else "the saved scale never moved (no dynamic scaling): fresh"
+            if auto
+            else "fresh, as asked"
         )
         rows.add("opt_state.loss_scale", "created", why)
         return target.loss_scale
