@@ -58,8 +58,7 @@ _UNTYPED = (
 
 def _normalised(tree: Any) -> set[str]:
     """Leaf paths with attribute and key steps written alike (``.mu`` and ``['mu']``)."""
-    paths = {path for path, _ in _leaves_with_paths(tree)}
-    return {re.sub(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]", r"/\1\2\3", p) for p in paths}
+    return {re.sub(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]", r"/\1\2\3", p) for p in _paths(tree)}
 
 
 def _split(state: Any, where: str) -> tuple[LossScaledState | None, StateDtypeState | None, Any]:
@@ -110,8 +109,7 @@ def _weights(saved_params: Any, ls: LossScaledState | None) -> Any:
 
 
 def _same_structure(saved: Any, like: Any, what: str) -> None:
-    a = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
-    b = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]}
+    a, b = _paths(saved), _paths(like)
     if a != b:
         only_saved, only_like = sorted(a - b)[:3], sorted(b - a)[:3]
         raise ValueError(
@@ -218,9 +216,8 @@ def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def _bit_equal(a: Any, b: Any) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+def _paths(tree: Any) -> set[str]:
+    return {path for path, _ in _leaves_with_paths(tree)}
 
 
 def _kind(state: LossScaledState | None, param: Any) -> str:
@@ -353,7 +350,7 @@ def _convert_core(rows: Rows, saved: Any, target: Any, prefix: str) -> Any:
     if not _same_tree(saved, target):
         if _normalised(saved) == _normalised(target):
             raise ValueError(f"convert_state: {_UNTYPED}")
-        a, b = ({path for path, _ in _leaves_with_paths(x)} for x in (saved, target))
+        a, b = _paths(saved), _paths(target)
         raise ValueError(
             "convert_state converts what jaxamp's wrappers hold, not one optax optimizer "
             "into another: the saved inner optimizer's state and the target's differ (only "
