@@ -178,6 +178,27 @@ def test_layer_values_are_the_jitted_models_whether_staged_or_eager(policy, cont
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("control", ["none", "cond"])
+def test_forward_rows_come_in_the_order_the_program_makes_the_layers_outputs(control):
+    """Staged (one jit, whose outputs would sort a dict's keys) and eager alike: layers
+    named against the alphabet, and the loss's own code ("") last, where its value is."""
+
+    def loss(w, x):
+        with jax.named_scope("zeta"):
+            h = jnp.tanh(x @ w)
+        with jax.named_scope("alpha"):
+            h = jnp.tanh(h @ w)
+        if control == "cond":  # the eager path
+            h = jax.lax.cond(jnp.all(x > -10.0), lambda o: o, lambda o: -o, h)
+        with jax.named_scope("mid"):
+            h = h * 2.0
+        return jnp.mean(h**2)
+
+    diff = jaxamp.numerics_diff(loss, policy="mixed_bfloat16")(jnp.eye(4) / 2, X[:, :4])
+    forward = [r.layer for r in diff.layers if r.phase == "forward"]
+    assert forward == ["zeta", "alpha", "mid", ""], forward
+
+
 def test_a_long_scan_is_evaluated_eagerly_and_a_short_one_staged():
     from jaxamp._src.numerics import evaluator
 

@@ -183,15 +183,18 @@ def _ratio(diff: float, scale: float) -> float:
 
 
 def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
-    """Each layer's last forward value (its output), and the program's outputs. The
-    backward pass is compared through the gradients of the parameters instead: the
-    order of its operations inside a layer may differ between the two programs.
+    """Each layer's last forward value (its output), in the order the program makes
+    them, and the program's outputs. The backward pass is compared through the gradients
+    of the parameters instead: the order of its operations inside a layer may differ
+    between the two programs.
 
     Evaluated inside one ``jax.jit`` where the program allows (``evaluator.stageable``),
     so that XLA compiles it once rather than each primitive on its own; eagerly, one
     primitive at a time, where its control flow reads values."""
 
-    def collect(args: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    order: list[str] = []  # the layers' order, kept apart: jit returns a dict's keys sorted
+
+    def collect(args: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         last: dict[str, Any] = {}
 
         def visit(site: sites.Site, inputs: Sequence[Any], outputs: Sequence[Any]) -> None:
@@ -200,16 +203,20 @@ def _last_values(traced: tracing.Traced) -> tuple[dict[str, Any], list[Any]]:
             if sites.LOSS_SCALE_SCOPE in site.name_stack:
                 return  # the loss times the scale: not a value of the model
             floating = [o for o in outputs if is_inexact_array(o)]
-            if floating:
+            if floating:  # in the order the layers' outputs are made
+                last.pop(site.layer, None)
                 last[site.layer] = floating[-1]
 
         result = evaluator.run(traced.jaxpr, args, visit, traced.primal_outputs)
         assert result is not None  # visit never stops the run
-        return last, result[0]
+        order[:] = last
+        return list(last.values()), result[0]
 
     if evaluator.stageable(traced.jaxpr):
-        return jax.jit(collect)(list(traced.args))
-    return collect(traced.args)
+        values, outputs = jax.jit(collect)(list(traced.args))
+    else:
+        values, outputs = collect(traced.args)
+    return dict(zip(order, values, strict=True)), outputs
 
 
 _VARIABLE_VALUE = ("value", "raw_value")  # the array of an nnx.Variable, below its path
@@ -234,7 +241,7 @@ def _owner(path: Sequence[Any], single_argnum: bool) -> str:
     return owner if single_argnum else f"arg{index}/{owner}"
 
 
-def _common_root(forward: dict[str, Any]) -> str:
+def common_root(forward: dict[str, Any]) -> str:
     """The top module's name when every named forward layer sits under it (Flax names
     the model class in the name stack, not in the params' paths)."""
     tops = {name.split("/")[0] for name in forward if name}
@@ -396,7 +403,7 @@ def _gradient_pairs(
     for (path, g), a in zip(paths, jax.tree.leaves(amp_grads), strict=True):
         grads.append((jax.tree_util.keystr(path), _relative(a, g)))
         by_layer.setdefault(_owner(path, single), []).append((g, a))
-    root = _common_root(ref_last)
+    root = common_root(ref_last)
     pairs = []
     for owner, leaves in by_layer.items():
         ref_flat = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g, _ in leaves])
