@@ -5,6 +5,8 @@ that marks code to keep as traced."""
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,6 +87,31 @@ def in_float32_scope(eqn: Any) -> bool:
     in float32, or a float8 GEMM with its scaling)."""
     stack = _name_stack(eqn)
     return FLOAT32_SCOPE in stack or FP8_SCOPE in stack
+
+
+_TRANSFORM = re.compile(r"^(?:\w+\()+|\)+$")  # transpose(jvp(Net)) -> Net
+
+
+def scope_path(eqn: Any) -> str:
+    """The named scopes ``eqn`` runs in, outermost first, joined by ``/``, with the
+    wrappers a transformation adds to a name taken off (``jit(f)/transpose(jvp(Net))/dense``
+    -> ``f/Net/dense``). Inside ``eqn_context(eqn)`` (as an interpreter evaluates it) they
+    include the scopes of the evaluation around it (a call's, a loop's)."""
+    source_info_util = getattr(jex, "source_info_util", None)
+    stack = _name_stack(eqn)
+    if source_info_util is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            current = str(source_info_util.current_name_stack())
+            stack = current if current.endswith(stack) else f"{current}/{stack}"
+    return "/".join(_TRANSFORM.sub("", p) for p in stack.split("/") if p)
+
+
+def in_scopes(path: str, patterns: Sequence[str]) -> bool:
+    """Whether a ``scope_path`` lies inside a scope one of ``patterns`` names: a glob
+    pattern (``"head"``, ``"block_*"``, ``"encoder/*/attention"``) matched against whole
+    scope names anywhere along the path, covering every scope below a match."""
+    padded = f"/{path}/"
+    return any(fnmatch.fnmatchcase(padded, f"*/{p.strip('/')}/*") for p in patterns)
 
 
 def in_no_fp8_scope(eqn: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -14,7 +14,7 @@ from jaxamp._src.autocast import constants, first_order, fp8_state, graphs, high
 from jaxamp._src.autocast.context import CallContext
 from jaxamp._src.autocast.graphs import GraphSplitter, Nodes
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
-from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules
+from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules, narrows
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
 from jaxamp._src.jaxprs import FLOAT32_SCOPE
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
@@ -31,6 +31,7 @@ def autocast(
     *,
     rules: AutocastRules | None = None,
     residuals: str = "compute_dtype",
+    overrides: Mapping[str, PolicyLike] | None = None,
 ) -> Callable[..., Any]:
     """Runs any JAX function with op-level mixed precision, like ``torch.autocast``.
 
@@ -51,6 +52,13 @@ def autocast(
         activations and float32 statistics; float32 temporaries are recomputed),
         ``"dots"`` or ``"all"`` (JAX's default: fewer converts, more memory).
         See ``jaxamp.checkpoint_residuals``.
+      overrides: named scopes to keep in float32, e.g. ``{"head": "float32"}``: each key
+        a glob pattern matched against whole scope names (``jax.named_scope``, a Flax
+        module's path) anywhere in an operation's name stack, covering everything below
+        a match; each value a policy that narrows nothing (``"float32"``), as
+        ``jaxamp.suggest_policy`` returns them. Operations there run exactly as traced.
+        For 16-bit or float8 policies per layer, use ``jaxamp.linen.apply_policy`` or
+        ``jaxamp.nnx.apply_policy``.
 
     Returns:
       A function with ``fun``'s signature; under delayed float8 scaling it also takes
@@ -59,7 +67,8 @@ def autocast(
 
     Raises:
       TypeError: if ``fun`` is not callable or ``rules`` is not an ``AutocastRules``.
-      ValueError: if ``policy`` names no policy or ``residuals`` no mode.
+      ValueError: if ``policy`` names no policy, ``residuals`` no mode, or an override
+        a policy that narrows something.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -82,11 +91,38 @@ def autocast(
             f"rules must be a jaxamp.AutocastRules, got {type(rules).__name__}; start from "
             "dataclasses.replace(jaxamp.AUTOCAST_RULES, ...)."
         )
-    config = AutocastConfig(policy, rules)
+    config = AutocastConfig(policy, rules, float32_scopes=float32_scopes(overrides))
     if policy.fp8 is not None and policy.fp8.scaling == "delayed":
         run = interpreter(fun, config, residuals)  # takes the call's Store first
         return fp8_state.with_state(run, policy.fp8.amax_history_length)
     return interpreted(fun, config, residuals)
+
+
+def float32_scopes(overrides: Mapping[str, PolicyLike] | None) -> tuple[str, ...]:
+    """The scope patterns of ``autocast``'s ``overrides``, each checked: a string key whose
+    policy narrows nothing."""
+    if overrides is None:
+        return ()
+    if not isinstance(overrides, Mapping):
+        raise TypeError(
+            f"autocast's overrides must map scope patterns to policies, e.g. "
+            f"{{'head': 'float32'}}; got {type(overrides).__name__}: {overrides!r:.80}."
+        )
+    for key, spec in overrides.items():
+        if not isinstance(key, str) or not key.strip("/"):
+            raise TypeError(
+                f"An autocast override key must be a scope pattern (a non-empty str such as "
+                f"'head' or 'encoder/*/attention'), got {key!r}. Module classes as keys are "
+                "for jaxamp.linen.apply_policy and jaxamp.nnx.apply_policy."
+            )
+        if narrows(get_policy(spec)):
+            raise ValueError(
+                f"autocast keeps a scope in float32 only: the override {key!r}: {spec!r} "
+                f"narrows ({get_policy(spec)}). Valid: 'float32' (or any policy in 32 bits); "
+                "for 16-bit or float8 policies per layer use jaxamp.linen.apply_policy or "
+                "jaxamp.nnx.apply_policy."
+            )
+    return tuple(overrides)
 
 
 def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:

@@ -14,7 +14,7 @@ from jax import lax
 from jaxamp._src.autocast.context import CallContext
 from jaxamp._src.dtypes import is_floating
 from jaxamp._src.errors import invalid_choice
-from jaxamp._src.jaxprs import bind, eqn_context, in_float32_scope
+from jaxamp._src.jaxprs import bind, eqn_context, in_float32_scope, in_scopes, scope_path
 
 # The JAX docs' "custom Jaxpr interpreter": a traced program is evaluated equation by
 # equation, each primitive bound again on inputs cast by its rule (first_order.py);
@@ -343,6 +343,9 @@ def _eval_eqn(eqn: Any, env: Env, higher_order: bool) -> list[Any]:
     primitive's from ``_HIGHER_ORDER`` (refused without an entry there); any other's
     from ``_FIRST_ORDER``, for its primitive and rule or else for its rule."""
     if in_float32_scope(eqn):
+        return as_traced(eqn, env)
+    scopes = env.context.config.float32_scopes
+    if scopes and in_scopes(scope_path(eqn), scopes):
         return as_traced(eqn, env)
     name = eqn.primitive.name
     if name in _HIGHER_ORDER:

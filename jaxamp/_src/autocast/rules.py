@@ -276,11 +276,14 @@ class AutocastConfig:
       policy: the policy (the root policy, for ``apply_policy``).
       rules: the rule table.
       layer_policies: the other policies layers inside take (``apply_policy``'s overrides).
+      float32_scopes: glob patterns of named scopes evaluated as traced, in float32
+        (``autocast``'s overrides; see ``jaxprs.in_scopes``).
     """
 
     policy: Policy
     rules: AutocastRules
     layer_policies: tuple[Policy, ...] = ()
+    float32_scopes: tuple[str, ...] = ()
 
     @property
     def as_traced(self) -> bool:
