@@ -3,6 +3,7 @@
 Flax policies, op-level autocast, loss scaling as an optax transformation, precision tools."""
 
 from jaxamp import checkpoint, debug, linen, nnx, ops, optim
+from jaxamp._src.advisor.suggest import PolicySuggestion, suggest_policy
 from jaxamp._src.audit.report import precision_report
 from jaxamp._src.autocast.api import autocast, autocast_float32
 from jaxamp._src.autocast.fp8_state import init_fp8_state
@@ -31,6 +32,7 @@ __all__ = (
     "NoOpLossScale",
     "Policy",
     "PolicyLike",
+    "PolicySuggestion",
     "StaticLossScale",
     "auto_policy",
     "autocast",
@@ -54,6 +56,7 @@ __all__ = (
     "range_report",
     "scale_loss",
     "softmax_float32",
+    "suggest_policy",
     "value_and_grad",
     "with_state_dtype",
 )

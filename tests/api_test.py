@@ -108,7 +108,7 @@ def test_autocast_depends_on_jax_alone():
 
 
 _LAYERS = ("errors", "dtypes", "jaxprs", "policy", "backend", "ops", "autocast")
-_LAYERS += ("flax_policy", "optim", "checkpoint", "audit", "numerics", "compare")
+_LAYERS += ("flax_policy", "optim", "checkpoint", "audit", "numerics", "advisor", "compare")
 
 
 def test_the_layers_import_downward():

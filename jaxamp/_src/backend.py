@@ -29,6 +29,8 @@ CPU_16BIT_UNITS = {
 _BF16_MIN_CAPABILITY = 8.0
 # ... and from which float16 tensor cores exist (Volta).
 _F16_MIN_CAPABILITY = 7.0
+# ... and from which float8 tensor cores exist (Ada, Hopper).
+_FP8_MIN_CAPABILITY = 8.9
 
 
 def _compute_capability(device: Any) -> float | None:
@@ -139,6 +141,44 @@ def auto_policy(device: Any = None, *, explain: bool = False) -> Policy | tuple[
         device = jax.devices()[0]
     name, reason = _choose(device)
     return (PRESETS[name], reason) if explain else PRESETS[name]
+
+
+def candidate_policies(device: Any = None) -> tuple[str, ...]:
+    """The mixed-precision presets ``device`` computes, cheapest first: those
+    ``jaxamp.suggest_policy`` measures when it is given none (``"float32"``, always
+    possible, is not listed).
+
+    * NVIDIA GPU from compute capability 8.9 (Ada, Hopper, Blackwell): ``mixed_float8``,
+      ``mixed_bfloat16``, ``mixed_float16``; from 8.0: the last two; 7.x:
+      ``mixed_float16``; older: none.
+    * AMD GPUs and TPUs: ``mixed_bfloat16``.
+    * CPUs: ``mixed_bfloat16`` and ``mixed_float16``. They halve activation memory on
+      every CPU; only ``mixed_bfloat16``'s matmuls are faster, and only on a CPU with
+      bf16 units (see ``auto_policy``, which picks for speed).
+
+    bfloat16 comes before float16 wherever both run: as fast, and with no loss scale.
+
+    Examples:
+      >>> from jaxamp._src.backend import candidate_policies
+      >>> import jax
+      >>> jax.default_backend() != "cpu" or candidate_policies()
+      ('mixed_bfloat16', 'mixed_float16')
+    """
+    if device is None:
+        device = jax.devices()[0]
+    platform = device.platform
+    if platform == "tpu" or platform == "rocm" or (platform == "gpu" and _is_rocm(device)):
+        return ("mixed_bfloat16",)
+    if platform in ("gpu", "cuda"):
+        capability = _compute_capability(device)
+        if capability is None or capability >= _FP8_MIN_CAPABILITY:
+            return ("mixed_float8", "mixed_bfloat16", "mixed_float16")
+        if capability >= _BF16_MIN_CAPABILITY:
+            return ("mixed_bfloat16", "mixed_float16")
+        return ("mixed_float16",) if capability >= _F16_MIN_CAPABILITY else ()
+    if platform == "cpu":
+        return ("mixed_bfloat16", "mixed_float16")
+    return ()
 
 
 def _choose(device: Any) -> tuple[str, str]:

@@ -110,6 +110,8 @@ def plot_series(run: dict[str, Any], phase: str) -> dict[str, list[Any]]:
     return series
 
 
+_NAMED_TICKS = 24  # the most layers a plot names along its axis
+
 # the rows plot_series marks, drawn along the bottom (and not finite: the top) of the axes
 _MARKS: tuple[tuple[str, str, str], ...] = (
     ("near_zero", "v", "≈0 in fp32"),
@@ -169,6 +171,9 @@ def _plot_phase(ax: Any, runs: list[dict[str, Any]], phase: str) -> None:
         else "in the params' order (the gradients of their parameters)"
     )
     ax.xaxis.get_major_locator().set_params(integer=True)
+    names = [d["layer"] or "(no layer)" for d in runs[0]["divergence"] if d["phase"] == phase]
+    if len(names) <= _NAMED_TICKS:  # few enough layers to name each
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
     ax.set(
         yscale="log",
         xlabel=f"layers, {what}",

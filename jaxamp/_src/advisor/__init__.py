@@ -1,0 +1,1 @@
+"""The policy advisor: ``suggest_policy``."""

@@ -1,0 +1,147 @@
+"""``jaxamp.suggest_policy`` (jaxamp/_src/advisor/suggest.py): on models with a precision fault
+planted as a user writes it, it keeps the faulty layer in float32; on clean models it keeps
+nothing; and what it suggests is checked against the model in float32, not against its own
+measurement."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+from benchmarks import advisor
+from tests.helpers.promotion import FLAX
+
+_BY_NAME = {case.name: case for case in advisor.CASES}
+
+
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.parametrize("case", advisor.CASES, ids=lambda case: case.name)
+def test_the_advisor_keeps_each_fault_wider_and_nothing_on_clean_models(case):
+    advice, record = advisor.run_case(case)
+    assert record["hit"], (record, str(advice))
+    assert set(advice.reasons) == set(advice.overrides)
+    assert all(advice.overrides[k] == "float32" for k in advice.overrides)
+    assert jaxamp.get_policy(str(advice.policy)) == advice.policy  # the string parses back
+
+
+def _relative(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return np.inf
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.parametrize("name", ["NormNet", "LoudNet", "TinyEmbedNet"])
+def test_the_suggestion_fixes_what_the_plain_policy_gets_wrong_in_linen(name):
+    """Against the Linen model in float32: its logits under the plain candidate are far
+    off (or not finite), and under the suggestion as close as the policy's rounding
+    allows."""
+    case = _BY_NAME[name]
+    loss, (params, x, _), keywords = case.build()
+    advice = jaxamp.suggest_policy(
+        loss, params, x, _, candidates=case.candidates, progress=False, **keywords
+    )
+    model = keywords["model"]
+    variables = {"params": params}
+    ref = jax.jit(model.apply)(variables, x)
+    plain = jax.jit(jaxamp.linen.apply_policy(model, case.candidates[0]).apply)(variables, x)
+    fixed = jax.jit(advice.apply(model).apply)(variables, x)
+    assert _relative(fixed, ref) < 0.02, _relative(fixed, ref)
+    assert _relative(plain, ref) > 5 * _relative(fixed, ref), (_relative(plain, ref), str(advice))
+
+
+@pytest.mark.standard_promotion(FLAX)
+def test_the_suggestion_fixes_the_hand_layer_norm_in_nnx():
+    loss, (model, x, y), _ = _BY_NAME["NnxNormNet"].build()
+    advice = jaxamp.suggest_policy(loss, model, x, y, candidates=["mixed_bfloat16"], progress=False)
+    assert advice.overrides["norm"] == "float32" and set(advice.overrides) <= {"norm", "embed"}
+    assert model.norm.dtype == jnp.float32  # the model given is left as it is
+    ref = model(x)
+    plain = jaxamp.nnx.apply_policy(nnx.clone(model), "mixed_bfloat16")(x)
+    fixed = advice.apply(nnx.clone(model))(x)
+    assert _relative(fixed, ref) < 0.02 < 0.1 < _relative(plain, ref)
+
+
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.parametrize("name", ["loud function", "tiny function"])
+def test_the_suggestion_fixes_a_function_under_autocast(name):
+    loss, (params, x, y), _ = _BY_NAME[name].build()
+    advice = jaxamp.suggest_policy(loss, params, x, y, candidates=["mixed_float16"], progress=False)
+    grad = lambda f: jax.jit(jax.value_and_grad(f))(params, x, y)
+    ref = grad(loss)
+    plain = grad(jaxamp.autocast(loss, "mixed_float16"))
+    fixed = grad(advice.apply(loss))
+    errors = [_relative(jnp.concatenate([g.ravel() for g in jax.tree.leaves(run[1])]),
+                        jnp.concatenate([g.ravel() for g in jax.tree.leaves(ref[1])]))
+              for run in (plain, fixed)]  # fmt: skip
+    assert errors[1] < 0.02 and errors[0] > 5 * errors[1], errors
+
+
+def _dense(params, x):
+    with jax.named_scope("dense"):
+        h = jnp.tanh(x @ params["kernel"])
+    return jnp.mean(h**2)
+
+
+_DENSE_ARGS = (
+    {"kernel": jax.random.normal(jax.random.key(0), (32, 32)) / 6},
+    jax.random.normal(jax.random.key(1), (8, 32)),
+)
+
+
+def test_float32_is_suggested_when_no_candidate_holds_and_each_verdict_says_why():
+    case = _BY_NAME["NormNet"]
+    loss, args, keywords = case.build()
+    advice = jaxamp.suggest_policy(
+        loss, *args, candidates=case.candidates, max_overridden=0.1, progress=False, **keywords
+    )
+    assert advice.policy == jaxamp.get_policy("float32") and not advice.overrides
+    (trial,) = advice.trials
+    assert not trial.accepted and "would keep 1 of 4 layers" in trial.verdict, trial.verdict
+    assert "norm" in trial.reasons and "not finite" in trial.reasons["norm"], trial.reasons
+
+
+def test_a_fault_outside_any_layer_refuses_the_candidate():
+    """An overflow in the loss's own code (no named scope) is no layer's to keep wider."""
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh((x @ w) / 1e5))
+
+    w, x = jnp.full((8, 8), 2e4), jnp.ones((4, 8))
+    advice = jaxamp.suggest_policy(loss, w, x, candidates=["mixed_float16"], progress=False)
+    assert advice.policy == jaxamp.get_policy("float32")
+    assert "outside any layer" in advice.trials[0].verdict, advice.trials[0].verdict
+
+
+def test_a_float32_candidate_is_accepted_as_it_is():
+    advice = jaxamp.suggest_policy(_dense, *_DENSE_ARGS, candidates=["float32"], progress=False)
+    assert advice.policy == jaxamp.get_policy("float32") and advice.trials[0].accepted
+    assert all(r["scale_error"] == 0 for r in advice.trials[0].rows)
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="mixed_float8"):
+        jaxamp.suggest_policy(_dense, *_DENSE_ARGS, candidates=["mixed_float8_delayed"])
+    with pytest.raises(ValueError, match="bfloat17"):
+        jaxamp.suggest_policy(_dense, *_DENSE_ARGS, candidates=["bfloat17"])
+    with pytest.raises(TypeError, match=r"flax\.linen\.Module"):
+        jaxamp.suggest_policy(_dense, *_DENSE_ARGS, model=_dense)
+    with pytest.raises(TypeError, match="arguments"):
+        jaxamp.suggest_policy(_dense)
+
+
+def test_the_evidence_reads_as_a_table_and_a_plot(tmp_path):
+    case = _BY_NAME["NormNet"]
+    loss, args, keywords = case.build()
+    advice = jaxamp.suggest_policy(loss, *args, candidates=BOTH, progress=False, **keywords)
+    table = advice.table()
+    assert "| layer | pass | note | mixed_bfloat16 |" in table and "⚠" not in table
+    assert "norm -> float32" in str(advice) and "mixed_bfloat16: accepted" in str(advice)
+    advice.plot(tmp_path / "advice.png")
+    assert (tmp_path / "advice.png").stat().st_size > 10_000
+
+
+BOTH = ("mixed_bfloat16", "mixed_float16")
