@@ -20,8 +20,9 @@ from jaxamp._src.compare.choice import choose_model
 from jaxamp._src.compare.config import CompareConfig, OptionError, check_options
 from jaxamp._src.compare.environment import environment
 from jaxamp._src.compare.run import Run
+from jaxamp._src.compare.suggested import suggested_variant
 from jaxamp._src.compare.task import Task, make_task
-from jaxamp._src.compare.variants import FP16_ON_CPU, default_variants, get_variant
+from jaxamp._src.compare.variants import AUTO, FP16_ON_CPU, expand_variants, get_variant
 from jaxamp._src.dtypes import is_float16
 from jaxamp._src.numerics.numerics_diff import measure
 from jaxamp._src.optim.gradients import value_and_grad
@@ -182,15 +183,22 @@ def _compare_once(
     """One seed: every variant trained side by side (``compiled``: the variants' runs
     from an earlier seed, reused and filled in)."""
     steps_per_epoch = len(dataset.train_x) // config.batch_size
-    names = list(config.variants or default_variants())
+    names = expand_variants(config.variants)
     task = make_task(config, dataset.num_classes)
     sample = jax.device_put(
         (dataset.train_x[: config.batch_size], dataset.train_y[: config.batch_size])
     )
     variables = task.module.init(jax.random.key(config.seed), sample[0][:1])
     compiled = {} if compiled is None else compiled
-    for name in tqdm([n for n in names if n not in compiled], desc="compile", unit="variant"):
-        compiled[name] = Run(get_variant(name), task, variables, config, sample)
+    fresh = [n for n in names if n not in compiled]
+    variants = {n: get_variant(n) for n in fresh if n != AUTO}
+    suggestion = None
+    if AUTO in fresh:  # measured once, at the first seed's weights
+        log("auto: jaxamp.suggest_policy measures the model on the first batch")
+        variants[AUTO], suggestion = suggested_variant(task, variables, sample)
+        log(f"auto: {variants[AUTO].description}")
+    for name in tqdm(fresh, desc="compile", unit="variant"):
+        compiled[name] = Run(variants[name], task, variables, config, sample)
     runs = [compiled[name] for name in names]
     for run in runs:
         run.reset(variables, config)
@@ -227,6 +235,9 @@ def _compare_once(
         for run in tqdm(runs, desc="BatchNorm statistics", unit="variant"):
             run.recalibrate(calibration)
     records = [run.record(dataset, config.batch_size) for run in runs]
+    for record in records:
+        if record["variant"] == AUTO and suggestion is not None:
+            record["suggestion"] = suggestion
     baseline = next(r for r in records if r["variant"] == "fp32")
     for r in records:
         r["speedup_vs_fp32"] = baseline["step_time_median_s"] / r["step_time_median_s"]

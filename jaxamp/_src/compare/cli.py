@@ -18,7 +18,7 @@ try:
     from jaxamp._src.compare.config import MODELS, CompareConfig, OptionError
     from jaxamp._src.compare.data import DATA_SOURCES
     from jaxamp._src.compare.report import check_writable, format_table, write_report
-    from jaxamp._src.compare.variants import VARIANTS
+    from jaxamp._src.compare.variants import AUTO, VARIANTS
 except ImportError as e:  # an optional dependency of the app is missing or broken
     _broken = [m for m in COMPARE_EXTRA if m == (e.name or "").split(".")[0] or m in str(e)]
     if not _broken:
@@ -41,10 +41,11 @@ def _count_or_all(value: str) -> int | None:
 
 def _variants(value: str) -> tuple[str, ...]:
     names = tuple(v.strip().lower() for v in value.split(",") if v.strip())
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in VARIANTS and v != AUTO]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown variant(s) {', '.join(unknown) or repr(value)}. {valid_choices(VARIANTS)}"
+            f"unknown variant(s) {', '.join(unknown) or repr(value)}. "
+            f"{valid_choices([*VARIANTS, AUTO])}"
         )
     return names
 
@@ -87,8 +88,9 @@ def _what_to_compare(compare: argparse.ArgumentParser, defaults: CompareConfig) 
         "--variants",
         type=_variants,
         default=None,
-        help=f"comma-separated, from {', '.join(VARIANTS)} (default: fp32 against "
-        "the variant auto_policy picks; fp32 and bf16 on a CPU)",
+        help=f"comma-separated, from {', '.join(VARIANTS)} and auto (the policy "
+        "jaxamp.suggest_policy measures on the first batch; auto alone: fp32,bf16,fp16,auto) "
+        "(default: fp32 against the variant auto_policy picks; fp32 and bf16 on a CPU)",
     )
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 from jaxamp._src.compare import data as data_lib
-from jaxamp._src.compare.variants import get_variant
+from jaxamp._src.compare.variants import AUTO, expand_variants, get_variant
 from jaxamp._src.errors import invalid_choice
 
 MODELS = ("auto", "resnet50", "resnet18", "bert")
@@ -164,12 +164,15 @@ def _check_variants(variants: tuple[str, ...]) -> None:
     """Known names, each once, fp32 (the baseline every verdict is read against) among them."""
     if not variants:
         raise OptionError("variants is empty; give fp32 and at least one other, e.g. fp32,bf16.")
+    variants = tuple(expand_variants(variants))
     for name in variants:
+        if name.strip().lower() == AUTO:
+            continue
         try:
             get_variant(name)
         except ValueError as e:
             raise OptionError(str(e)) from None
-    names = [get_variant(v).name for v in variants]
+    names = [AUTO if v.strip().lower() == AUTO else get_variant(v).name for v in variants]
     repeated = sorted({v for v in names if names.count(v) > 1})
     if repeated:
         raise OptionError(

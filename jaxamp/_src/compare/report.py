@@ -102,6 +102,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         )
     if data.get("note"):
         lines.append(f"- Note: {data['note']}")
+    lines += suggestion_lines(report)
     lines += [
         "",
         "| " + " | ".join(rows[0]) + " |",
@@ -133,6 +134,24 @@ def format_markdown(report: dict[str, Any]) -> str:
             "a GPU."
         )
     return "\n".join(lines) + "\n"
+
+
+def suggestion_lines(report: dict[str, Any]) -> list[str]:
+    """The ``auto`` variant's suggestion: the policy, each layer kept in float32 and why,
+    and each candidate's verdict."""
+    run = next((r for r in report["runs"] if r.get("suggestion")), None)
+    if run is None:
+        return []
+    suggestion = run["suggestion"]
+    lines = [
+        f"- `auto`: `jaxamp.suggest_policy` on the first batch suggests `{suggestion['policy']}`"
+        + ("" if suggestion["overrides"] else ", no layer kept in float32")
+    ]
+    lines += [
+        f"  - `{layer}` kept in float32: {why}" for layer, why in suggestion["reasons"].items()
+    ]
+    lines += [f"  - {name}: {verdict}" for name, verdict in suggestion["verdicts"].items()]
+    return lines
 
 
 FP8_NOTE = (

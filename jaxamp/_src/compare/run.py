@@ -53,7 +53,7 @@ class Run:
         sample: tuple[Any, Any],
     ) -> None:
         self.variant, self.task = variant, task
-        self.model = apply_policy(task.module, variant.policy)
+        self.model = apply_policy(task.module, variant.policy, overrides=dict(variant.overrides))
         self.tx = variant.optimizer(optax.adam(task.learning_rate))
         self.initial_fp8_state = self._initial_fp8_state(sample[0][:1])
         self.reset(variables, config)
@@ -258,6 +258,7 @@ class Run:
             "variant": self.variant.name,
             "description": self.variant.description,
             "policy": str(self.variant.policy),
+            "overrides": dict(self.variant.overrides),
             "compile_s": self.compile_s,
             "step_time_median_s": median,
             "step_time_min_s": min(self.step_times),

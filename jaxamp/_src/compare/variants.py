@@ -32,6 +32,8 @@ class Variant:
       description: one line for reports.
       optimizer_recipe: a key of ``jaxamp.optim.OPTIMIZER_RECIPES`` whose optimizer
         wraps the inner one (its policy is ``policy``), or ``None``.
+      overrides: ``(layer path, policy)`` pairs ``apply_policy`` takes with ``policy``
+        (the ``auto`` variant's, from ``jaxamp.suggest_policy``).
     """
 
     name: str
@@ -40,6 +42,7 @@ class Variant:
     dynamic_loss_scaling: bool
     description: str
     optimizer_recipe: str | None = None
+    overrides: tuple[tuple[str, str], ...] = ()
 
     def optimizer(self, inner: optax.GradientTransformation) -> optax.GradientTransformation:
         """``inner``, wrapped in dynamic loss scaling or the optimizer-state recipe."""
@@ -115,6 +118,29 @@ VARIANTS["fp8-delayed"] = Variant(
     "mixed_float8_delayed: float32 params, bfloat16 compute, float8 matmuls, delayed "
     "scaling (amax history)",
 )
+
+
+AUTO = "auto"
+"""The variant ``jaxamp.suggest_policy`` picks for the model on its first batch, made when
+the comparison starts (``jaxamp._src.compare.suggested``)."""
+
+
+def expand_variants(names: tuple[str, ...] | None) -> list[str]:
+    """The variants to run: ``default_variants()`` for ``None``; ``auto`` alone as the
+    presets beside it (``fp32``, ``bf16``, ``fp16``), so that its claim is read against
+    each; anything else as given.
+
+    Examples:
+      >>> expand_variants(("auto",))
+      ['fp32', 'bf16', 'fp16', 'auto']
+      >>> expand_variants(("fp32", "auto"))
+      ['fp32', 'auto']
+    """
+    if names is None:
+        return default_variants()
+    if tuple(names) == (AUTO,):
+        return ["fp32", "bf16", "fp16", AUTO]
+    return list(names)
 
 
 def get_variant(name: str) -> Variant:
