@@ -35,7 +35,7 @@ def test_auto_trains_the_suggestion_beside_fp32_and_the_presets():
     config = CompareConfig(variants=("auto",), data="embedded", numerics=False, **TINY)
     report = compare(config, log=said.append)
     runs = {r["variant"]: r for r in report["runs"]}
-    assert list(runs) == ["fp32", "bf16", "fp16", "auto"]
+    assert list(runs) == ["fp32", "bf16", "auto"]  # the CPU default variants, and auto
     suggestion = runs["auto"]["suggestion"]
     assert suggestion["policy"] == str(jaxamp.get_policy("mixed_bfloat16"))
     assert suggestion["overrides"] == {} and runs["auto"]["overrides"] == {}
@@ -57,7 +57,7 @@ def test_a_suggestion_becomes_a_variant_with_its_overrides_and_loss_scaling():
 
 
 def test_auto_alone_expands_and_is_checked_like_any_variant():
-    assert expand_variants(("auto",)) == ["fp32", "bf16", "fp16", "auto"]
+    assert expand_variants(("auto",)) == ["fp32", "bf16", "auto"]  # on a CPU
     assert expand_variants(("fp32", "auto")) == ["fp32", "auto"]
     with pytest.raises(OptionError, match="more than once"):
         CompareConfig(variants=("fp32", "auto", "auto"))

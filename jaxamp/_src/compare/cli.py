@@ -89,8 +89,9 @@ def _what_to_compare(compare: argparse.ArgumentParser, defaults: CompareConfig) 
         type=_variants,
         default=None,
         help=f"comma-separated, from {', '.join(VARIANTS)} and auto (the policy "
-        "jaxamp.suggest_policy measures on the first batch; auto alone: fp32,bf16,fp16,auto) "
-        "(default: fp32 against the variant auto_policy picks; fp32 and bf16 on a CPU)",
+        "jaxamp.suggest_policy measures on the first batch; auto alone runs it beside the "
+        "default variants) (default: fp32 against the variant auto_policy picks; fp32 and "
+        "bf16 on a CPU)",
     )
 
 

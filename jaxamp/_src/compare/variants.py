@@ -126,20 +126,21 @@ the comparison starts (``jaxamp._src.compare.suggested``)."""
 
 
 def expand_variants(names: tuple[str, ...] | None) -> list[str]:
-    """The variants to run: ``default_variants()`` for ``None``; ``auto`` alone as the
-    presets beside it (``fp32``, ``bf16``, ``fp16``), so that its claim is read against
-    each; anything else as given.
+    """The variants to run: ``default_variants()`` for ``None``; ``auto`` alone beside
+    them (``fp32`` and the preset this device would train in), so that its claim is read
+    against each in about the default run's time; anything else as given.
 
     Examples:
-      >>> expand_variants(("auto",))
-      ['fp32', 'bf16', 'fp16', 'auto']
+      >>> import jax
+      >>> jax.default_backend() != "cpu" or expand_variants(("auto",))
+      ['fp32', 'bf16', 'auto']
       >>> expand_variants(("fp32", "auto"))
       ['fp32', 'auto']
     """
     if names is None:
         return default_variants()
     if tuple(names) == (AUTO,):
-        return ["fp32", "bf16", "fp16", AUTO]
+        return [*default_variants(), AUTO]
     return list(names)
 
 
