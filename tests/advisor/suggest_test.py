@@ -3,6 +3,8 @@ planted as a user writes it, it keeps the faulty layer in float32; on clean mode
 nothing; and what it suggests is checked against the model in float32, not against its own
 measurement."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,13 +15,21 @@ import jaxamp
 from benchmarks import advisor
 from tests.helpers.promotion import FLAX
 
+# one worker runs them all, so that each case is measured once (``_advised``)
+pytestmark = pytest.mark.xdist_group("advisor")
 _BY_NAME = {case.name: case for case in advisor.CASES}
+
+
+@functools.cache
+def _advised(name):
+    """``suggest_policy`` on the hit list's case ``name``, and its record."""
+    return advisor.run_case(_BY_NAME[name])
 
 
 @pytest.mark.standard_promotion(FLAX)
 @pytest.mark.parametrize("case", advisor.CASES, ids=lambda case: case.name)
 def test_the_advisor_keeps_each_fault_wider_and_nothing_on_clean_models(case):
-    advice, record = advisor.run_case(case)
+    advice, record = _advised(case.name)
     assert record["hit"], (record, str(advice))
     assert set(advice.reasons) == set(advice.overrides)
     assert all(advice.overrides[k] == "float32" for k in advice.overrides)
@@ -40,10 +50,8 @@ def test_the_suggestion_fixes_what_the_plain_policy_gets_wrong_in_linen(name):
     off (or not finite), and under the suggestion as close as the policy's rounding
     allows."""
     case = _BY_NAME[name]
-    loss, (params, x, _), keywords = case.build()
-    advice = jaxamp.suggest_policy(
-        loss, params, x, _, candidates=case.candidates, progress=False, **keywords
-    )
+    _, (params, x, _), keywords = case.build()
+    advice, _ = _advised(name)
     model = keywords["model"]
     variables = {"params": params}
     ref = jax.jit(model.apply)(variables, x)
@@ -55,8 +63,8 @@ def test_the_suggestion_fixes_what_the_plain_policy_gets_wrong_in_linen(name):
 
 @pytest.mark.standard_promotion(FLAX)
 def test_the_suggestion_fixes_the_hand_layer_norm_in_nnx():
-    loss, (model, x, y), _ = _BY_NAME["NnxNormNet"].build()
-    advice = jaxamp.suggest_policy(loss, model, x, y, candidates=["mixed_bfloat16"], progress=False)
+    _, (model, x, _), _ = _BY_NAME["NnxNormNet"].build()
+    advice, _ = _advised("NnxNormNet")
     assert advice.overrides["norm"] == "float32" and set(advice.overrides) <= {"norm", "embed"}
     assert model.norm.dtype == jnp.float32  # the model given is left as it is
     ref = model(x)
@@ -69,7 +77,7 @@ def test_the_suggestion_fixes_the_hand_layer_norm_in_nnx():
 @pytest.mark.parametrize("name", ["loud function", "tiny function"])
 def test_the_suggestion_fixes_a_function_under_autocast(name):
     loss, (params, x, y), _ = _BY_NAME[name].build()
-    advice = jaxamp.suggest_policy(loss, params, x, y, candidates=["mixed_float16"], progress=False)
+    advice, _ = _advised(name)
     grad = lambda f: jax.jit(jax.value_and_grad(f))(params, x, y)
     ref = grad(loss)
     plain = grad(jaxamp.autocast(loss, "mixed_float16"))
@@ -134,14 +142,12 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
 
 
 def test_the_evidence_reads_as_a_table_and_a_plot(tmp_path):
-    case = _BY_NAME["NormNet"]
-    loss, args, keywords = case.build()
-    advice = jaxamp.suggest_policy(loss, *args, candidates=BOTH, progress=False, **keywords)
+    advice, _ = _advised("NormNet")
     table = advice.table()
-    assert "| layer | pass | note | mixed_bfloat16 |" in table and "⚠" not in table
+    header = "| layer | pass | note | mixed_bfloat16 as it is | mixed_bfloat16 with overrides |"
+    assert header in table, table
+    rows = [line for line in table.splitlines() if line.startswith("| NormNet/norm | forward")]
+    assert len(rows) == 1 and rows[0].count("⚠") == 1, rows  # as it is, not with overrides
     assert "norm -> float32" in str(advice) and "mixed_bfloat16: accepted" in str(advice)
     advice.plot(tmp_path / "advice.png")
     assert (tmp_path / "advice.png").stat().st_size > 10_000
-
-
-BOTH = ("mixed_bfloat16", "mixed_float16")
