@@ -10,16 +10,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-# LLVM's optimisations off for the programs the tests compile (XLA_FLAGS's
-# --xla_backend_optimization_level=0): the same HLO, optimised by XLA as always, and the
-# same IEEE arithmetic (XLA:CPU lets LLVM reassociate nothing without fast-math), compiled
-# in about half the time, which is most of what the suite spends. JAXAMP_TEST_XLA_OPT=1
-# runs the tests on the optimised build users get (the benchmarks always do).
-if os.environ.get("JAXAMP_TEST_XLA_OPT") != "1" and "optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
-
 # The next JAX: flags that change JAX's internals before they become the default
 # (checkpoint and custom_vjp as "hi" primitives...), switched on for a whole run by
 # tests/next_jax_test.py, which runs the transformation-sensitive tests again with them.
