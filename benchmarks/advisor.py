@@ -5,7 +5,8 @@ Each fault is in the model as a user writes it and shows only under the policy: 
 LayerNorm written by hand that rounds its statistics to the compute dtype (``dtype``, the
 field a policy sets), a layer whose activations exceed float16's range, weights or an
 embedding too small for float16. The clean models are jaxamp's own (BERT, GPT-2 and
-ResNet18 at small sizes) and an NNX transformer layer.
+ResNet18 at small sizes), an NNX transformer layer, and transformers' Flax BERT, GPT-2 and
+ViT from tiny configs.
 
     python -m benchmarks.advisor --out benchmarks/results
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -293,6 +295,44 @@ def _nnx_encoder() -> tuple[Callable, tuple, dict]:
     return nnx_loss, (NnxEncoderLayer(nnx.Rngs(0)), x, _labels(8)), {}
 
 
+def _transformers(name: str) -> tuple[Callable, tuple, dict]:
+    """A transformers Flax model from a tiny config (random weights, no download), its
+    Linen module under ``model=`` as the tests' compatibility suite runs it."""
+    import copy
+
+    import transformers
+
+    ids = jax.random.randint(jax.random.key(1), (4, 16), 1, 96)
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    if name == "BERT":
+        config = transformers.BertConfig(vocab_size=96, max_position_embeddings=16, **small)
+        config.num_labels = 3
+        hf = transformers.FlaxBertForSequenceClassification(config, seed=0)
+        inputs, target = {"input_ids": ids, "attention_mask": jnp.ones_like(ids)}, _labels(4)
+    elif name == "GPT-2":
+        config = transformers.GPT2Config(
+            vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4
+        )
+        hf = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+        inputs, target = {"input_ids": ids}, ids
+    else:
+        config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, **small)
+        config.num_labels = 3
+        hf = transformers.FlaxViTForImageClassification(config, seed=0)
+        inputs = {"pixel_values": _normal(1, (4, 3, 16, 16), 1.0)}
+        target = _labels(4)
+
+    def loss(module: nn.Module, params: Any, inputs: Any, target: jax.Array) -> jax.Array:
+        ours = copy.copy(hf)
+        ours._module = module  # what the model's __call__ applies
+        logits = ours(**inputs, params=params).logits.astype(jnp.float32)
+        if name == "GPT-2":  # next token
+            logits, target = logits[:, :-1], target[:, 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, target).mean()
+
+    return loss, (hf.params, inputs, target), {"model": hf.module}
+
+
 _NONE: frozenset[str] = frozenset()
 BF16 = ("mixed_bfloat16",)
 F16 = ("mixed_float16",)
@@ -319,6 +359,12 @@ CASES = (
     Case("BERT (jaxamp, 2x32), float16", "Linen", "", F16, _NONE, _NONE, _bert),
     Case("GPT-2 (jaxamp, 2x32), float16", "Linen", "", F16, _NONE, _NONE, _gpt2),
 )
+# transformers' Flax models (clean): in the result file, and in the slow tests
+TRANSFORMERS_CASES = tuple(
+    Case(f"{name} (transformers, 2x32)", "Linen", "", BOTH, _NONE, _NONE,
+         functools.partial(_transformers, name))
+    for name in ("BERT", "GPT-2", "ViT")
+)  # fmt: skip
 
 
 def run_case(case: Case) -> tuple[jaxamp.PolicySuggestion, dict[str, Any]]:
@@ -360,7 +406,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     env = environment()
     records = []
-    cases = [c for c in CASES if args.only is None or c.name in args.only]
+    every = (*CASES, *TRANSFORMERS_CASES)
+    cases = [c for c in every if args.only is None or c.name in args.only]
     for case in cases:
         advice, record = run_case(case)
         records.append(record)

@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxamp
 from benchmarks import advisor
-from tests.helpers.promotion import FLAX
+from tests.helpers.promotion import FLAX, OTHER_LIBRARY
 
 # one worker runs them all, so that each case is measured once (``_advised``)
 pytestmark = pytest.mark.xdist_group("advisor")
@@ -34,6 +34,15 @@ def test_the_advisor_keeps_each_fault_wider_and_nothing_on_clean_models(case):
     assert set(advice.reasons) == set(advice.overrides)
     assert all(advice.overrides[k] == "float32" for k in advice.overrides)
     assert jaxamp.get_policy(str(advice.policy)) == advice.policy  # the string parses back
+
+
+@pytest.mark.slow
+@pytest.mark.standard_promotion(OTHER_LIBRARY)
+@pytest.mark.parametrize("case", advisor.TRANSFORMERS_CASES, ids=lambda case: case.name)
+def test_the_advisor_keeps_nothing_on_transformers_models(case):
+    pytest.importorskip("transformers")
+    advice, record = advisor.run_case(case)
+    assert record["hit"], (record, str(advice))
 
 
 def _relative(out, ref):
