@@ -4,7 +4,9 @@ nothing; and what it suggests is checked against the model in float32, not again
 measurement."""
 
 import functools
+import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,88 @@ def test_the_evidence_reads_as_a_table_and_a_plot(tmp_path):
     assert "norm -> float32" in str(advice) and "mixed_bfloat16: accepted" in str(advice)
     advice.plot(tmp_path / "advice.png")
     assert (tmp_path / "advice.png").stat().st_size > 10_000
+
+
+class _Block(nn.Module):
+    """embed (a mean of 16) -> the hand-written LayerNorm -> out."""
+
+    @nn.compact
+    def __call__(self, h):
+        h = nn.Dense(32, name="embed", bias_init=nn.initializers.constant(16.0))(h)
+        h = advisor.HandLayerNorm(name="norm")(h)
+        return nn.Dense(16, name="out")(h)
+
+
+class _Shared(nn.Module):
+    """One block called twice: each of its layers has two outputs."""
+
+    def setup(self):
+        self.blk = _Block()
+        self.head = nn.Dense(3)
+
+    def __call__(self, x):
+        return self.head(self.blk(self.blk(x)))
+
+
+class _Bracketed(nn.Module):
+    """A block whose name holds glob characters."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(3, name="head")(_Block(name="blk[0]")(x))
+
+
+def _square_loss(model, params, x):
+    return jnp.mean(model.apply(params, x) ** 2)
+
+
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.parametrize("model, kept", [(_Shared(), "blk/norm"), (_Bracketed(), "blk[[]0]/norm")])
+def test_a_layer_run_twice_or_named_with_glob_characters_is_the_one_kept(model, kept):
+    """A shared block's second pass shows the first pass's fault at its embed first; a
+    name with brackets must be escaped to match its own layer. Against the model in
+    float32: the suggestion's output is close where the plain policy's is not finite."""
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    params = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an override that matches no layer warns
+        advice = jaxamp.suggest_policy(
+            _square_loss, params, x, model=model, candidates=["mixed_bfloat16"], progress=False
+        )
+        fixed = jax.jit(advice.apply(model).apply)(params, x)
+    assert advice.policy == jaxamp.get_policy("mixed_bfloat16"), str(advice)
+    assert set(advice.overrides) == {kept}, str(advice)
+    assert _relative(fixed, jax.jit(model.apply)(params, x)) < 0.05
+
+
+class _NormThenBatchNorm(nnx.Module):
+    """Flax's own LayerNorm, then BatchNorm, which cancels the LayerNorm's scale and bias:
+    their float32 gradients are about zero."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 16, rngs=rngs)
+        self.ln = nnx.LayerNorm(16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.bn(self.ln(self.lin(x)))))
+
+
+@pytest.mark.standard_promotion(FLAX)
+def test_gradients_that_are_zero_in_float32_refuse_nothing():
+    model = _NormThenBatchNorm(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (16, 16))
+    y = jnp.arange(16) % 3
+    advice = jaxamp.suggest_policy(
+        advisor.nnx_loss, model, x, y, candidates=["mixed_bfloat16"], progress=False
+    )
+    assert advice.policy == jaxamp.get_policy("mixed_bfloat16"), str(advice)
+    assert not advice.overrides, str(advice)
+
+
+def test_a_loss_that_is_not_a_floating_scalar_is_refused_naming_what_it_returns():
+    with pytest.raises(TypeError, match=r"suggest_policy.*scalar.*float32\[8, 32\]"):
+        jaxamp.suggest_policy(lambda p, x: jnp.tanh(x @ p["kernel"]), *_DENSE_ARGS)
+    with pytest.raises(TypeError, match=r"suggest_policy.*got tuple.*\[0\]"):
+        jaxamp.suggest_policy(lambda p, x: (_dense(p, x), x), *_DENSE_ARGS)

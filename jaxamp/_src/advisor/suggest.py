@@ -4,6 +4,7 @@ numbers support on a batch."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from jaxamp._src.dtypes import is_float16
 from jaxamp._src.numerics import divergence_view, floors, numerics_diff
 from jaxamp._src.numerics.range_report import range_report
 from jaxamp._src.numerics.ranges import beyond_float16
+from jaxamp._src.numerics.tracing import NotALoss
 from jaxamp._src.optim.scales import DynamicLossScale
 from jaxamp._src.policy import PRESETS, Policy, PolicyLike, get_policy
 
@@ -216,7 +218,14 @@ def suggest_policy(
             )
     bar = _progress(progress)
     ref_fun, ref_args = target.reference()
-    measured = numerics_diff.measure(ref_fun, ref_args)
+    try:
+        measured = numerics_diff.measure(ref_fun, ref_args)
+    except NotALoss as e:
+        raise TypeError(
+            "suggest_policy measures a loss: it must return a floating scalar, whose "
+            f"gradient is taken with respect to its first argument; got {e.returned}. A loss "
+            "returning (loss, aux) is passed as lambda *args: loss(*args)[0]."
+        ) from None
     bar.update()
     trials = []
     try:
@@ -282,7 +291,8 @@ class _Trial:
         root itself and code outside any layer, which no override can keep apart."""
         if not layer or layer == self.root:
             return None
-        return layer[len(self.root) + 1 :] if self.root else layer
+        path = layer[len(self.root) + 1 :] if self.root else layer
+        return glob.escape(path)  # overrides are glob patterns: ``blk[0]`` is a name here
 
     def _mixed(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         self.runs += 1
@@ -344,7 +354,7 @@ class _Trial:
         self.rows = floors.with_floor(rows, inputs, ideal, self.tolerance)
         if not self.first_rows and not self.overrides:
             self.first_rows = self.rows
-        return [r for r in self.rows if r["flagged"]]
+        return [r for r in self.rows if r["flagged"] and not _cancelled(r)]
 
     def _try_back(self, inputs: Any, ideal: Any, ranged: set[str]) -> None:
         """Tries each layer kept for its error back in the candidate's precision, the last
@@ -364,18 +374,34 @@ class _Trial:
         consequence), or with none flagged forward every flagged backward one; the
         refusal when there is nothing an override could change."""
         forward = [r for r in flagged if r["phase"] == "forward"]
-        chosen = forward[:1] if forward else flagged
-        fresh = [r for r in chosen if self._key(r["layer"]) not in self.overrides]
+        if forward:
+            first = forward[0]
+            if self._free(first):
+                return self._keep(self._key(first["layer"]) or "", self._reason(first))
+            if self._upstream(first["layer"]) is not None:
+                return self._keep_upstream_of(first)
+            # nothing before it: a layer run twice (shared, scanned) shows its first pass's
+            # fault in its first layer's second output; the next flagged layer is the fault
+            fresh = [r for r in forward if self._free(r)]
+            if not fresh:
+                return self._keep_upstream_of(first)
+            return self._keep(self._key(fresh[0]["layer"]) or "", self._reason(fresh[0]))
+        fresh = [r for r in flagged if self._free(r)]
         if not fresh:
-            return self._keep_upstream_of(chosen[0])
+            return self._keep_upstream_of(flagged[0])
         for row in fresh:
-            key = self._key(row["layer"])
-            if key is None:
-                return self._keep_upstream_of(row)
-            refused = self._keep(key, f"{_evidence(row, self.tolerance)} under {self.name}")
+            refused = self._keep(self._key(row["layer"]) or "", self._reason(row))
             if refused:
                 return refused
         return None
+
+    def _free(self, row: dict[str, Any]) -> bool:
+        """Whether a row's layer can be kept in float32 and is not yet."""
+        key = self._key(row["layer"])
+        return key is not None and key not in self.overrides
+
+    def _reason(self, row: dict[str, Any]) -> str:
+        return f"{_evidence(row, self.tolerance)} under {self.name}"
 
     def _keep_upstream_of(self, row: dict[str, Any]) -> str | None:
         """For a flagged forward value no override can change (its layer kept already, or
@@ -427,6 +453,14 @@ class _Trial:
                 if refused:
                     return refused
         return f"refused: activations still beyond float16's range after {max_rounds} rounds"
+
+
+def _cancelled(row: dict[str, Any]) -> bool:
+    """Whether a row is the gradients of a layer that are about zero in float32 (a scale
+    and bias a BatchNorm after them cancels): their error is rounding noise against
+    nothing, which no layer kept in float32 restores. It stays in the evidence, flagged,
+    and decides nothing."""
+    return bool(row["near_zero"]) and row["phase"] == "backward"
 
 
 def _where(row: dict[str, Any]) -> str:
