@@ -106,6 +106,37 @@ def scope_path(eqn: Any) -> str:
     return "/".join(_TRANSFORM.sub("", p) for p in stack.split("/") if p)
 
 
+def scope_paths(jaxpr: Any, prefix: str = "") -> Iterator[str]:
+    """The ``scope_path`` of every equation of ``jaxpr`` and of the jaxprs inside it, each
+    below the scopes of the equation that holds it."""
+    for eqn in open_jaxpr(jaxpr)[0].eqns:
+        own = "/".join(_TRANSFORM.sub("", p) for p in _name_stack(eqn).split("/") if p)
+        path = "/".join(p for p in (prefix, own) if p)
+        yield path
+        for sub in sub_jaxprs(eqn):
+            yield from scope_paths(sub, path)
+
+
+def eqns_in_scopes(jaxpr: Any, patterns: Sequence[str]) -> frozenset[int]:
+    """The ids of the equations of ``jaxpr`` (and of the jaxprs inside it) whose scopes,
+    below those of the equations holding them (``scope_paths``), lie in a scope one of
+    ``patterns`` names (``in_scopes``): a pattern may cross a loop's or a call's body."""
+    found: set[int] = set()
+
+    def walk(jaxpr: Any, prefix: str) -> None:
+        for eqn in open_jaxpr(jaxpr)[0].eqns:
+            own = "/".join(_TRANSFORM.sub("", p) for p in _name_stack(eqn).split("/") if p)
+            path = "/".join(p for p in (prefix, own) if p)
+            if in_scopes(path, patterns):
+                found.add(id(eqn))
+            for sub in sub_jaxprs(eqn):
+                walk(sub, path)
+
+    if patterns:
+        walk(jaxpr, "")
+    return frozenset(found)
+
+
 def in_scopes(path: str, patterns: Sequence[str]) -> bool:
     """Whether a ``scope_path`` lies inside a scope one of ``patterns`` names: a glob
     pattern (``"head"``, ``"block_*"``, ``"encoder/*/attention"``) matched against whole

@@ -1,6 +1,8 @@
 """``jaxamp.autocast``'s ``overrides`` (jaxamp/_src/autocast/api.py, jaxprs.in_scopes): named
 scopes kept in float32, forward and backward, against the function itself in float32."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +66,26 @@ def test_overrides_that_narrow_or_are_not_scopes_are_refused_by_name():
         jaxamp.autocast(_two_layers, overrides={jnp.ndarray: "float32"})
     with pytest.raises(TypeError, match="must map scope patterns"):
         jaxamp.autocast(_two_layers, overrides=["head"])
+
+
+def test_an_override_that_matches_no_scope_warns_naming_the_scopes():
+    with pytest.warns(UserWarning, match=r"'nrom' matched no named scope.*'body', 'head'"):
+        jaxamp.autocast(_two_layers, "mixed_bfloat16", overrides={"nrom": "float32"})(W, X)
+
+
+def test_a_scope_inside_a_jitted_or_scanned_function_is_matched():
+    def scanned(w, x):
+        def body(h, _):
+            with jax.named_scope("inner"):
+                return jnp.tanh(h @ w), None
+
+        with jax.named_scope("outer"):
+            h, _ = jax.lax.scan(body, x, length=2)
+        return jnp.mean(jax.jit(lambda h: h @ w)(h) ** 2)
+
+    kept = jaxamp.autocast(scanned, "mixed_bfloat16", overrides={"outer/inner": "float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops = jaxamp.precision_report(jax.jit(kept))(W, X).ops
+    assert {op.lhs_dtype for op in ops if "inner" in op.name} == {"float32"}, ops
+    assert {op.lhs_dtype for op in ops if "inner" not in op.name} == {"bfloat16"}, ops

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ from jaxamp._src.autocast.graphs import GraphSplitter, Nodes
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules, narrows
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
-from jaxamp._src.jaxprs import FLOAT32_SCOPE
+from jaxamp._src.jaxprs import FLOAT32_SCOPE, eqns_in_scopes, scope_paths
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
 from jaxamp._src.policy import PolicyLike, get_policy
 
@@ -125,6 +126,24 @@ def float32_scopes(overrides: Mapping[str, PolicyLike] | None) -> tuple[str, ...
     return tuple(overrides)
 
 
+def _warn_unmatched(patterns: tuple[str, ...], closed: Any, fun: Any) -> None:
+    """Warns about each override pattern that names no scope of the traced program: it
+    keeps nothing in float32 (a typo, or a scope renamed since the advice was made)."""
+    if not patterns:
+        return
+    paths = set(scope_paths(closed))
+    for pattern in patterns:
+        if not eqns_in_scopes(closed, [pattern]):
+            names = sorted({part for path in paths for part in path.split("/") if part})
+            shown = ", ".join(repr(n) for n in names[:12]) + (", ..." if len(names) > 12 else "")
+            warnings.warn(
+                f"The autocast override {pattern!r} matched no named scope of "
+                f"{getattr(fun, '__qualname__', fun)!s}, so it keeps nothing in float32. "
+                f"Its scopes include: {shown or 'none'}.",
+                stacklevel=4,
+            )
+
+
 def _callee_and_method(fun: Callable[..., Any]) -> tuple[Any, Callable[..., Any]]:
     """``(callee, method)``, called as ``method(callee, *args, **kwargs)``: a method bound
     to a graph node (an NNX module's) as the node (split like an argument) and its
@@ -213,6 +232,7 @@ class Interpreted:
         arrays, rebuild_inputs = partition_arrays((state, others))
         traced, rebuild_outputs = self._traceable(graph, nodes, rebuild_inputs)
         closed = jax.make_jaxpr(traced)(*arrays)
+        _warn_unmatched(self.config.float32_scopes, closed, self.method)
         written, consts = self._as_written(nodes, rebuild_inputs, arrays, closed)
         evaluate = checkpoint_residuals(
             _evaluation(
@@ -290,10 +310,12 @@ def _evaluation(
     are traced in 16 bits): an output a constant made wider than traced keeps its value
     (state a call writes, a sown ``h + 1e5``), where its 16-bit type would hold ``inf``."""
 
+    kept = eqns_in_scopes(closed, config.float32_scopes)
+
     def evaluate_traced(traced_arrays: list[Any]) -> list[Any]:
         if store is not None:  # the arguments' names, for the float8 GEMMs' state
             fp8_state.rename(store, arrays, traced_arrays)
-        context = CallContext(config, written, closed.jaxpr, store)
+        context = CallContext(config, written, closed.jaxpr, store, float32_eqns=kept)
         outs = eval_jaxpr(closed.jaxpr, consts, traced_arrays, context)
         cast = cast_to_traced(outs, closed.jaxpr.outvars)
         if not keep_wider or (not written and not context.kept.noted):

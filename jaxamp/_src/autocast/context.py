@@ -47,6 +47,8 @@ class CallContext:
       program: the jaxpr those literals belong to, held so that their ids stay theirs.
       fp8: the call's FP8 state, for delayed scaling (``None``: current scaling).
       kept: whether a value was kept wider than traced (see ``KeptWide``).
+      float32_eqns: the ids of the equations of ``program`` an override keeps in float32
+        (``jaxprs.eqns_in_scopes`` of ``config.float32_scopes``).
     """
 
     config: AutocastConfig
@@ -54,6 +56,7 @@ class CallContext:
     program: Any = None
     fp8: fp8_state.Store | None = None
     kept: KeptWide = dataclasses.field(default_factory=KeptWide)
+    float32_eqns: frozenset[int] = frozenset()
 
     def with_config(self, config: AutocastConfig) -> CallContext:
         """This context with another policy or rule table (a custom rule's inside, a

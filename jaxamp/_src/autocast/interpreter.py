@@ -345,8 +345,8 @@ def _eval_eqn(eqn: Any, env: Env, higher_order: bool) -> list[Any]:
     if in_float32_scope(eqn):
         return as_traced(eqn, env)
     scopes = env.context.config.float32_scopes
-    if scopes and in_scopes(scope_path(eqn), scopes):
-        return as_traced(eqn, env)
+    if scopes and (id(eqn) in env.context.float32_eqns or in_scopes(scope_path(eqn), scopes)):
+        return as_traced(eqn, env)  # an override's scope (an equation a rule re-traced: its own)
     name = eqn.primitive.name
     if name in _HIGHER_ORDER:
         return _HIGHER_ORDER[name](eqn, env)
