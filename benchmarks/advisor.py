@@ -4,7 +4,8 @@ fault (it must keep the faulty layer wider) and on clean ones (it must keep noth
 Each fault is in the model as a user writes it and shows only under the policy: a
 LayerNorm written by hand that rounds its statistics to the compute dtype (``dtype``, the
 field a policy sets), a layer whose activations exceed float16's range, weights or an
-embedding too small for float16. The clean models are jaxamp's own (BERT, GPT-2 and
+embedding too small for float16, a first layer's input whose outlier makes float8's
+per-tensor scale flush the rest. The clean models are jaxamp's own (BERT, GPT-2 and
 ResNet18 at small sizes), an NNX transformer layer, and transformers' Flax BERT, GPT-2 and
 ViT from tiny configs.
 
@@ -183,6 +184,22 @@ def _tiny_function(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
     return _xent(logits, y)
 
 
+def _outlier_function(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    """A first layer whose input holds one outlier feature: scaled per tensor from it,
+    float8 e4m3 rounds the other features to zero."""
+    with jax.named_scope("first"):
+        h = jnp.tanh(x @ params["first"] / 1e3)
+    with jax.named_scope("head"):
+        logits = h @ params["head"]
+    return _xent(logits, y)
+
+
+def _outliers(outlier: float) -> tuple[Callable, tuple, dict]:
+    params = {"first": _normal(2, (32, 32), 1 / 6), "head": _normal(3, (32, 3), 1 / 6)}
+    x = _normal(1, (16, 32), 1.0).at[:, 0].set(outlier)
+    return _outlier_function, (params, x, _labels(16)), {}
+
+
 def _normal(key: int, shape: tuple[int, ...], scale: float) -> jax.Array:
     return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
@@ -337,6 +354,8 @@ _NONE: frozenset[str] = frozenset()
 BF16 = ("mixed_bfloat16",)
 F16 = ("mixed_float16",)
 BOTH = ("mixed_bfloat16", "mixed_float16")
+F8 = ("mixed_float8",)
+_FLUSH = "a GEMM input float8 flushes"
 _HAND = "hand LayerNorm, 16-bit statistics"
 _LOUD = "activations beyond float16"
 _TINY = "values below float16's range"
@@ -352,12 +371,30 @@ CASES = (
     Case("loud function", "autocast", _LOUD, F16, frozenset({"loud"}), _NONE, _loud_params),
     Case("TinyEmbedNet", "Linen", _TINY, F16, frozenset({"embed"}), _NORM, _tiny_embed),
     Case("tiny function", "autocast", _TINY, F16, frozenset({"tiny"}), _NORM, _tiny_params),
+    Case(
+        "outlier function",
+        "autocast",
+        _FLUSH,
+        F8,
+        frozenset({"first"}),
+        _NONE,
+        functools.partial(_outliers, 1e6),
+    ),
     Case("BERT (jaxamp, 2x32)", "Linen", "", BOTH, _NONE, _NONE, _bert),
     Case("GPT-2 (jaxamp, 2x32)", "Linen", "", BOTH, _NONE, _NONE, _gpt2),
     Case("ResNet18 (jaxamp, width 8)", "Linen", "", BOTH, _NONE, _NONE, _resnet),
     Case("NNX encoder layer", "NNX", "", BOTH, _NONE, _NONE, _nnx_encoder),
     Case("BERT (jaxamp, 2x32), float16", "Linen", "", F16, _NONE, _NONE, _bert),
     Case("GPT-2 (jaxamp, 2x32), float16", "Linen", "", F16, _NONE, _NONE, _gpt2),
+    Case(
+        "the same function, no outlier",
+        "autocast",
+        "",
+        F8,
+        _NONE,
+        _NONE,
+        functools.partial(_outliers, 1.0),
+    ),
 )
 # transformers' Flax models (clean): in the result file, and in the slow tests
 TRANSFORMERS_CASES = tuple(

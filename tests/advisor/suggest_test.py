@@ -10,12 +10,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import jaxamp
 from benchmarks import advisor
-from tests.helpers.promotion import FLAX, OTHER_LIBRARY
+from tests.helpers.promotion import FLAX, OPTAX, OTHER_LIBRARY
 
 # one worker runs them all, so that each case is measured once (``_advised``)
 pytestmark = pytest.mark.xdist_group("advisor")
@@ -247,3 +248,39 @@ def test_a_loss_that_is_not_a_floating_scalar_is_refused_naming_what_it_returns(
         jaxamp.suggest_policy(lambda p, x: jnp.tanh(x @ p["kernel"]), *_DENSE_ARGS)
     with pytest.raises(TypeError, match=r"suggest_policy.*got tuple.*\[0\]"):
         jaxamp.suggest_policy(lambda p, x: (_dense(p, x), x), *_DENSE_ARGS)
+
+
+def _outlier_first(params, x, y):
+    """A first layer whose input holds one outlier feature (1e6 beside values of about
+    1): scaled per tensor from it, float8 e4m3 rounds the rest to zero."""
+    with jax.named_scope("first"):
+        h = jnp.tanh(x @ params["first"] / 1e3)
+    with jax.named_scope("head"):
+        logits = h @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@pytest.mark.standard_promotion(OPTAX)
+def test_a_first_layer_float8_flushes_is_kept_and_a_clean_one_is_not():
+    """Against a numpy count: the share of the first GEMM's input that e4m3 under a
+    per-tensor scale rounds to zero."""
+    import ml_dtypes
+
+    x = jax.random.normal(jax.random.key(1), (16, 32)).at[:, 0].set(1e6)
+    params = {
+        "first": jax.random.normal(jax.random.key(2), (32, 32)) / 6,
+        "head": jax.random.normal(jax.random.key(3), (32, 3)) / 6,
+    }
+    y = jnp.arange(16) % 3
+    a = np.abs(np.asarray(x, np.float64))
+    scaled = (a / (a.max() / 448.0)).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    assert ((scaled == 0) & (a > 0)).mean() > 0.9  # the reference: most of x flushes
+    advice = jaxamp.suggest_policy(
+        _outlier_first, params, x, y, candidates=["mixed_float8"], progress=False
+    )
+    assert advice.policy == jaxamp.get_policy("mixed_float8"), str(advice)
+    assert set(advice.overrides) == {"first"} and "e4m3" in advice.reasons["first"], str(advice)
+    clean = jaxamp.suggest_policy(
+        _outlier_first, params, x.at[:, 0].set(1.0), y, candidates=["mixed_float8"], progress=False
+    )
+    assert clean.policy == jaxamp.get_policy("mixed_float8") and not clean.overrides, str(clean)

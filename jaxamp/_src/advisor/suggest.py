@@ -13,6 +13,7 @@ import flax.linen as nn
 import numpy as np
 
 from jaxamp._src.advisor import targets
+from jaxamp._src.advisor.float8 import flushed_shares
 from jaxamp._src.backend import candidate_policies
 from jaxamp._src.dtypes import is_float16
 from jaxamp._src.numerics import divergence_view, floors, numerics_diff
@@ -144,6 +145,7 @@ def suggest_policy(
     tolerance: float = floors.FLAG_RATIO,
     max_overridden: float = 0.5,
     max_rounds: int = 8,
+    max_float8_flush: float = 0.01,
     progress: bool = True,
 ) -> PolicySuggestion:
     """Measures a model against float32 and returns the cheapest policy, with the layers
@@ -185,6 +187,9 @@ def suggest_policy(
         ``FLAG_RATIO``).
       max_overridden: the largest share of the layers a candidate may keep in float32.
       max_rounds: the most measurements per candidate after the first.
+      max_float8_flush: under a float8 candidate, the largest share of a GEMM operand's
+        nonzero values that its per-tensor scale may round to zero (a layer above it is
+        kept in float32, measured on ``loss`` as written: ``flushed_shares``).
       progress: show a progress bar (with ``tqdm`` installed).
 
     Returns:
@@ -230,7 +235,9 @@ def suggest_policy(
     trials = []
     try:
         for policy in policies:
-            trial = _Trial(target, policy, measured, tolerance, max_overridden, bar).run(max_rounds)
+            measuring = _Trial(target, policy, measured, tolerance, max_overridden, bar)
+            measuring.max_float8_flush = max_float8_flush
+            trial = measuring.run(max_rounds)
             trials.append(trial)
             if trial.accepted:
                 return PolicySuggestion(
@@ -276,6 +283,7 @@ class _Trial:
     ):
         self.target, self.policy, self.measured = target, policy, measured
         self.tolerance, self.max_overridden, self.bar = tolerance, max_overridden, bar
+        self.max_float8_flush = 0.01
         self.name = _name(policy)
         self.root = numerics_diff.common_root(measured.last)
         self.layers = {k for k in map(self._key, measured.last) if k is not None}
@@ -329,13 +337,17 @@ class _Trial:
             if refused:
                 return self._result(False, refused)
         ref_fun, ref_args = self.target.reference()
+        if self.policy.fp8 is not None:
+            refused = self._fit_float8(ref_fun, ref_args)
+            if refused:
+                return self._result(False, refused)
         dtype = floors.rounding_dtype(self.policy)
         inputs = floors.input_sensitivity(ref_fun, dtype, *ref_args, measured=self.measured)
         ideal = floors.ideal_rounding(
             ref_fun, self.policy, *ref_args, loss_scale=self.loss_scale, measured=self.measured
         )
         self.bar.update(2)
-        ranged = set(self.overrides)  # kept for float16's range: not tried back
+        ranged = set(self.overrides)  # kept for float16's or float8's range: not tried back
         for _ in range(max_rounds + 1):
             flagged = self._measure(inputs, ideal)
             if not flagged:
@@ -423,6 +435,25 @@ class _Trial:
         before = order[: order.index(layer)] if layer in order else []
         keys = [self._key(name) for name in reversed(before)]
         return next((k for k in keys if k is not None and k not in self.overrides), None)
+
+    def _fit_float8(self, ref_fun: Callable[..., Any], ref_args: tuple[Any, ...]) -> str | None:
+        """Keeps the layers whose GEMM operands float8 would flush beyond
+        ``max_float8_flush`` in float32; the refusal when one lies outside any layer."""
+        self.bar.update()
+        for layer, share in flushed_shares(ref_fun, ref_args).items():
+            if share <= self.max_float8_flush:
+                continue
+            what = (
+                f"float8 e4m3 would round {share:.0%} of a GEMM operand's nonzero values to "
+                f"zero (scaled per tensor from its largest; at most {self.max_float8_flush:.0%})"
+            )
+            key = self._key(layer)
+            if key is None:
+                return f"refused: {what}, outside any layer"
+            refused = self._keep(key, f"{what}, under {self.name}")
+            if refused:
+                return refused
+        return None
 
     def _fit_float16(self, max_rounds: int) -> str | None:
         """Keeps the layers whose activations exceed float16's range in float32 and finds
