@@ -29,8 +29,8 @@ TINY = dict(
 
 @pytest.mark.standard_promotion(OPTAX)
 def test_auto_trains_the_suggestion_beside_fp32_and_the_presets():
-    """On a clean BERT the suggestion is bf16 with nothing kept wider, and trained as
-    ``auto`` it gives the bf16 run's losses bit for bit (same policy, weights, batches)."""
+    """On a clean BERT the suggestion is bf16 with nothing kept wider: the bf16 run,
+    trained once and reported under both names."""
     said = []
     config = CompareConfig(variants=("auto",), data="embedded", numerics=False, **TINY)
     report = compare(config, log=said.append)
@@ -41,7 +41,9 @@ def test_auto_trains_the_suggestion_beside_fp32_and_the_presets():
     assert suggestion["overrides"] == {} and runs["auto"]["overrides"] == {}
     assert "accepted" in suggestion["verdicts"]["mixed_bfloat16"]
     assert runs["auto"]["policy"] == runs["bf16"]["policy"]
+    assert runs["auto"]["same_as"] == "bf16" and "trained once" in runs["auto"]["description"]
     np.testing.assert_array_equal(runs["auto"]["losses"], runs["bf16"]["losses"])
+    assert runs["auto"]["accuracy_verdict"] == runs["bf16"]["accuracy_verdict"]
     assert any(line.startswith("auto: suggested by jaxamp.suggest_policy") for line in said)
     markdown = format_markdown(report)
     assert "- `auto`: `jaxamp.suggest_policy` on the first batch suggests" in markdown

@@ -22,7 +22,13 @@ from jaxamp._src.compare.environment import environment
 from jaxamp._src.compare.run import Run
 from jaxamp._src.compare.suggested import suggested_variant
 from jaxamp._src.compare.task import Task, make_task
-from jaxamp._src.compare.variants import AUTO, FP16_ON_CPU, expand_variants, get_variant
+from jaxamp._src.compare.variants import (
+    AUTO,
+    FP16_ON_CPU,
+    Variant,
+    expand_variants,
+    get_variant,
+)
 from jaxamp._src.dtypes import is_float16
 from jaxamp._src.numerics.numerics_diff import measure
 from jaxamp._src.optim.gradients import value_and_grad
@@ -174,6 +180,21 @@ def compare(
     return report
 
 
+def _same_as(auto: Variant | None, names: list[str]) -> str | None:
+    """The variant of ``names`` that trains exactly what ``auto`` would (its policy, loss
+    scaling and optimizer, no overrides), if any."""
+    if auto is None or auto.overrides:
+        return None
+    for name in names:
+        if name == AUTO:
+            continue
+        v = get_variant(name)
+        mine = (v.policy, v.dynamic_loss_scaling, v.optimizer_recipe, v.matmul_precision)
+        if mine == (auto.policy, auto.dynamic_loss_scaling, None, None):
+            return name
+    return None
+
+
 def _compare_once(
     config: CompareConfig,
     dataset: data_lib.Dataset,
@@ -197,9 +218,14 @@ def _compare_once(
         log("auto: jaxamp.suggest_policy measures the model on the first batch")
         variants[AUTO], suggestion = suggested_variant(task, variables, sample)
         log(f"auto: {variants[AUTO].description}")
-    for name in tqdm(fresh, desc="compile", unit="variant"):
+    same = _same_as(variants.get(AUTO), names)
+    for name in tqdm(
+        [n for n in fresh if not (n == AUTO and same)], desc="compile", unit="variant"
+    ):
         compiled[name] = Run(variants[name], task, variables, config, sample)
-    runs = [compiled[name] for name in names]
+    if same:  # the suggestion is a preset of this run: trained once, reported under both
+        compiled[AUTO] = compiled[same]
+    runs = list(dict.fromkeys(compiled[name] for name in names))  # each trained once
     for run in runs:
         run.reset(variables, config)
     float16 = _numerics_before_training(runs, task, variables, sample, config, log)
@@ -234,10 +260,16 @@ def _compare_once(
         calibration = (calibration * config.bn_recalibration)[: config.bn_recalibration]
         for run in tqdm(runs, desc="BatchNorm statistics", unit="variant"):
             run.recalibrate(calibration)
-    records = [run.record(dataset, config.batch_size) for run in runs]
-    for record in records:
-        if record["variant"] == AUTO and suggestion is not None:
+    made = {id(run): run.record(dataset, config.batch_size) for run in runs}
+    records = []
+    for name in names:
+        record, run = made[id(compiled[name])], compiled[name]
+        if name == AUTO and run.variant.name != AUTO:  # the preset's run, under auto's name
+            record = {**record, "variant": AUTO, "same_as": run.variant.name}
+            record["description"] = f"the suggestion, {run.variant.description} (trained once)"
+        if name == AUTO and suggestion is not None:
             record["suggestion"] = suggestion
+        records.append(record)
     baseline = next(r for r in records if r["variant"] == "fp32")
     for r in records:
         r["speedup_vs_fp32"] = baseline["step_time_median_s"] / r["step_time_median_s"]
