@@ -103,6 +103,11 @@ def scope_path(eqn: Any) -> str:
         with contextlib.suppress(AttributeError, TypeError):
             current = str(source_info_util.current_name_stack())
             stack = current if current.endswith(stack) else f"{current}/{stack}"
+    return _stripped(stack)
+
+
+def _stripped(stack: str) -> str:
+    """A name stack with the wrappers transformations add taken off, joined by ``/``."""
     return "/".join(_TRANSFORM.sub("", p) for p in stack.split("/") if p)
 
 
@@ -110,8 +115,7 @@ def scope_paths(jaxpr: Any, prefix: str = "") -> Iterator[str]:
     """The ``scope_path`` of every equation of ``jaxpr`` and of the jaxprs inside it, each
     below the scopes of the equation that holds it."""
     for eqn in open_jaxpr(jaxpr)[0].eqns:
-        own = "/".join(_TRANSFORM.sub("", p) for p in _name_stack(eqn).split("/") if p)
-        path = "/".join(p for p in (prefix, own) if p)
+        path = "/".join(p for p in (prefix, _stripped(_name_stack(eqn))) if p)
         yield path
         for sub in sub_jaxprs(eqn):
             yield from scope_paths(sub, path)
@@ -125,8 +129,7 @@ def eqns_in_scopes(jaxpr: Any, patterns: Sequence[str]) -> frozenset[int]:
 
     def walk(jaxpr: Any, prefix: str) -> None:
         for eqn in open_jaxpr(jaxpr)[0].eqns:
-            own = "/".join(_TRANSFORM.sub("", p) for p in _name_stack(eqn).split("/") if p)
-            path = "/".join(p for p in (prefix, own) if p)
+            path = "/".join(p for p in (prefix, _stripped(_name_stack(eqn))) if p)
             if in_scopes(path, patterns):
                 found.add(id(eqn))
             for sub in sub_jaxprs(eqn):

@@ -235,9 +235,8 @@ def suggest_policy(
     trials = []
     try:
         for policy in policies:
-            measuring = _Trial(target, policy, measured, tolerance, max_overridden, bar)
-            measuring.max_float8_flush = max_float8_flush
-            trial = measuring.run(max_rounds)
+            limits = (tolerance, max_overridden, max_float8_flush)
+            trial = _Trial(target, policy, measured, limits, bar).run(max_rounds)
             trials.append(trial)
             if trial.accepted:
                 return PolicySuggestion(
@@ -277,13 +276,12 @@ class _Trial:
         target: targets.Target,
         policy: Policy,
         measured: numerics_diff.Measured,
-        tolerance: float,
-        max_overridden: float,
+        limits: tuple[float, float, float],
         bar: Any,
     ):
-        self.target, self.policy, self.measured = target, policy, measured
-        self.tolerance, self.max_overridden, self.bar = tolerance, max_overridden, bar
-        self.max_float8_flush = 0.01
+        """``limits``: ``suggest_policy``'s tolerance, max_overridden, max_float8_flush."""
+        self.target, self.policy, self.measured, self.bar = target, policy, measured, bar
+        self.tolerance, self.max_overridden, self.max_float8_flush = limits
         self.name = _name(policy)
         self.root = numerics_diff.common_root(measured.last)
         self.layers = {k for k in map(self._key, measured.last) if k is not None}
