@@ -16,6 +16,7 @@ import jax.extend as jex
 FLOAT32_SCOPE = "jaxamp_float32"
 FP8_SCOPE = "jaxamp_fp8"  # a float8 GEMM and its scaling, as traced (and named in the HLO)
 NO_FP8_SCOPE = "jaxamp_no_fp8"  # a layer an override takes out of float8: the 16-bit rule
+BLOCK_SCOPE_PREFIX = "jaxamp_block_"  # inside FP8_SCOPE: a block-scaled GEMM, the format after it
 
 # Evaluating one equation the way ``jax.core.eval_jaxpr`` does needs three things JAX keeps
 # private: ``Primitive.get_bind_params`` (turns jaxpr-valued params into what ``bind`` takes;

@@ -1,0 +1,234 @@
+"""The block-scaled formats (MXFP8, NVFP4) against an independent numpy/ml_dtypes emulation of
+the OCP MX and NVFP4 formats: quantization element for element, the three GEMMs within
+float32's summation, and JAX's own MXFP8 quantizer bit for bit."""
+
+import dataclasses
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxamp._src.ops.block_gemm import _backward, block_dot_general
+from jaxamp._src.ops.block_scaling import NVFP4, block_format, quantize_blocks
+from tests.helpers import block_reference as ref
+
+FORMATS = ("mxfp8", "nvfp4")
+# Values that test the formats' edges: zeros, float32 subnormals, e4m3's and e2m1's largest
+# and the values just past them, a huge and a tiny magnitude beside ordinary ones.
+EDGES = (0.0, -0.0, 1e-40, -3e-39, 448.0, 449.0, 6.0, 6.5, 1e30, -1e-30, 2.0**-127, 3.4e38)
+
+
+@st.composite
+def _matrices(draw, max_rows=20, max_cols=80, nonfinite=False, cols=None):
+    rows = draw(st.integers(1, max_rows))
+    cols = cols or draw(st.integers(1, max_cols))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, cols)) * np.exp2(rng.integers(-20, 20, size=(rows, 1)))
+    x = x.astype(np.float32)
+    for _ in range(draw(st.integers(0, 6))):
+        edges = EDGES + ((np.inf, -np.inf, np.nan) if nonfinite else ())
+        i, j = draw(st.integers(0, rows - 1)), draw(st.integers(0, cols - 1))
+        x[i, j] = draw(st.sampled_from(edges))
+    return x
+
+
+def _ours(x, fmt, tiles=False):
+    q = jax.jit(lambda v: quantize_blocks(v, fmt, tiles=tiles))(jnp.asarray(x, jnp.float32))
+    return np.asarray(q.dequantized(), np.float64), float(q.tensor_scale)
+
+
+def _same(a, b):
+    """Equal element for element, NaN where the other is NaN."""
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    np.testing.assert_array_equal(np.where(np.isnan(a), 0, a), np.where(np.isnan(b), 0, b))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+@hypothesis.given(x=_matrices(nonfinite=True), tiles=st.booleans())
+def test_quantization_matches_the_numpy_emulation_element_for_element(fmt, x, tiles):
+    tiles = tiles and fmt == "nvfp4"
+    got, got_tensor = _ours(x, fmt, tiles)
+    want, want_tensor = ref.dequantized(x, fmt, tiles)
+    _same(got, want)
+    assert got_tensor == want_tensor or (np.isnan(got_tensor) and np.isnan(want_tensor))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's arithmetic")
+def test_xla_cpu_reads_float32_subnormals_as_zero_which_the_reference_models():
+    x = jnp.float32(1e-40)
+    assert float(jax.jit(lambda v: v * 2.0**100)(x)) == 0.0
+    assert ref.flushed(np.array([1e-40, 1e-30], np.float32)).tolist()[0] == 0.0
+
+
+def test_an_amax_whose_quotient_is_subnormal_still_gets_a_scale_that_holds_it():
+    # amax / 448 near 9e-39 is a float32 subnormal, which XLA:CPU flushes to zero: the
+    # scale came out 2**-127, half the one needed, and the block's largest value clipped.
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0], x[0, 1] = 4e-36, -1e-36
+    got, _ = _ours(x, "mxfp8")
+    want, _ = ref.dequantized(x, "mxfp8")
+    _same(got, want)
+    assert got[0, 0] == pytest.approx(4e-36, rel=0.07)
+
+
+def test_the_mx_scale_rounds_up_so_that_no_value_clips():
+    # 449 would clip to 448 with the OCP spec's floor; the scale rounded up holds it.
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [449.0, 1.0, 0.5]
+    q = quantize_blocks(jnp.asarray(x), "mxfp8")
+    assert float(q.block_scales.astype(jnp.float32)[0, 0]) == 2.0
+    assert float(q.dequantized()[0, 0]) == 448.0  # 449 / 2 = 224.5 rounds to 224 in e4m3
+    assert np.all(np.abs(np.asarray(q.values.astype(jnp.float32))) <= 448)
+
+
+def test_a_block_with_inf_or_nan_decodes_to_nan_and_leaves_the_other_blocks():
+    x = np.ones((2, 64), np.float32)
+    x[0, 3] = np.inf
+    x[1, 40] = np.nan
+    d = np.asarray(quantize_blocks(jnp.asarray(x), "mxfp8").dequantized())
+    assert np.isnan(d[0, :32]).all() and np.isnan(d[1, 32:]).all()
+    assert (d[0, 32:] == 1).all() and (d[1, :32] == 1).all()
+    q = quantize_blocks(jnp.asarray(x), "nvfp4")
+    assert np.isnan(float(q.tensor_scale))  # NVFP4: the tensor's scale, hence every value
+
+
+def test_a_tail_shorter_than_a_block_is_its_own_block_padded_with_zeros():
+    x = np.arange(1, 41, dtype=np.float32)[None]  # 32 + a tail of 8
+    q = quantize_blocks(jnp.asarray(x), "mxfp8")
+    assert q.values.shape == (1, 64)
+    scales = np.asarray(q.block_scales.astype(jnp.float32))[0]
+    assert scales[1] == 0.125  # the tail's own amax (40), not the first block's (32)
+    assert (np.asarray(q.values.astype(jnp.float32))[0, 40:] == 0).all()
+
+
+def test_mxfp8_matches_jaxs_own_quantizer_bit_for_bit():
+    from jax._src.cudnn import scaled_matmul_stablehlo as jax_mx
+
+    config = jax_mx.BlockScaleConfig(
+        "mxfp8", 32, jnp.float8_e4m3fn, jnp.float8_e8m0fnu, None, False
+    )
+    x = np.random.default_rng(0).normal(size=(3, 8, 96)).astype(np.float32)
+    x[0, 0, :32] *= 1e-30
+    x[1, 2, 32:64] = 0
+    jq, js = jax_mx.quantize(jnp.asarray(x), config)
+    q = quantize_blocks(jnp.asarray(x), "mxfp8")
+    np.testing.assert_array_equal(
+        np.asarray(q.values.view(jnp.uint8)), np.asarray(jq.view(jnp.uint8))
+    )
+    np.testing.assert_array_equal(
+        np.asarray(q.block_scales.view(jnp.uint8)), np.asarray(js.view(jnp.uint8))
+    )
+
+
+def test_jaxs_scaled_dot_general_is_no_reference_on_cpu():
+    # On a CPU jax.nn.scaled_dot_general computes the float32 product, unquantized: it
+    # cannot stand in for the formats here, which is why the numpy emulation does.
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 4, 32)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(1, 3, 32)), jnp.float32)
+    dn = (((2,), (2,)), ((0,), (0,)))
+    theirs = jax.nn.scaled_dot_general(x, w, dn, preferred_element_type=jnp.float32)
+    exact = jax.lax.dot_general(x, w, dn, precision="highest")
+    ours = block_dot_general(x, w, dn, "mxfp8", jnp.float32)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_allclose(theirs, exact, rtol=1e-6)
+    assert not np.allclose(ours, exact, rtol=1e-4)
+
+
+def _sum_bound(a, b):
+    """The error float32 sums of ``k`` exact products allow: (k + 2) * 2**-24 times the
+    sum of their magnitudes (plus the tensor scales' two roundings)."""
+    k = a.shape[1]
+    return (k + 2) * 2.0**-24 * (np.abs(a) @ np.abs(b).T) + 1e-45
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+@hypothesis.given(data=st.data())
+def test_the_forward_gemm_matches_the_numpy_emulation(fmt, dtype, data):
+    a = data.draw(_matrices(12, 70))
+    b = data.draw(_matrices(12, cols=a.shape[1]))
+    with np.errstate(over="ignore"):
+        a, b = (np.asarray(jnp.asarray(m).astype(dtype).astype(jnp.float32)) for m in (a, b))
+    dn = (((1,), (1,)), ((), ()))
+    got = np.asarray(
+        jax.jit(lambda x, y: block_dot_general(x, y, dn, fmt, jnp.float32))(
+            jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+        ),
+        np.float64,
+    )
+    want = ref.block_matmul(a, b, fmt)
+    qa, sa = ref.dequantized(a, fmt)
+    qb, sb = ref.dequantized(b, fmt, tiles=fmt == "nvfp4")
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = _sum_bound(qa, qb)[: a.shape[0], : b.shape[0]] * abs(sa * sb)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    finite = np.isfinite(want)
+    assert np.all(np.abs(got[finite] - want[finite]) <= bound[finite] * 1.0001)
+
+
+def _gradient_reference(a, b, g, fmt):
+    """The activation and weight gradients' GEMMs in numpy: ``g @ b`` with blocks along n
+    (``b`` in its forward tiles under NVFP4) and ``g.T @ a`` with blocks along m."""
+    if fmt == "nvfp4":
+        qb, sb = ref.dequantized(b, fmt, tiles=True)
+        qb = qb[: b.shape[0], : b.shape[1]]
+    else:
+        qbt, sb = ref.dequantized(b.T, fmt)
+        qb = qbt[: b.shape[1], : b.shape[0]].T
+    qg, sg = ref.dequantized(g, fmt)
+    d_a = (qg[:, : g.shape[1]] @ qb) * (sg * sb)
+    qgt, sgt = ref.dequantized(g.T, fmt)
+    qat, sat = ref.dequantized(a.T, fmt)
+    d_b = (qgt[:, : g.shape[0]] @ qat[:, : a.shape[0]].T) * (sgt * sat)
+    return d_a, d_b
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+@hypothesis.given(
+    seed=st.integers(0, 2**31 - 1), m=st.integers(1, 40), k=st.integers(1, 40), n=st.integers(1, 40)
+)
+def test_the_gradient_gemms_match_the_numpy_emulation(fmt, seed, m, k, n):
+    rng = np.random.default_rng(seed)
+    a, b, g = (rng.normal(size=s).astype(np.float32) for s in ((m, k), (n, k), (m, n)))
+    # Nearest rounding of the gradient, to compare value for value (stochastic rounding
+    # is tested for its mean below).
+    f = dataclasses.replace(block_format(fmt), gradient_rounding="nearest")
+    d_a, d_b = jax.jit(lambda *v: _backward(f, *(x[None] for x in v)))(a, b, g)
+    want_a, want_b = _gradient_reference(a, b, g, fmt)
+    tol_a = (n + 2) * 2.0**-24 * np.abs(want_a).max() * 4 + 1e-30
+    tol_b = (m + 2) * 2.0**-24 * np.abs(want_b).max() * 4 + 1e-30
+    np.testing.assert_allclose(np.asarray(d_a[0]), want_a, rtol=0, atol=tol_a)
+    np.testing.assert_allclose(np.asarray(d_b[0]), want_b, rtol=0, atol=tol_b)
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+    row = np.array([0.1, 0.3, 0.75, 1.2, 2.6, 3.5, 4.9, 5.99, -0.3, -4.5, 6.0], np.float32)
+    x = np.tile(np.pad(row, (0, 5)), (4096, 1))  # one block of 16 per row
+    q = quantize_blocks(jnp.asarray(x), NVFP4, rounding="stochastic", key=jax.random.key(0))
+    got = np.asarray(q.values.astype(jnp.float32), np.float64)
+    scaled = ref.nvfp4_scaled(x)[0][0]  # the value before rounding, the same in every row
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    lower = np.sign(scaled) * np.array([grid[grid <= abs(v)].max() for v in scaled])
+    upper = np.sign(scaled) * np.array([grid[grid >= abs(v)].min() for v in scaled])
+    assert np.all((got == lower) | (got == upper))
+    # Unbiased: the mean within four standard errors of a two-point variable over the gap.
+    error = np.abs(got.mean(axis=0) - scaled)
+    assert np.all(error <= 4 * np.abs(upper - lower) / 2 / np.sqrt(len(x)) + 1e-7)
+    # and not nearest rounding: the values between grid points took both neighbours
+    between = lower != upper
+    assert np.all(got[:, between].min(axis=0) != got[:, between].max(axis=0))
+
+
+def test_nvfp4_weight_tiles_quantize_a_kernel_and_its_transpose_alike():
+    w = np.random.default_rng(3).normal(size=(40, 24)).astype(np.float32)
+    a = quantize_blocks(jnp.asarray(w), "nvfp4", tiles=True).dequantized()[:40, :24]
+    b = quantize_blocks(jnp.asarray(w.T), "nvfp4", tiles=True).dequantized()[:24, :40]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b).T)
