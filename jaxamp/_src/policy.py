@@ -40,7 +40,8 @@ _GRAMMAR_KEYS = {
     "fp8_margin": "fp8_margin",
 }
 
-FP8_SCALINGS = ("current", "delayed")
+BLOCK_SCALINGS = ("mxfp8", "nvfp4")  # block-scaled formats (ops/block_scaling.py)
+FP8_SCALINGS = ("current", "delayed", *BLOCK_SCALINGS)
 
 
 # The largest margin: the amax, scaled to float8's largest value over 2**margin, still
@@ -81,15 +82,19 @@ def recipe_integer(what: str, value: Any, least: int, most: int | None = None) -
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """How a policy's matmuls run in float8 (guides/fp8.md).
+    """How a policy's matmuls run in float8 or float4 (guides/fp8.md, guides/block-scaling.md).
 
-    Operands are cast to ``float8_e4m3fn`` and output gradients to ``float8_e5m2``,
-    each divided by a per-tensor scale; products are summed in float32.
+    Per-tensor scaling (``"current"``, ``"delayed"``) casts operands to ``float8_e4m3fn``
+    and output gradients to ``float8_e5m2``, each divided by a per-tensor scale; block
+    scaling (``"mxfp8"``, ``"nvfp4"``) gives each block of 32 or 16 values its own scale.
+    Products are summed in float32.
 
     Attributes:
       scaling: ``"current"`` scales each tensor by its own amax, with no state;
         ``"delayed"`` by the largest amax of the last ``amax_history_length`` steps,
-        kept as state beside the layer (as Flax's ``fp8_ops`` does).
+        kept as state beside the layer (as Flax's ``fp8_ops`` does); ``"mxfp8"``: e4m3
+        values, a power-of-two scale per 32; ``"nvfp4"``: e2m1 values, an e4m3 scale per
+        16 and a float32 scale per tensor.
       amax_history_length: steps of history delayed scaling keeps.
       margin: powers of two of headroom below the float8 maximum.
 
@@ -111,6 +116,17 @@ class Fp8Recipe:
         object.__setattr__(self, "amax_history_length", history)
         margin = recipe_integer("Fp8Recipe.margin", self.margin, 0, MAX_MARGIN)
         object.__setattr__(self, "margin", margin)
+        if self.block is not None and margin:
+            raise ValueError(
+                f"Fp8Recipe.margin is headroom for per-tensor scaling; {self.scaling!r} "
+                f"scales each block to fit exactly and takes none, got margin={margin}."
+            )
+
+    @property
+    def block(self) -> str | None:
+        """The block-scaled format (``"mxfp8"``, ``"nvfp4"``), or ``None`` for per-tensor
+        scaling."""
+        return self.scaling if self.scaling in BLOCK_SCALINGS else None
 
     def spec(self) -> str:
         """The recipe in the policy grammar (``fp8=delayed,fp8_history=16``)."""
@@ -128,7 +144,8 @@ def _as_recipe(value: Any) -> Fp8Recipe | None:
     if isinstance(value, str):
         return Fp8Recipe(value.strip().lower())
     raise TypeError(
-        f"Policy.fp8 must be None, 'current', 'delayed' or an Fp8Recipe, got {value!r}."
+        f"Policy.fp8 must be None, one of {', '.join(map(repr, FP8_SCALINGS))} or an "
+        f"Fp8Recipe, got {value!r}."
     )
 
 
@@ -290,6 +307,8 @@ PRESETS: dict[str, Policy] = {
     "float16": Policy("float16", "float16", "float16"),
     "mixed_float8": Policy("float32", "bfloat16", "float32", fp8="current"),
     "mixed_float8_delayed": Policy("float32", "bfloat16", "float32", fp8="delayed"),
+    "mixed_mxfp8": Policy("float32", "bfloat16", "float32", fp8="mxfp8"),
+    "mixed_nvfp4": Policy("float32", "bfloat16", "float32", fp8="nvfp4"),
 }
 """The named policies ``get_policy`` accepts (with the ``p=,c=,o=`` grammar and jmp's)."""
 
@@ -298,8 +317,9 @@ def _valid_choices() -> tuple[str, ...]:
     return (
         f"presets {', '.join(PRESETS)}; dtype names {', '.join(list(JMP_DTYPE_NAMES))}; "
         "or 'params=<dtype>,compute=<dtype>,output=<dtype>' (short keys p, c, o; "
-        "optional reduce=<dtype> or r=<dtype>, fp8=current or fp8=delayed with "
-        "fp8_history=<steps> and fp8_margin=<powers of two>)",
+        "optional reduce=<dtype> or r=<dtype>, fp8=current, fp8=delayed (with "
+        "fp8_history=<steps>), fp8=mxfp8 or fp8=nvfp4, and fp8_margin=<powers of two> for "
+        "the per-tensor two)",
     )
 
 
@@ -349,10 +369,10 @@ def _parse_grammar(spec: str) -> Policy:
     history, margin = values.pop("fp8_history", None), values.pop("fp8_margin", None)
     if (history is not None or margin is not None) and fp8 is None:
         raise ValueError(f"Invalid policy {spec!r}: fp8_history and fp8_margin need fp8=.")
-    if history is not None and fp8 == "current":
+    if history is not None and fp8 != "delayed":
         raise ValueError(
             f"Invalid policy {spec!r}: fp8_history is the amax history of fp8=delayed; "
-            "fp8=current scales by each tensor's own amax and keeps none."
+            f"fp8={fp8} scales by each tensor's (or block's) own amax and keeps none."
         )
     if fp8 is not None:
         fp8 = Fp8Recipe(
@@ -384,7 +404,8 @@ def get_policy(spec: PolicyLike) -> Policy:
     Args:
       spec: a ``Policy`` (returned as is), a ``jmp.Policy``, a preset name
         (``"float32"``, ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"bfloat16"``,
-        ``"float16"``, ``"mixed_float8"``, ``"mixed_float8_delayed"``), a dtype
+        ``"float16"``, ``"mixed_float8"``, ``"mixed_float8_delayed"``,
+        ``"mixed_mxfp8"``, ``"mixed_nvfp4"``), a dtype
         name for all three dtypes (``"f32"``, ``"bf16"``, ``"full"``, ``"half"``), or
         jmp's grammar such as
         ``"params=float32,compute=bfloat16,output=float32"`` or ``"p=f32,c=bf16"``
@@ -392,7 +413,8 @@ def get_policy(spec: PolicyLike) -> Policy:
         ``reduce``/``r`` sets ``Policy.reduce_dtype``, and ``fp8=current`` or
         ``fp8=delayed`` runs matmuls in float8 (``"mixed_float8"`` is
         ``"p=f32,c=bf16,o=f32,fp8=current"``), with ``fp8_history=`` and
-        ``fp8_margin=`` for ``Fp8Recipe``'s other fields.
+        ``fp8_margin=`` for ``Fp8Recipe``'s other fields; ``fp8=mxfp8`` and
+        ``fp8=nvfp4`` run them block-scaled (``"mixed_mxfp8"``, ``"mixed_nvfp4"``).
 
     Returns:
       The policy.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from jaxamp._src.audit.checks import (
     short_name,
 )
 from jaxamp._src.audit.hlo import read_compiled, wider_result
+from jaxamp._src.jaxprs import BLOCK_SCOPE_PREFIX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,14 @@ class MatmulOp:
     def layer(self) -> str:
         """The layer path, e.g. ``"ResNet/Conv_0"``."""
         return short_name(self.name)
+
+    @property
+    def block_format(self) -> str | None:
+        """The block-scaled format of a block-scaled GEMM of jaxamp's rule (``"mxfp8"``,
+        ``"nvfp4"``), read from its scope; ``None`` for any other. Its operands read
+        float32 (the emulation multiplies each block's values by their scale first)."""
+        match = re.search(re.escape(BLOCK_SCOPE_PREFIX) + r"([a-z0-9]+)", self.name)
+        return match.group(1) if match and self.float8 else None
 
     @property
     def float8_operands(self) -> bool:
@@ -226,6 +236,10 @@ class PrecisionReport:
         ops = [op for op in self.ops if op.float8]
         return len(ops), sum(op.float8_operands for op in ops)
 
+    def block_gemms(self) -> dict[str, int]:
+        """The block-scaled GEMMs, counted by format (``{"mxfp8": 6}``)."""
+        return dict(collections.Counter(op.block_format for op in self.ops if op.block_format))
+
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly summary."""
         float8, in_float8 = self.float8_gemms()
@@ -234,6 +248,7 @@ class PrecisionReport:
             "reads": self.reads,
             "float8_gemms": float8,
             "float8_gemms_on_float8_operands": in_float8,
+            "block_scaled_gemms": self.block_gemms(),
             "matmuls": len(self.ops),
             "by_operand_dtype": self.by_dtype(),
             "accumulation": dict(
@@ -273,6 +288,9 @@ class PrecisionReport:
                 f"{float8} float8 GEMMs, {in_float8} of them on float8 operands in this "
                 f"program ({self.reads})"
             )
+        if self.block_gemms():
+            formats = ", ".join(f"{n} {name}" for name, n in self.block_gemms().items())
+            lines.append(f"block-scaled GEMMs among them: {formats}")
         if self.sensitive:
             counts = collections.Counter(f"{op.primitive} {op.dtype}" for op in self.sensitive)
             lines.append(

@@ -270,6 +270,7 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
         fp8_state=fp8_state.state_here(env.context.fp8, _source(env, lhs), _source(env, rhs)),
         margin=env.policy.fp8.margin,
         out_sharding=eqn.params.get("out_sharding"),
+        block=env.policy.fp8.block,
     )
 
 

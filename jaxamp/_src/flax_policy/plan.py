@@ -212,7 +212,7 @@ def _fp8_rule(module: Any, policy: Policy) -> Fp8DotGeneral | LinenDelayed:
         return LinenDelayed(module, policy.compute_dtype, recipe)
     if recipe.scaling == "delayed":  # NNX: the state of the layer being called
         return NnxDelayed(policy.compute_dtype, recipe.margin, None, recipe.amax_history_length)
-    return Fp8DotGeneral(policy.compute_dtype, recipe.margin)
+    return Fp8DotGeneral(policy.compute_dtype, recipe.margin, block=recipe.block)
 
 
 def _matmul_hooks(module: Any, compute_dtype: Any, fp8: Any = None) -> dict[str, Any]:

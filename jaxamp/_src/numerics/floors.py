@@ -134,7 +134,9 @@ def ideal_recipe(reference: Callable, policy: Any) -> Callable:
     stays its last value); every norm, reduction, softmax and elementwise operation in
     float32. The rounding no mixed-precision recipe avoids, and no more (a floor of
     ``with_floor``)."""
-    fp8 = policy.fp8 and dataclasses.replace(policy.fp8, scaling="current")
+    fp8 = policy.fp8
+    if fp8 is not None and fp8.scaling == "delayed":
+        fp8 = dataclasses.replace(fp8, scaling="current")
     ideal = Policy(jnp.float32, policy.compute_dtype, jnp.float32, fp8=fp8)
     mantissa = int(jnp.finfo(policy.compute_dtype).nmant)
 

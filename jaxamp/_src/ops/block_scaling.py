@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -87,8 +88,7 @@ class Quantized:
     Attributes:
       values: the values in the format's element dtype, the contraction axis padded with
         zeros to a multiple of the block.
-      block_scales: one per block (per tile), in the format's scale dtype, broadcast to
-        ``values``' shape by ``decoded_scales``.
+      block_scales: one per block (per tile), in the format's scale dtype.
       tensor_scale: the float32 decode scale per tensor (1 where the format has none).
       tile_rows: rows a scale covers (1, or the block for square tiles).
       fmt: the format.
@@ -100,28 +100,30 @@ class Quantized:
     tile_rows: int = dataclasses.field(metadata=dict(static=True))
     fmt: BlockFormat = dataclasses.field(metadata=dict(static=True))
 
-    def decoded_scales(self) -> jax.Array:
-        """Each value's block scale, as float32, in ``values``' shape."""
-        s = _decode_scale(self.block_scales, self.fmt)
-        s = jnp.repeat(s, self.fmt.block, axis=-1)
-        if self.tile_rows > 1:
-            s = jnp.repeat(s, self.tile_rows, axis=-2)[..., : self.values.shape[-2], :]
-        return s
-
     def dequantized(self) -> jax.Array:
         """``values * block_scales`` in float32, exact (no rounding: a value's few bits
-        times a scale's), the tensor scale left out, as the GEMM applies it to its result."""
-        return self.values.astype(FLOAT32) * self.decoded_scales()
+        times a scale's), the tensor scale left out, as the GEMM applies it to its result.
+        A product below float32's smallest normal is flushed to zero, as XLA:CPU's float32
+        arithmetic flushes it."""
+        values = self.values.astype(FLOAT32)
+        spread = functools.partial(_spread, block=self.fmt.block, rows=self.tile_rows)
+        if self.fmt.scale != E8M0:
+            return values * spread(self.block_scales.astype(FLOAT32))
+        # 2**(code - 127) by exponent arithmetic: the scale 2**-127 (code 0) is a float32
+        # subnormal, which XLA:CPU reads as zero in a product.
+        code = spread(_e8m0_code(self.block_scales))
+        return jnp.where(code == 255, jnp.float32(jnp.nan), jnp.ldexp(values, code - 127))
 
 
-def _decode_scale(scales: jax.Array, fmt: BlockFormat) -> jax.Array:
-    if fmt.scale == E8M0:
-        # 2**(code - 127); code 0 is 2**-127 (a float32 subnormal), code 255 is NaN.
-        code = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.uint32)
-        normal = lax.bitcast_convert_type(code << 23, FLOAT32)
-        s = jnp.where(code == 0, jnp.float32(2.0**-127), normal)
-        return jnp.where(code == 255, jnp.float32(jnp.nan), s)
-    return scales.astype(FLOAT32)
+def _spread(per_block: jax.Array, block: int, rows: int) -> jax.Array:
+    """A value per block (per tile of ``rows`` rows) repeated over the block's values."""
+    out = jnp.repeat(per_block, block, axis=-1)
+    return jnp.repeat(out, rows, axis=-2) if rows > 1 else out
+
+
+def _e8m0_code(scales: jax.Array) -> jax.Array:
+    """The e8m0 scales' codes (the biased exponents) as int32: 2**(code - 127), 255 NaN."""
+    return lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
 
 
 def _e8m0_round_up(amax: jax.Array, element_max: float) -> jax.Array:
@@ -224,14 +226,13 @@ def quantize_blocks(
         # A tensor holding inf (whose encode scale falls back to 1) or NaN decodes to NaN:
         # clipping would hide an overflow from loss scaling's check of the gradients.
         tensor_decode = jnp.where(jnp.isfinite(whole), decode, jnp.float32(jnp.nan))
+        scaled = x * _spread(block_encode, fmt.block, rows)
     else:
         scales = _e8m0_round_up(amax, fmt.element_max)
-        block_encode = 1.0 / _decode_scale(scales, fmt)  # a power of two: exact
+        code = _spread(_e8m0_code(scales), fmt.block, rows)
+        # x / 2**(code - 127), exact, by exponent arithmetic (see ``dequantized``).
+        scaled = jnp.where(code == 255, jnp.float32(jnp.nan), jnp.ldexp(x, 127 - code))
         tensor_decode = jnp.float32(1)
-    expanded = jnp.repeat(block_encode, fmt.block, axis=-1)
-    if rows > 1:
-        expanded = jnp.repeat(expanded, rows, axis=-2)
-    scaled = x * expanded
     big = jnp.float32(fmt.element_max)
     scaled = jnp.clip(scaled, -big, big)
     if rounding == "stochastic":

@@ -258,6 +258,7 @@ def fp8_dot_general(
     fp8_state: Fp8State | None = None,
     margin: int = 0,
     out_sharding: Any = None,
+    block: str | None = None,
 ) -> jax.Array:
     """``lax.dot_general`` in float8: e4m3 operands, an e5m2 output gradient, float32 sums.
 
@@ -276,12 +277,15 @@ def fp8_dot_general(
       margin: powers of two of headroom below the float8 maximum, an integer >= 0
         (as ``Fp8Recipe.margin``).
       out_sharding: the result's sharding, as for ``lax.dot_general``.
+      block: ``"mxfp8"`` or ``"nvfp4"`` for a block-scaled GEMM (``block_dot_general``;
+        no state, no margin), or ``None``.
 
     Returns:
       The product, dequantized.
 
     Raises:
-      ValueError: for a ``margin`` that is not an integer >= 0.
+      ValueError: for a ``margin`` that is not an integer >= 0, or a block format with a
+        state, a margin or an explicit ``out_sharding``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -303,6 +307,8 @@ def fp8_dot_general(
         )
     dims = tuple(tuple(tuple(int(d) for d in ax) for ax in part) for part in dimension_numbers)
     out = _out_dtype(lhs, rhs, preferred_element_type)
+    if block is not None:
+        return _block(lhs, rhs, dims, out, block, fp8_state, margin, out_sharding)
     sharding = canonicalize_sharding(out_sharding, "fp8_dot_general")
     lhs, rhs = same_varying_axes(lhs, rhs)  # inside shard_map: a weight's gradient summed
     with jax.named_scope(FP8_SCOPE):  # autocast evaluates it as traced
@@ -310,6 +316,26 @@ def fp8_dot_general(
             return _current(lhs, rhs, dims, out, margin, sharding)
         state = checked_fp8_state(as_fp8_state(fp8_state), None, "fp8_dot_general's fp8_state")
         return _delayed(lhs, rhs, state, dims, out, margin, sharding)
+
+
+def _block(
+    lhs: Any, rhs: Any, dims: Any, out: Any, block: str, state: Any, margin: int, sharding: Any
+) -> jax.Array:
+    from jaxamp._src.ops.block_gemm import block_dot_general  # it imports this module
+
+    if state is not None or margin:
+        raise ValueError(
+            f"a {block} GEMM scales each block by its own amax: it takes no fp8_state and "
+            f"no margin, got fp8_state={'given' if state is not None else None}, "
+            f"margin={margin}."
+        )
+    if sharding is not None:
+        raise ValueError(
+            f"the {block} GEMMs do not take an explicit out_sharding yet (got {sharding}); "
+            f"run them under jit's automatic sharding ({guide('block-scaling.md', 'limits')})."
+        )
+    lhs, rhs = same_varying_axes(lhs, rhs)
+    return block_dot_general(lhs, rhs, dims, block, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,11 +346,13 @@ class Fp8DotGeneral:
       compute_dtype: the dtype results come back in (the policy's compute dtype).
       margin: the recipe's powers of two of headroom.
       state: the layer's FP8 state, or ``None`` for current scaling.
+      block: ``"mxfp8"`` or ``"nvfp4"`` for block-scaled GEMMs, or ``None``.
     """
 
     compute_dtype: Any
     margin: int = 0
     state: Fp8State | None = None
+    block: str | None = None
 
     def __call__(
         self,
@@ -350,6 +378,7 @@ class Fp8DotGeneral:
             fp8_state=self.state,
             margin=self.margin,
             out_sharding=out_sharding,
+            block=self.block,
         )
 
     def einsum(self, subscripts: str, *operands: Any, **kwargs: Any) -> jax.Array:

@@ -1,0 +1,175 @@
+"""MXFP8 and NVFP4 as policies: the grammar, Linen, NNX and autocast on the same model, Flax's
+layers against the model alone, the precision audit, and overrides out of the format."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+from tests.helpers import block_reference as ref
+
+FORMATS = ("mxfp8", "nvfp4")
+# The relative error of a layer's output against float32 each format allows: MXFP8's e4m3
+# rounds each value by up to 2**-4 (the FP8 tests' 0.1); NVFP4's e2m1 by up to a quarter
+# of its value (one mantissa bit), about 0.1 to 0.2 over a sum of random products.
+TOLERANCE = {"mxfp8": 0.1, "nvfp4": 0.3}
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("mixed_mxfp8", "params=float32,compute=bfloat16,output=float32,fp8=mxfp8"),
+        ("mixed_nvfp4", "params=float32,compute=bfloat16,output=float32,fp8=nvfp4"),
+        ("p=f32,c=f32,fp8=MXFP8", "params=float32,compute=float32,output=float32,fp8=mxfp8"),
+        ("p=f32,c=f16,o=f32,fp8=nvfp4", "params=float32,compute=float16,output=float32,fp8=nvfp4"),
+    ],
+)
+def test_block_policies_parse_and_round_trip_their_string(spec, expected):
+    policy = jaxamp.get_policy(spec)
+    assert str(policy) == expected
+    assert jaxamp.get_policy(str(policy)) == policy
+    assert policy.fp8.block == expected.rsplit("=", 1)[1]
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("p=f32,c=bf16,fp8=mxfp8,fp8_margin=2", ("margin", "mxfp8")),
+        ("p=f32,c=bf16,fp8=nvfp4,fp8_history=16", ("fp8_history", "nvfp4")),
+        ("p=f32,c=bf16,fp8=mxfp4", ("mxfp4", "mxfp8", "nvfp4", "current")),
+    ],
+)
+def test_a_bad_block_policy_is_refused_naming_the_value_and_the_choices(spec, words):
+    with pytest.raises(ValueError) as info:
+        jaxamp.get_policy(spec)
+    assert all(w in str(info.value) for w in words), info.value
+
+
+class _Two(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(48, name="first")(x))
+        return nn.Dense(24, name="second")(h)
+
+
+class _NnxTwo(nnx.Module):
+    def __init__(self, params):
+        rngs = nnx.Rngs(0)
+        self.first, self.second = nnx.Linear(40, 48, rngs=rngs), nnx.Linear(48, 24, rngs=rngs)
+        for name in ("first", "second"):
+            layer = getattr(self, name)
+            layer.kernel[...] = params[name]["kernel"]
+            layer.bias[...] = params[name]["bias"]
+
+    def __call__(self, x):
+        return self.second(nnx.relu(self.first(x)))
+
+
+def _three_ways(policy):
+    x = jax.random.normal(jax.random.key(0), (8, 40))
+    linen = jaxamp.linen.apply_policy(_Two(), policy)
+    variables = linen.init(jax.random.key(1), x)
+    nnx_model = jaxamp.nnx.apply_policy(_NnxTwo(variables["params"]), policy)
+    outputs = (
+        jax.jit(linen.apply)(variables, x),
+        nnx.jit(lambda m, v: m(v))(nnx_model, x),
+        jax.jit(jaxamp.autocast(_Two().apply, policy))(variables, x),
+    )
+    return x, variables, outputs
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linen_nnx_and_autocast_compute_the_same_numbers(fmt):
+    # Under a float32 compute dtype all three quantize the same float32 operands: equal.
+    _, _, (linen, nnx_out, autocast) = _three_ways(f"p=f32,c=f32,fp8={fmt}")
+    np.testing.assert_array_equal(linen, nnx_out)
+    np.testing.assert_array_equal(linen, autocast)
+    # Under bfloat16 compute Linen and NNX still agree bit for bit; autocast quantizes the
+    # float32 kernel where the layers quantize it after their cast to bfloat16.
+    x, variables, (linen, nnx_out, autocast) = _three_ways(f"mixed_{fmt}")
+    np.testing.assert_array_equal(linen, nnx_out)
+    plain = _Two().apply(variables, x)
+    for out in (linen, autocast):
+        assert np.linalg.norm(out - plain) <= TOLERANCE[fmt] * np.linalg.norm(plain)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_dense_layer_is_the_numpy_emulation_of_its_gemm(fmt):
+    """One Dense layer under ``p=f32,c=f32,fp8=<fmt>`` against the reference: the
+    kernel (tiled under NVFP4) and the input quantized by numpy/ml_dtypes, float64 sums."""
+    x = np.asarray(jax.random.normal(jax.random.key(0), (8, 40)), np.float32)
+    model = jaxamp.linen.apply_policy(nn.Dense(24, use_bias=False), f"p=f32,c=f32,fp8={fmt}")
+    variables = model.init(jax.random.key(1), x)
+    y = np.asarray(jax.jit(model.apply)(variables, x), np.float64)
+    kernel = np.asarray(variables["params"]["kernel"])
+    want = ref.block_matmul(x, kernel.T, fmt)
+    scale = np.abs(x) @ np.abs(kernel)
+    np.testing.assert_allclose(y, want, rtol=0, atol=float(scale.max()) * 42 * 2.0**-24 * 2)
+
+
+_LINEN_LAYERS = {
+    "Dense": lambda: nn.Dense(6),
+    "DenseGeneral": lambda: nn.DenseGeneral((2, 3)),
+    "Einsum": lambda: nn.Einsum((8, 6), "bi,io->bo"),
+    "MultiHeadDotProductAttention": lambda: nn.MultiHeadDotProductAttention(2, qkv_features=8),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layer", sorted(_LINEN_LAYERS))
+def test_flax_layers_run_block_scaled_close_to_float32_and_the_audit_says_so(layer, fmt):
+    x = jax.random.normal(jax.random.key(0), (4, 40))
+    x = x[:, None, :] * jnp.ones((1, 3, 1)) if layer.startswith("Multi") else x
+    x = x[..., :8] if layer == "Einsum" else x
+    model = jaxamp.linen.apply_policy(_LINEN_LAYERS[layer](), f"p=f32,c=f32,fp8={fmt}")
+    variables = model.init(jax.random.key(1), x)
+    plain = _LINEN_LAYERS[layer]()
+    y, want = model.apply(variables, x), plain.apply({"params": variables["params"]}, x)
+    assert np.linalg.norm(y - want) <= TOLERANCE[fmt] * np.linalg.norm(want)
+    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    step = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))
+    report = jaxamp.precision_report(step)(variables)
+    gemms = [op for op in report.ops if op.contracts]
+    # the layers' GEMMs block-scaled (forward, activation and weight gradients);
+    # attention's two matmuls (no hook) and their gradients in the compute dtype
+    unhooked = 6 if layer.startswith("Multi") else 0
+    assert sum(op.block_format == fmt for op in gemms) == len(gemms) - unhooked, report
+    assert report.block_gemms() == {fmt: len(gemms) - unhooked}
+    assert f"block-scaled GEMMs among them: {len(gemms) - unhooked} {fmt}" in str(report)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_override_keeps_a_layer_out_of_the_block_format(fmt):
+    x = jax.random.normal(jax.random.key(0), (8, 40))
+    model = jaxamp.linen.apply_policy(_Two(), f"mixed_{fmt}", overrides={"second": "float32"})
+    variables = model.init(jax.random.key(1), x)
+    report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
+    formats = {op.layer.rsplit("/", 1)[-1]: op.block_format for op in report.ops}
+    first = [op.block_format for op in report.ops if "first" in op.name]
+    second = [op.block_format for op in report.ops if "second" in op.name]
+    assert first == [fmt] and second == [None], formats
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inf_in_an_input_reaches_the_output_and_the_gradients_as_nan(fmt):
+    """A float8 or float4 value cannot hold inf: the block (MXFP8) or the tensor (NVFP4)
+    decodes to NaN, so that loss scaling sees the overflow instead of a clipped value."""
+    model = jaxamp.linen.apply_policy(nn.Dense(24), f"mixed_{fmt}")
+    x = jnp.ones((4, 64)).at[1, 3].set(jnp.inf)
+    variables = model.init(jax.random.key(1), jnp.ones((4, 64)))
+    y = model.apply(variables, x)
+    assert bool(jnp.isnan(y[1]).all())
+    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
+    assert bool(jnp.isnan(grads["params"]["kernel"]).any())
+
+
+def test_second_derivatives_are_refused_by_name():
+    model = jaxamp.linen.apply_policy(nn.Dense(4), "mixed_mxfp8")
+    x = jnp.ones((2, 32))
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        jax.hessian(lambda v: jnp.sum(model.apply(v, x)))(variables)
