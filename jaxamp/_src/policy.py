@@ -372,7 +372,8 @@ def _parse_grammar(spec: str) -> Policy:
     if history is not None and fp8 != "delayed":
         raise ValueError(
             f"Invalid policy {spec!r}: fp8_history is the amax history of fp8=delayed; "
-            f"fp8={fp8} scales by each tensor's (or block's) own amax and keeps none."
+            f"fp8={fp8} scales by each {'tensor' if fp8 == 'current' else 'block'}'s own "
+            "amax and keeps none."
         )
     if fp8 is not None:
         fp8 = Fp8Recipe(
