@@ -6,7 +6,9 @@ side from the same initialisation on the same synthetic token batches, under
 * ``fp8``: ``mixed_float8`` (float8 matmuls, current scaling);
 * ``fp8-delayed``: ``mixed_float8_delayed`` (delayed scaling; the state, the
   ``_overwrite_with_gradient`` collection, differentiated apart from the params and
-  overwritten with its gradient each step, never given to the optimizer).
+  overwritten with its gradient each step, never given to the optimizer);
+* ``mxfp8``, ``nvfp4`` (with ``--variants``): ``mixed_mxfp8`` and ``mixed_nvfp4``, the
+  block-scaled formats, emulated on a CPU.
 
 Recorded per model and variant: the loss curve, the final loss (mean of the last 20
 steps' training losses; every batch is fresh, so it is also a held-out loss), its gap to
@@ -16,8 +18,9 @@ new state) exceeded the float8 maximum (448 for e4m3 inputs and kernels, 57344 f
 output gradients) times the scale the step quantized with (the new state's ``*_scale``),
 so that its largest values were clipped.
 
-The verdict's tolerance, fixed before any run (``TOLERANCE``): a float8 variant follows
-bf16 when ``|final_fp8 - final_bf16| <= 0.05 * final_bf16``.
+The verdict's tolerance, fixed before any run (``TOLERANCES``): a float8 variant follows
+bf16 when ``|final_fp8 - final_bf16| <= 0.05 * final_bf16``; NVFP4 within 0.10 (see
+``NVFP4_TOLERANCE``).
 
 The data: GPT predicts the next token of sequences drawn from a fixed random bigram chain
 (8 likely successors per token; its entropy rate is the loss floor, recorded); BERT tells
@@ -50,6 +53,7 @@ import numpy as np
 import optax
 
 from benchmarks.common import environment, markdown_table
+from jaxamp._src.audit.report import precision_report
 from jaxamp._src.backend import cpu_info
 from jaxamp._src.compare.variants import get_variant
 from jaxamp._src.flax_policy.linen import apply_policy
@@ -61,6 +65,15 @@ VARIANTS = ("fp32", "bf16", "fp8", "fp8-delayed")
 TOLERANCE = 0.05
 """A float8 variant follows bf16 when ``|final - final_bf16| <= TOLERANCE * final_bf16``
 (decided before the first run)."""
+NVFP4_TOLERANCE = 0.10
+"""NVFP4's tolerance, fixed before its first run: twice float8's, because e2m1 keeps one
+mantissa bit where e4m3 keeps three (a rounding step of a quarter of a value's magnitude
+against a sixteenth), and because this run keeps none of the layers in bf16 and applies no
+random Hadamard transform, both of which NVIDIA's NVFP4 recipe (arXiv 2509.25149) uses to
+stay close to FP8 at scale."""
+TOLERANCES = {"fp8": TOLERANCE, "fp8-delayed": TOLERANCE, "mxfp8": TOLERANCE}
+TOLERANCES["nvfp4"] = NVFP4_TOLERANCE
+"""Each low-precision variant's tolerance against bf16's final loss."""
 LAST = 20
 """The final loss is the mean of the last ``LAST`` steps' losses."""
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
@@ -275,6 +288,9 @@ class Run:
             )
             self.compile_s = time.perf_counter() - start
             self.held_out_loss = jax.jit(objective)  # the model as trained, on held-out data
+            # the precision audit of the step: its GEMMs by block format, and float8 ones
+            report = precision_report(step)(self.params, self.fp8_state, self.opt_state, *example)
+            self.gemm_formats = {"float8": report.float8_gemms()[0], **report.block_gemms()}
         self.losses: list[float] = []
         self.nonfinite = 0
         self.saturated_steps = 0
@@ -326,6 +342,7 @@ class Run:
             "step_time_median_s": statistics.median(self.times),
             "losses": self.losses,
             "final_scales": scales,
+            "gemm_formats": self.gemm_formats,
         }
 
 
@@ -358,9 +375,10 @@ def run_model(name: str, sizes: Sizes, variants=VARIANTS, log=print) -> dict[str
                 r[f"relative_gap_to_{ref}"] = gap / by_name[ref]["final_loss"]
                 held_out_gap = r["held_out_loss"] - by_name[ref]["held_out_loss"]
                 r[f"held_out_relative_gap_to_{ref}"] = held_out_gap / by_name[ref]["held_out_loss"]
-        if "bf16" in by_name and r["variant"].startswith("fp8"):
+        if "bf16" in by_name and r["variant"] in TOLERANCES:
+            r["tolerance"] = TOLERANCES[r["variant"]]
             r["follows_bf16"] = bool(
-                abs(r["gap_to_bf16"]) <= TOLERANCE * by_name["bf16"]["final_loss"]
+                abs(r["gap_to_bf16"]) <= r["tolerance"] * by_name["bf16"]["final_loss"]
                 and r["nonfinite_steps"] == 0
             )
     parameters = sum(x.size for x in jax.tree.leaves(variables["params"]))
@@ -403,8 +421,13 @@ def markdown(result: dict[str, Any]) -> str:
         "the variants' steps interleaved.",
         f"- Final loss: the mean of the last {LAST} steps' training losses (each batch fresh). "
         f"Tolerance, fixed before the run: a float8 variant follows bf16 when "
-        f"|final - final_bf16| <= {TOLERANCE:g} x final_bf16 and no step was non-finite. The "
+        f"|final - final_bf16| <= {TOLERANCE:g} x final_bf16 (NVFP4: {NVFP4_TOLERANCE:g}; "
+        "twice float8's, since e2m1 rounds 4x more coarsely than e4m3 and no layer is kept "
+        "in bf16) and no step was non-finite. The "
         f"final loss's own noise is about its sd over those steps / sqrt({LAST}).",
+        "- GEMMs: the training step's matmuls of jaxamp's low-precision rule, from the "
+        "precision audit (`jaxamp.precision_report`): float8 counts them all, mxfp8 and "
+        "nvfp4 those that ran block-scaled (forward, activation- and weight-gradient).",
         f"- Held-out loss (not part of the verdict): each variant's model as trained, on "
         f"{sizes['eval_examples']} fresh examples after the last step.",
         "- Saturated steps (delayed scaling): steps where some GEMM operand's amax exceeded "
@@ -424,7 +447,9 @@ def markdown(result: dict[str, Any]) -> str:
         ("final_loss_sd", "sd of the last steps"),
         ("gap_to_bf16", "gap to bf16"),
         ("relative_gap_to_bf16", "relative gap"),
-        ("follows_bf16", f"within {TOLERANCE:g}"),
+        ("tolerance", "tolerance"),
+        ("follows_bf16", "within it"),
+        ("gemm_text", "GEMMs (audit)"),
         ("gap_to_fp32", "gap to fp32"),
         ("held_out_loss", "held-out loss"),
         ("held_out_relative_gap_to_bf16", "held-out relative gap"),
@@ -441,7 +466,9 @@ def markdown(result: dict[str, Any]) -> str:
             text = "/".join(str(sat[k]) for k in _OPERANDS) if sat else None
             worst = r.get("max_amax_over_range")
             over = "/".join(f"{worst[k]:.3g}" for k in _OPERANDS) if worst else None
-            rows.append({**r, "saturation_text": text, "overshoot_text": over})
+            formats = r.get("gemm_formats") or {}
+            gemms = ", ".join(f"{n} {k}" for k, n in formats.items() if n) or None
+            rows.append({**r, "saturation_text": text, "overshoot_text": over, "gemm_text": gemms})
         lines += [
             "",
             f"## {m['model']} ({m['parameters']:,} parameters; loss floor {m['loss_floor']:.3f}, "

@@ -402,8 +402,29 @@ def test_fp8_training_benchmark_at_tiny_size(tmp_path, model):
         assert set(delayed["saturations"]) == {"input", "kernel", "output_grad"}
         assert 0 <= delayed["saturated_steps"] <= 2 and bf16["saturated_steps"] is None
         assert all(s != 1.0 for s in delayed["final_scales"].values())  # the scales moved
+        # the audit of the step: every GEMM of the layers in float8, none block-scaled
+        assert delayed["gemm_formats"]["float8"] > 0 and bf16["gemm_formats"] == {"float8": 0}
     assert "fp8-delayed" in (tmp_path / "fp8_training_t.md").read_text()
     assert (tmp_path / "fp8_training_t.png").stat().st_size > 0
+
+
+@pytest.mark.standard_promotion(FLAX)
+def test_fp8_training_benchmark_runs_the_block_formats_with_their_tolerances(tmp_path):
+    from benchmarks import fp8_training
+
+    argv = ["--steps", "2", "--hidden", "16", "--layers", "1", "--heads", "2", "--seq-len", "8"]
+    argv += ["--vocab", "32", "--batch", "4", "--eval-examples", "8", "--tag", "t"]
+    argv += ["--variants", "bf16,mxfp8,nvfp4", "--models", "gpt", "--out", str(tmp_path)]
+    (model,) = fp8_training.main(argv)["models"]
+    bf16, mx, nv = model["runs"]
+    assert bf16["gemm_formats"] == {"float8": 0}
+    assert (mx["tolerance"], nv["tolerance"]) == (0.05, fp8_training.NVFP4_TOLERANCE) == (0.05, 0.1)
+    for r, fmt in ((mx, "mxfp8"), (nv, "nvfp4")):
+        assert r["nonfinite_steps"] == 0 and all(map(math.isfinite, r["losses"]))
+        # every float8 GEMM of the step ran in the block format, forward and both gradients
+        assert r["gemm_formats"][fmt] == r["gemm_formats"]["float8"] > 0
+    text = (tmp_path / "fp8_training_t.md").read_text()
+    assert "nvfp4" in text and f"{mx['gemm_formats']['float8']} mxfp8" in text
 
 
 def test_fp8_training_saturation_is_amax_over_the_scale_used():

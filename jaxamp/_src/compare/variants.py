@@ -23,8 +23,8 @@ class Variant:
     """A precision recipe: policy, matmul precision for float32 inputs, loss scaling.
 
     Attributes:
-      name: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp8-delayed"`` or
-        an optimizer-state recipe's name.
+      name: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"fp8"``, ``"fp8-delayed"``,
+        ``"mxfp8"``, ``"nvfp4"`` or an optimizer-state recipe's name.
       policy: the ``jaxamp.Policy`` applied to the model.
       matmul_precision: ``jax.default_matmul_precision`` while tracing (affects
         float32 matmuls only), or ``None`` for JAX's default.
@@ -117,6 +117,23 @@ VARIANTS["fp8-delayed"] = Variant(
     False,
     "mixed_float8_delayed: float32 params, bfloat16 compute, float8 matmuls, delayed "
     "scaling (amax history)",
+)
+# Block-scaled matmuls (guides/block-scaling.md): no state.
+VARIANTS["mxfp8"] = Variant(
+    "mxfp8",
+    PRESETS["mixed_mxfp8"],
+    None,
+    False,
+    "mixed_mxfp8: float32 params, bfloat16 compute, MXFP8 matmuls (e4m3, a power-of-two "
+    "scale per 32 values)",
+)
+VARIANTS["nvfp4"] = Variant(
+    "nvfp4",
+    PRESETS["mixed_nvfp4"],
+    None,
+    False,
+    "mixed_nvfp4: float32 params, bfloat16 compute, NVFP4 matmuls (e2m1, an e4m3 scale per "
+    "16 values and a float32 scale per tensor; gradients rounded stochastically)",
 )
 
 
