@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -9,6 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxamp._src.dtypes import FLOAT32
 from jaxamp._src.jaxprs import BLOCK_SCOPE_PREFIX, FP8_SCOPE
@@ -20,15 +24,109 @@ from jaxamp._src.ops.fp8_scaling import dequantize_product
 def _gemm(a: Quantized, b: Quantized, spec: str) -> jax.Array:
     """The block-scaled GEMM of two quantized operands, in float32: each value times its
     block's scale (exact), summed in float32, then times the tensors' scales, as the
-    Blackwell GEMM scales its result by ``alpha``."""
-    y = jnp.einsum(
-        spec,
-        a.dequantized(),
-        b.dequantized(),
+    Blackwell GEMM scales its result by ``alpha``. ``spec`` names the operands' axes
+    (``"bmk,bnk->bmn"``); they are brought to that layout and back."""
+    ins, out = spec.split("->")
+    lhs_spec, rhs_spec = ins.split(",")
+    (contraction,) = set(lhs_spec) & set(rhs_spec) - set(out)
+    canonical = ("b" + out[1] + contraction, "b" + out[2] + contraction)
+    a_values, a_scales = _row_form(a, lhs_spec, canonical[0])
+    b_values, b_scales = _row_form(b, rhs_spec, canonical[1])
+    y = _block_matmul(a_values, b_values, a_scales, b_scales, a.fmt)
+    return dequantize_product(y, a.tensor_scale, b.tensor_scale)
+
+
+def _row_form(q: Quantized, spec: str, want: str) -> tuple[jax.Array, jax.Array]:
+    """``q``'s values and a scale per block of each row, in the axes ``want`` (batch, rows,
+    the contraction last). Stored the other way round (``spec`` its transpose), ``q`` must
+    be in square tiles, which scale its columns' blocks as they scale its rows'."""
+    values, scales = q.values, q.block_scales
+    if spec != want:
+        assert spec == want[0] + want[2] + want[1] and q.tile_rows == q.fmt.block, (spec, want)
+        values, scales = jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+    if q.tile_rows > 1:
+        scales = jnp.repeat(scales, q.tile_rows, axis=-2)[..., : values.shape[-2], :]
+    return values, scales
+
+
+def _emulated(a: Any, b: Any, a_scales: Any, b_scales: Any, fmt: BlockFormat) -> jax.Array:
+    """``einsum('bmk,bnk->bmn')`` of the decoded operands, float32 sums: the GEMM emulated."""
+    qa = Quantized(a, a_scales, jnp.float32(1), 1, fmt)
+    qb = Quantized(b, b_scales, jnp.float32(1), 1, fmt)
+    return jnp.einsum(
+        "bmk,bnk->bmn",
+        qa.dequantized(),
+        qb.dequantized(),
         precision=lax.Precision.HIGHEST,
         preferred_element_type=FLOAT32,
     )
-    return dequantize_product(y, a.tensor_scale, b.tensor_scale)
+
+
+# ---------------------------------------------------------- sharding and batching
+# The emulated GEMM takes the quantized values and their scales, as the block-scaled
+# GEMM of a Blackwell GPU does, and tells XLA's partitioner how to shard it (as JAX's
+# own ``scaled_matmul`` does): its contraction whole on every device, so that a weight
+# sharded along it (FSDP) is all-gathered as one byte per value and its scales, never
+# decoded first (a plain einsum of the decoded values gathered them as float32).
+
+
+def _specs(shardings: Any) -> tuple[Any, Any, Any]:
+    a, b = (tuple(s.spec) + (None,) * (3 - len(s.spec)) for s in shardings[:2])
+    batch, m, n = a[0], a[1], b[1]
+    overlap = {x for x in (m if isinstance(m, tuple) else (m,)) if x} & {
+        x for x in (n if isinstance(n, tuple) else (n,)) if x
+    }
+    return batch, m, None if overlap else n
+
+
+def _infer(fmt: Any, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+    batch, m, n = _specs([x.sharding for x in arg_shapes])
+    return NamedSharding(mesh, P(batch, m, n))
+
+
+def _partition(fmt: Any, mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+    batch, m, n = _specs([x.sharding for x in arg_shapes])
+    lhs, rhs = NamedSharding(mesh, P(batch, m, None)), NamedSharding(mesh, P(batch, n, None))
+
+    def local(a: Any, b: Any, a_scales: Any, b_scales: Any) -> jax.Array:
+        return _emulated(a, b, a_scales, b_scales, fmt)
+
+    return mesh, local, NamedSharding(mesh, P(batch, m, n)), (lhs, rhs, lhs, rhs)
+
+
+_partitioned = custom_partitioning(_emulated, static_argnums=(4,))
+_partitioned.def_partition(
+    infer_sharding_from_operands=_infer,
+    partition=_partition,
+    sharding_rule="b m k, b n k, b m s, b n s -> b m n",
+    need_replication_factors=("k", "s"),  # the contraction and its blocks, whole
+)
+
+
+@functools.cache
+def _block_matmul_in(fmt: BlockFormat) -> Any:
+    """The emulated GEMM of ``fmt``, partitioned, with a ``vmap`` rule: under ``vmap`` the
+    mapped axis joins the GEMM's batch axis (``custom_partitioning`` has no batching rule
+    of its own)."""
+
+    @jax.custom_batching.custom_vmap
+    def gemm(a: Any, b: Any, a_scales: Any, b_scales: Any) -> jax.Array:
+        return _partitioned(a, b, a_scales, b_scales, fmt)
+
+    @gemm.def_vmap
+    def _vmap(axis_size: int, in_batched: Any, *arrays: Any) -> Any:
+        full = [
+            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip(arrays, in_batched, strict=True)
+        ]
+        y = gemm(*(x.reshape(-1, *x.shape[2:]) for x in full))
+        return y.reshape(axis_size, -1, *y.shape[1:]), True
+
+    return gemm
+
+
+def _block_matmul(a: Any, b: Any, a_scales: Any, b_scales: Any, fmt: BlockFormat) -> jax.Array:
+    return _block_matmul_in(fmt)(a, b, a_scales, b_scales)
 
 
 def _keys(g: jax.Array) -> tuple[jax.Array, jax.Array]:
