@@ -61,6 +61,7 @@ tensor, 16 x 16 tiles for weights and stochastic rounding of gradients
 (TransformerEngine's ``NVFP4BlockScaling``, without its random Hadamard transform)."""
 
 BLOCK_FORMATS = {f.name: f for f in (MXFP8, NVFP4)}
+"""The block-scaled formats by name, as the policy grammar spells them (`fp8=mxfp8`)."""
 
 
 def block_format(name: Any) -> BlockFormat:
