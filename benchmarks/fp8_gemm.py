@@ -48,6 +48,7 @@ from benchmarks.common import (
 )
 from jaxamp._src.backend import cpu_info
 from jaxamp._src.flax_policy.linen import apply_policy
+from jaxamp._src.ops.block_gemm import block_dot_general
 from jaxamp._src.ops.fp8 import fp8_dot_general
 from jaxamp._src.ops.fp8_scaling import E4M3, quantize, scale_from_amax
 from jaxamp._src.ops.fp8_state import init_gemm_fp8_state
@@ -59,6 +60,7 @@ BASELINE = "bf16"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
 _F8 = re.compile(r"f8e4m3fn|f8e5m2|f8e4m3fnuz|f8e5m2fnuz")
 _GEMM_OP = re.compile(r"(dot|custom-call)\(")
+_BLOCK_KERNEL = re.compile(r"custom-call\(.*(block_?scaled|blockScaled|mxfp8|nvfp4)", re.I)
 
 
 # name = result type (an array, or a tuple of arrays) op(operands), ...
@@ -90,7 +92,13 @@ def hlo_facts(text: str) -> dict[str, int]:
       >>> hlo_facts(hlo)["f8_gemms"]
       1
     """
-    facts = {"f8_gemms": 0, "cublaslt_f8": 0, "gemms": 0, "f8_instructions": 0}
+    facts = {
+        "f8_gemms": 0,
+        "cublaslt_f8": 0,
+        "gemms": 0,
+        "f8_instructions": 0,
+        "block_scaled_kernels": 0,
+    }
     types: dict[str, str] = {}
     for line in text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):
@@ -108,6 +116,8 @@ def hlo_facts(text: str) -> dict[str, int]:
         )
         if "__cublas$lt$matmul$f8" in call:
             facts["cublaslt_f8"] += 1
+        if _BLOCK_KERNEL.search(call):  # cuDNN's / cuBLASLt's block-scaled GEMM
+            facts["block_scaled_kernels"] += 1
         if is_gemm:
             facts["gemms"] += 1
             facts["f8_gemms"] += f8_in
@@ -143,6 +153,10 @@ def _gemms(n: int) -> dict[str, tuple[Any, tuple]]:
             lambda x, y, m: fp8_dot_general(x, y, _FWD, preferred_element_type=bf16, fp8_state=m),
             (a, b, state),
         ),
+        # block-scaled: emulated on every backend today (guides/block-scaling.md); the HLO
+        # says whether a block-scaled kernel ran (block_scaled_kernels)
+        "mxfp8": (lambda x, y: block_dot_general(x, y, _FWD, "mxfp8", bf16), (a, b)),
+        "nvfp4": (lambda x, y: block_dot_general(x, y, _FWD, "nvfp4", bf16), (a, b)),
         "float8 GEMM alone (e4m3 in, float32 out)": (
             lambda x, y: lax.dot_general(x, y, _FWD, preferred_element_type=jnp.float32),
             (q_a, q_b),
@@ -169,6 +183,8 @@ _POLICIES = {
     "bf16": "mixed_bfloat16",
     "fp8": "mixed_float8",
     "fp8-delayed": "mixed_float8_delayed",
+    "mxfp8": "mixed_mxfp8",
+    "nvfp4": "mixed_nvfp4",
 }
 
 
@@ -297,6 +313,15 @@ def main(argv=None) -> list[dict[str, Any]]:
         + ", ".join(f"{r['kind']} {r['variant']}" for r in fp8_rows if r["f8_gemms"] == 0)
         + " (XLA converts the float8 operands to a wider type first)"
     )
+    block_rows = [r for r in rows if r["variant"] in ("mxfp8", "nvfp4")]
+    if block_rows:
+        ran = [r for r in block_rows if r["block_scaled_kernels"] > 0]
+        verdict += (
+            "; block-scaled kernels run in " + ", ".join(f"{r['kind']} {r['variant']}" for r in ran)
+            if ran
+            else "; no block-scaled kernel in the compiled programs: MXFP8 and NVFP4 are "
+            "emulated here (guides/block-scaling.md)"
+        )
     columns = [
         ("kind", "case"),
         ("variant", "variant"),
@@ -307,6 +332,7 @@ def main(argv=None) -> list[dict[str, Any]]:
         ("speedup_vs_bf16", "speed-up vs bf16"),
         ("f8_gemms", "float8 GEMMs"),
         ("cublaslt_f8", "cuBLASLt f8"),
+        ("block_scaled_kernels", "block-scaled kernels"),
         ("gemms", "GEMMs"),
     ]
     cpu_flags = ", ".join(k for k, on in env["cpu_flags"].items() if on) or "none"

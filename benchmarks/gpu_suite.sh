@@ -5,8 +5,9 @@
 # torch.compile bf16; utilisation against a measured bf16 matmul rate; largest-batch
 # estimates for fp32 and bf16. Writes benchmarks.json/.md/.png into OUT_DIR. Before it:
 # the 16-bit matmul forms, rounding on the device, and FP8 (fp8_gemm.json/.md, fp8_hlo/):
-# float8 current and delayed scaling against bf16 on 4096^3 and 8192^3 GEMMs and a Dense
-# stack's training step, and whether the compiled programs run float8 GEMMs (cuBLASLt f8).
+# float8 current and delayed scaling and the block-scaled MXFP8 and NVFP4 against bf16 on
+# 4096^3 and 8192^3 GEMMs and a Dense stack's training step, and whether the compiled
+# programs run float8 GEMMs (cuBLASLt f8) and block-scaled kernels (cuDNN/cuBLASLt).
 #
 #   benchmarks/gpu_suite.sh OUT_DIR [extra flags for benchmarks.run]
 #
@@ -38,9 +39,10 @@ if [ "$limit" != "0.0" ]; then extra=(--memory-limit-gb "$limit"); fi
 python3 -m benchmarks.matmul_forms --size "${MATMUL_SIZE:-8192}" --batch "${DENSE_BATCH:-16384}" \
   --features "${DENSE_FEATURES:-4096}" --warmup 5 --repeats 20 --out "$out" \
   --hlo-out "$out/matmul_hlo" 2>&1 | tee "$out/matmul_forms.log"
-# FP8 (about a minute): does XLA run float8 GEMMs here (the compiled HLO of each program,
-# grepped for f8e4m3fn GEMMs and __cublas$lt$matmul$f8 calls), and how much faster than bf16
-# are they, alone and in a training step; a failure is reported, not fatal.
+# FP8, MXFP8, NVFP4 (about two minutes): does XLA run float8 GEMMs here (the compiled HLO
+# of each program, grepped for f8e4m3fn GEMMs, __cublas$lt$matmul$f8 calls and block-scaled
+# custom calls), and how fast against bf16, alone and in a training step; a failure is
+# reported, not fatal.
 python3 -m benchmarks.fp8_gemm --sizes "${FP8_SIZES:-4096,8192}" \
   --dense-batch "${DENSE_BATCH:-16384}" --dense-features "${DENSE_FEATURES:-4096}" \
   --warmup 5 --repeats 20 --out "$out" --hlo-out "$out/fp8_hlo" 2>&1 | tee "$out/fp8_gemm.log" || true

@@ -446,6 +446,10 @@ def test_fp8_training_saturation_is_amax_over_the_scale_used():
     assert counts["output_grad"] == (1, pytest.approx(2.0))
 
 
+def saved_verdict(path):
+    return json.loads((path / "fp8_gemm.json").read_text())["environment"]["verdict"]
+
+
 def test_fp8_gemm_benchmark_at_tiny_size(tmp_path):
     from benchmarks import fp8_gemm
 
@@ -459,11 +463,16 @@ def test_fp8_gemm_benchmark_at_tiny_size(tmp_path):
         ("Dense", "bf16"),
         ("Dense", "fp8"),
         ("Dense", "fp8-delayed"),
+        ("GEMM", "mxfp8"),
+        ("Dense", "nvfp4"),
     }
     for r in rows:
         assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["gemms"] > 0, r
         assert r["speedup_vs_bf16"] > 0 and r["tflops"] > 0
-        assert (r["f8_instructions"] > 0) == r["variant"].startswith(("fp8", "float8")), r
+        low = r["variant"].startswith(("fp8", "float8")) or r["variant"] in ("mxfp8", "nvfp4")
+        assert (r["f8_instructions"] > 0) == low, r
+        assert r["block_scaled_kernels"] == 0  # emulated on a CPU
+    assert "MXFP8 and NVFP4 are emulated here" in saved_verdict(tmp_path)
     saved = json.loads((tmp_path / "fp8_gemm.json").read_text())
     assert saved["environment"]["verdict"] and "cpu_flags" in saved["environment"]
     assert any(p.name.endswith(".hlo.txt") for p in (tmp_path / "fp8_hlo").iterdir())
@@ -480,7 +489,13 @@ def test_fp8_gemm_reads_float8_gemms_from_hlo_text():
   %g = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %p0, f8e4m3fn[64,64]{1,0} %p0, f32[] %s, f32[] %s), custom_call_target="__cublas$lt$matmul$f8"
 """
     facts = hlo_facts(hlo)
-    assert facts == {"f8_gemms": 1, "cublaslt_f8": 1, "gemms": 2, "f8_instructions": 3}
+    assert facts == {
+        "f8_gemms": 1,
+        "cublaslt_f8": 1,
+        "gemms": 2,
+        "f8_instructions": 3,
+        "block_scaled_kernels": 0,
+    }
     # compiled HLO names its operands without their types: looked up in the computation
     named = """%fused (param_0: f8e4m3fn[8,8], param_1: f8e5m2[8,8]) -> f32[8,8] {
   %param_0 = f8e4m3fn[8,8]{1,0} parameter(0)
@@ -493,7 +508,15 @@ def test_fp8_gemm_reads_float8_gemms_from_hlo_text():
   ROOT %dot.2 = f32[8,8]{1,0} dot(%param_0, %param_0), lhs_contracting_dims={1}
 }
 """
-    assert hlo_facts(named) == {"f8_gemms": 1, "cublaslt_f8": 0, "gemms": 2, "f8_instructions": 3}
+    assert hlo_facts(named) == {
+        "f8_gemms": 1,
+        "cublaslt_f8": 0,
+        "gemms": 2,
+        "f8_instructions": 3,
+        "block_scaled_kernels": 0,
+    }
+    block = '  %g = f32[64,64]{1,0} custom-call(f8e4m3fn[64,64]{1,0} %a, f8e4m3fn[64,64]{1,0} %b, f8e8m0fnu[64,2]{1,0} %s, f8e8m0fnu[64,2]{1,0} %t), custom_call_target="__cudnn$blockScaledDot"'
+    assert hlo_facts(block)["block_scaled_kernels"] == 1
 
 
 def test_xla_cpu_paths_counts_where_each_dot_runs():
