@@ -47,10 +47,28 @@ def _same(a, b):
     np.testing.assert_array_equal(np.where(np.isnan(a), 0, a), np.where(np.isnan(b), 0, b))
 
 
+# The generated tests' budgets: a few dozen examples in CI, ten times more under ``slow``.
+BUDGETS = [
+    pytest.param(1, id="ci"),
+    pytest.param(10, id="ten-times", marks=pytest.mark.slow),
+]
+
+
+def _budget(examples: int, factor: int):
+    return hypothesis.settings(max_examples=examples * factor, deadline=None, derandomize=True)
+
+
+@pytest.mark.parametrize("factor", BUDGETS)
 @pytest.mark.parametrize("fmt", FORMATS)
-@hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
-@hypothesis.given(x=_matrices(nonfinite=True), tiles=st.booleans())
-def test_quantization_matches_the_numpy_emulation_element_for_element(fmt, x, tiles):
+def test_quantization_matches_the_numpy_emulation_element_for_element(fmt, factor):
+    _budget(25, factor)(
+        hypothesis.given(x=_matrices(nonfinite=True), tiles=st.booleans())(
+            lambda x, tiles: _quantization_matches(fmt, x, tiles)
+        )
+    )()
+
+
+def _quantization_matches(fmt, x, tiles):
     tiles = tiles and fmt == "nvfp4"
     got, got_tensor = _ours(x, fmt, tiles)
     want, want_tensor = ref.dequantized(x, fmt, tiles)
@@ -149,11 +167,16 @@ def _sum_bound(a, b):
     return (k + 2) * 2.0**-24 * (np.abs(a) @ np.abs(b).T) + 1e-45
 
 
+@pytest.mark.parametrize("factor", BUDGETS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
-@hypothesis.given(data=st.data())
-def test_the_forward_gemm_matches_the_numpy_emulation(fmt, dtype, data):
+def test_the_forward_gemm_matches_the_numpy_emulation(fmt, dtype, factor):
+    _budget(6, factor)(
+        hypothesis.given(data=st.data())(lambda data: _forward_matches(fmt, dtype, data))
+    )()
+
+
+def _forward_matches(fmt, dtype, data):
     a = data.draw(_matrices(12, 70))
     b = data.draw(_matrices(12, cols=a.shape[1]))
     with np.errstate(over="ignore"):
@@ -194,7 +217,7 @@ def _gradient_reference(a, b, g, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+@hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
 @hypothesis.given(
     seed=st.integers(0, 2**31 - 1), m=st.integers(1, 40), k=st.integers(1, 40), n=st.integers(1, 40)
 )
