@@ -239,3 +239,28 @@ def test_float8_variants_get_a_float8_floor_and_a_healthy_model_is_not_flagged()
     x = jnp.full((4,), 1e-4)
     loss = lambda x: jnp.sum(x)
     assert in_compare.input_sensitivity(loss, jnp.float8_e4m3fn, x)[("", "forward")] < 0.07
+
+
+@pytest.mark.standard_promotion(SUBJECT)
+def test_block_scaled_variants_get_their_formats_floor_and_a_healthy_model_is_not_flagged():
+    """An MXFP8 or NVFP4 variant's floor is made at its format's precision (inputs rounded
+    block by block to e4m3 or e2m1; the ideal recipe's GEMMs block-scaled): a healthy
+    model's rows sit within it, and NVFP4's floor sits above per-tensor FP8's."""
+    from jaxamp._src.compare import numerics_checks as in_compare
+
+    assert in_compare.rounding_dtype(jaxamp.get_policy("mixed_mxfp8")) == "mxfp8"
+    # block by block: small values beside a block of large ones keep their precision (per
+    # tensor, scaled by 1e3's amax, they fell among e4m3's subnormals)
+    x = jnp.concatenate([jnp.full((32,), 1.01e-4), jnp.full((32,), 1e3)])  # two blocks
+    loss = lambda x: jnp.sum(x[:32])
+    error = in_compare.input_sensitivity(loss, "mxfp8", x)[("", "forward")]
+    per_tensor = in_compare.input_sensitivity(loss, jnp.float8_e4m3fn, x)[("", "forward")]
+    assert error < 0.07 < per_tensor, (error, per_tensor)
+    runs = _divergence_of(_Attention(by_hand=False), ("fp8", "mxfp8", "nvfp4"))
+    fp8 = {(d["layer"], d["phase"]): d["floor"] for d in runs["fp8"]}
+    for name in ("mxfp8", "nvfp4"):
+        rows = [d for d in runs[name] if d["floor"] is not None]
+        assert len(rows) == len(runs[name]) > 4, (name, runs[name])
+        assert not any(d["flagged"] for d in rows), (name, rows)
+    nvfp4 = {(d["layer"], d["phase"]): d["floor"] for d in runs["nvfp4"]}
+    assert sum(nvfp4[k] > fp8[k] for k in fp8) > len(fp8) / 2, (nvfp4, fp8)

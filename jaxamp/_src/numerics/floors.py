@@ -23,6 +23,7 @@ from jaxamp._src.autocast.rules import (
     primitive_names,
 )
 from jaxamp._src.numerics.numerics_diff import Measured, compare_runs, measure
+from jaxamp._src.ops.block_scaling import quantize_blocks
 from jaxamp._src.ops.fp8_scaling import quantize
 from jaxamp._src.policy import Policy
 
@@ -70,7 +71,11 @@ def divergence(
 
 def rounding_dtype(policy: Any) -> Any:
     """The dtype ``input_sensitivity`` rounds a variant's params and inputs to: its compute
-    dtype, or under a float8 policy the float8 GEMMs' forward operand dtype (e4m3)."""
+    dtype, or under a float8 policy the float8 GEMMs' forward operand dtype (e4m3), or
+    under a block-scaled policy the format's name (``"mxfp8"``, ``"nvfp4"``: rounded block
+    by block along the last axis)."""
+    if policy.fp8 is not None and policy.fp8.block is not None:
+        return policy.fp8.block
     if policy.fp8 is not None:
         return np.dtype(jnp.float8_e4m3fn)
     return np.dtype(policy.compute_dtype)
@@ -81,6 +86,11 @@ def _rounded(x: Any, dtype: Any) -> Any:
     maps its largest magnitude to the dtype's largest, as a float8 GEMM scales it."""
     if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)):
         return x
+    if isinstance(dtype, str):  # a block-scaled format, in blocks along the last axis
+        if x.ndim == 0:
+            return x.astype(jnp.float32)
+        q = quantize_blocks(x, dtype)
+        return q.dequantized()[..., : x.shape[-1]] * q.tensor_scale
     if jnp.finfo(dtype).bits != 8:
         return x.astype(dtype).astype(jnp.float32)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
