@@ -271,3 +271,49 @@ def test_a_zero_gradient_gives_zero_gradients_not_nan(fmt):
     )
     assert all(bool(jnp.all(g == 0)) for g in grads)
     assert (np.asarray(quantize_blocks(jnp.zeros((2, 64)), fmt).dequantized()) == 0).all()
+
+
+def _dx(x, w, g):
+    dn = (((1,), (0,)), ((), ()))
+    return jax.vjp(lambda v: block_dot_general(v, w, dn, "nvfp4"), x)[1](g)[0]
+
+
+def test_stochastic_rounding_draws_other_bits_for_other_layers_and_for_minus_g():
+    """With an identity weight the activation gradient is the rounded gradient itself.
+    Its random bits had come from a plain sum of the gradient's bits: two layers given the
+    same gradient rounded it alike, and ``-g`` rounded as the mirror of ``g``, a bias that
+    does not average out."""
+    rng = np.random.default_rng(0)
+    x1, x2, g = (jnp.asarray(rng.normal(size=(16, 16)), jnp.float32) for _ in range(3))
+    w = jnp.eye(16, dtype=jnp.float32)  # e2m1 holds 0 and 1 exactly: dx is SR(g)
+    first, second = jax.jit(_dx)(x1, w, g), jax.jit(_dx)(x2, w, g)
+    assert not bool(jnp.all(first == second))
+    assert not bool(jnp.all(jax.jit(_dx)(x1, w, -g) == -first))
+    # a new weight (the next step's) draws new bits too
+    assert not bool(jnp.all(jax.jit(_dx)(x1, w * 1.5, g / 1.5) == first))
+
+
+def test_nvfp4_scales_each_member_of_a_batched_gemm_as_if_alone():
+    """An experts einsum (a dot_general batch axis): one tensor scale per expert, as a
+    loop over the experts (and ``vmap``) gives, not one shared with a 100x larger one."""
+    x = jax.random.normal(jax.random.key(0), (3, 8, 32)).at[1].multiply(100.0)
+    w = jax.random.normal(jax.random.key(1), (3, 32, 16))
+    batched = jax.jit(lambda a, b: block_dot_general(a, b, (((2,), (1,)), ((0,), (0,))), "nvfp4"))
+    one = jax.jit(lambda a, b: block_dot_general(a, b, (((1,), (0,)), ((), ())), "nvfp4"))
+    looped = jnp.stack([one(x[i], w[i]) for i in range(3)])
+    np.testing.assert_array_equal(batched(x, w), looped)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(one))(x, w), looped)
+
+
+def test_operands_sharded_in_explicit_mode_are_refused_by_name():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.ones((8 * jax.device_count(), 64)), NamedSharding(mesh, P("d", None)))
+    f = jax.jit(lambda x, w: block_dot_general(x, w, (((1,), (0,)), ((), ())), "mxfp8"))
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"explicit sharding mode.*AxisType\.Auto"),
+    ):
+        f(x, jnp.ones((64, 16)))

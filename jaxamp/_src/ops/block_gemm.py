@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxamp._src.dtypes import FLOAT32
+from jaxamp._src.errors import guide
 from jaxamp._src.jaxprs import BLOCK_SCOPE_PREFIX, FP8_SCOPE
 from jaxamp._src.ops.block_scaling import BlockFormat, Quantized, block_format, quantize_blocks
 from jaxamp._src.ops.fp8 import _as_custom_vjp, _first_order
-from jaxamp._src.ops.fp8_scaling import dequantize_product
 
 
 def _gemm(a: Quantized, b: Quantized, spec: str) -> jax.Array:
@@ -33,7 +33,15 @@ def _gemm(a: Quantized, b: Quantized, spec: str) -> jax.Array:
     a_values, a_scales = _row_form(a, lhs_spec, canonical[0])
     b_values, b_scales = _row_form(b, rhs_spec, canonical[1])
     y = _block_matmul(a_values, b_values, a_scales, b_scales, a.fmt)
-    return dequantize_product(y, a.tensor_scale, b.tensor_scale)
+    return _times_tensor_scales(y, a.tensor_scale, b.tensor_scale)
+
+
+def _times_tensor_scales(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``y * (a * b)``, or ``(y * a) * b`` where ``a * b`` would underflow or overflow
+    float32 though the result does not (as ``dequantize_product``, per batch member)."""
+    both = a * b
+    normal = jnp.isfinite(both) & (jnp.abs(both) >= jnp.finfo(FLOAT32).tiny)
+    return jnp.where(normal, y * both, (y * a) * b)
 
 
 def _row_form(q: Quantized, spec: str, want: str) -> tuple[jax.Array, jax.Array]:
@@ -129,21 +137,36 @@ def _block_matmul(a: Any, b: Any, a_scales: Any, b_scales: Any, fmt: BlockFormat
     return _block_matmul_in(fmt)(a, b, a_scales, b_scales)
 
 
-def _keys(g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Two PRNG keys for the gradient's stochastic rounding, drawn from the gradient's own
-    bits (a wrapping sum): reproducible, no key to thread through the model, and new at
-    every step the gradient changes."""
-    bits = lax.bitcast_convert_type(g.astype(FLOAT32), jnp.uint32)
-    digest = jnp.sum(bits, dtype=jnp.uint32) if g.size else jnp.uint32(0)
-    key = jax.random.key(digest)
-    return jax.random.split(key)[0], jax.random.split(key)[1]
+def _digest(x: jax.Array) -> jax.Array:
+    """A 32-bit hash of ``x``'s bits and their positions (each value's bits mixed with its
+    index by MurmurHash3's finalizer, then summed): a changed value, a flipped sign or a
+    swap changes it, where a plain sum of the bits let ``-g`` cancel to ``g``'s."""
+    if not x.size:
+        return jnp.uint32(0)
+    bits = lax.bitcast_convert_type(x.astype(FLOAT32), jnp.uint32).reshape(-1)
+    h = bits ^ (jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9))
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
+
+
+def _keys(g: jax.Array, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two PRNG keys for the gradient's stochastic rounding, drawn from a hash of the
+    gradient, the layer's input and its weight: no key to thread through the model; other
+    at every step (the weights move), for every layer (its own input and weight), and for
+    ``g`` and ``-g``. A step repeated exactly (same weights, same batch) repeats its
+    rounding, as any function of its inputs does."""
+    key = jax.random.key(_digest(g))
+    key = jax.random.fold_in(jax.random.fold_in(key, _digest(a)), _digest(b))
+    first, second = jax.random.split(key)
+    return first, second
 
 
 def _forward(fmt: BlockFormat, a: jax.Array, b: jax.Array) -> jax.Array:
     """``einsum('bmk,bnk->bmn')``: both operands in blocks along k; ``b`` (the weight) in
     square tiles under NVFP4."""
-    qa = quantize_blocks(a, fmt)
-    qb = quantize_blocks(b, fmt, tiles=fmt.weight_tiles)
+    qa = quantize_blocks(a, fmt, per_leading=True)
+    qb = quantize_blocks(b, fmt, tiles=fmt.weight_tiles, per_leading=True)
     y = _gemm(qa, qb, "bmk,bnk->bmn")
     return y[:, : a.shape[1], : b.shape[1]]
 
@@ -155,17 +178,18 @@ def _backward(
     ``g.T @ a`` (blocks along m): each operand quantized again along the axis its GEMM
     contracts, the gradient rounded as the format says."""
     m, k, n = a.shape[1], a.shape[2], b.shape[1]
-    key_a, key_b = _keys(g)
+    key_a, key_b = _keys(g, a, b)
     rounding = fmt.gradient_rounding
-    qg = quantize_blocks(g, fmt, rounding=rounding, key=key_a)
+    quantize = functools.partial(quantize_blocks, fmt=fmt, per_leading=True)
+    qg = quantize(g, rounding=rounding, key=key_a)
     if fmt.weight_tiles:  # the forward's tiles: the same values, transposed
-        qb = quantize_blocks(b, fmt, tiles=True)
+        qb = quantize(b, tiles=True)
         d_a = _gemm(qg, qb, "bmn,bnk->bmk")
     else:
-        qb = quantize_blocks(jnp.swapaxes(b, 1, 2), fmt)
+        qb = quantize(jnp.swapaxes(b, 1, 2))
         d_a = _gemm(qg, qb, "bmn,bkn->bmk")
-    qg_t = quantize_blocks(jnp.swapaxes(g, 1, 2), fmt, rounding=rounding, key=key_b)
-    qa_t = quantize_blocks(jnp.swapaxes(a, 1, 2), fmt)
+    qg_t = quantize(jnp.swapaxes(g, 1, 2), rounding=rounding, key=key_b)
+    qa_t = quantize(jnp.swapaxes(a, 1, 2))
     d_b = _gemm(qg_t, qa_t, "bnm,bkm->bnk")
     return d_a[:, :m, :k], d_b[:, :n, :k]
 
@@ -228,6 +252,15 @@ def block_dot_general(
       ((2, 3), 32.0)
     """
     fmt = block_format(fmt)
+    for operand in (lhs, rhs):
+        spec = getattr(getattr(jax.typeof(operand), "sharding", None), "spec", ())
+        if any(s is not None for s in spec):
+            raise ValueError(
+                f"jaxamp's {fmt.name} GEMMs do not run on arrays sharded in JAX's explicit "
+                f"sharding mode yet (an operand typed {jax.typeof(operand).str_short()}); "
+                "use a mesh of AxisType.Auto axes under jit "
+                f"({guide('block-scaling.md', 'limits')})."
+            )
     (lc, rc), (lb, rb) = (
         tuple(tuple(int(d) for d in ax) for ax in part) for part in dimension_numbers
     )

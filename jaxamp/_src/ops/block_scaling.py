@@ -183,6 +183,7 @@ def quantize_blocks(
     tiles: bool = False,
     rounding: str = "nearest",
     key: jax.Array | None = None,
+    per_leading: bool = False,
 ) -> Quantized:
     """``x`` quantized block by block along its last axis.
 
@@ -197,6 +198,8 @@ def quantize_blocks(
       tiles: scale square tiles of ``block`` x ``block`` values of the last two axes.
       rounding: ``"nearest"`` or ``"stochastic"``.
       key: the PRNG key stochastic rounding draws from.
+      per_leading: NVFP4's tensor scale per index of the leading axis (a GEMM's batch:
+        each expert, each member, scaled as if alone), shaped to broadcast; else one.
 
     Returns:
       The ``Quantized`` tensor.
@@ -216,7 +219,12 @@ def quantize_blocks(
     x = _pad_to_blocks(lax.stop_gradient(x).astype(FLOAT32), fmt.block, rows)
     amax = _block_amax(x, fmt.block, rows)
     if fmt.tensor_scale:
-        whole = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)
+        if not x.size:
+            whole = jnp.float32(0)
+        elif per_leading and x.ndim > 1:
+            whole = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), keepdims=True)
+        else:
+            whole = jnp.max(jnp.abs(x))
         encode = _tensor_encode_scale(whole, fmt)
         decode = 1.0 / encode
         # The block's decode scale in e4m3, then the encode scale its values are multiplied
