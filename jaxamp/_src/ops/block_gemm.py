@@ -143,8 +143,13 @@ def _digest(x: jax.Array) -> jax.Array:
     swap changes it, where a plain sum of the bits let ``-g`` cancel to ``g``'s."""
     if not x.size:
         return jnp.uint32(0)
-    bits = lax.bitcast_convert_type(x.astype(FLOAT32), jnp.uint32).reshape(-1)
-    h = bits ^ (jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9))
+    bits = lax.bitcast_convert_type(x.astype(FLOAT32), jnp.uint32)
+    # each value's flat index, from iotas (a reshape to one axis made a sharded x gathered)
+    index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for axis in reversed(range(x.ndim)):
+        index = index + lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    h = bits ^ (index * jnp.uint32(0x9E3779B9))
     h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
     h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
     return jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
