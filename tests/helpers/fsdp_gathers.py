@@ -2,7 +2,10 @@
 prints as JSON the dtypes the program all-gathers, read from XLA's dump right after SPMD
 partitioning (XLA:CPU converts float8 collectives to wider types in later passes, so the
 compiled text would not say what crosses the wire), and whether the sharded step's loss
-and gradient equal the step on one device."""
+and gradient equal the step on one device.
+
+  python -m tests.helpers.fsdp_gathers mixed_mxfp8 512
+"""
 
 import glob
 import json
@@ -12,48 +15,47 @@ import sys
 import tempfile
 from pathlib import Path
 
-DUMP = tempfile.mkdtemp()
-os.environ["XLA_FLAGS"] = (
-    "--xla_force_host_platform_device_count=8 "
-    f"--xla_dump_to={DUMP} --xla_dump_hlo_pass_re=spmd-partitioning"
-)
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jaxamp  # noqa: E402
-
-policy, rows = sys.argv[1], int(sys.argv[2])
-mesh = jax.make_mesh((8,), ("fsdp",))
-model = jaxamp.linen.apply_policy(nn.Dense(256, use_bias=False), policy)
-x = jax.random.normal(jax.random.key(0), (rows, 512))
-variables = model.init(jax.random.key(1), x)
-
-
-def loss(v, x):
-    return jnp.sum(model.apply(v, x).astype(jnp.float32) ** 2)
-
-
-fsdp = NamedSharding(mesh, P("fsdp", None))  # the kernel on its input axis, x on its rows
-sharded = jax.jit(jax.value_and_grad(loss), in_shardings=({"params": {"kernel": fsdp}}, fsdp))
-value, grads = sharded(variables, x)
-one_value, one_grads = jax.jit(jax.value_and_grad(loss))(variables, x)
-gathers = []
-for path in glob.glob(f"{DUMP}/*jit_loss*after_spmd-partitioning*.txt"):
-    gathers += re.findall(r"=\s*(\w+)\[[^\]]*\][^ ]*\s+all-gather\(", Path(path).read_text())
-print(
-    json.dumps(
-        {
-            "gathers": sorted(set(gathers)),
-            "count": len(gathers),
-            "equal_loss": bool(value == one_value),
-            "equal_grads": bool(
-                np.array_equal(grads["params"]["kernel"], one_grads["params"]["kernel"])
-            ),
-        }
+def main(policy: str, rows: int) -> dict:
+    dump = tempfile.mkdtemp()
+    # before jax starts: this process's devices and dump (never set when imported)
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=8 "
+        f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
     )
-)
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxamp
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    model = jaxamp.linen.apply_policy(nn.Dense(256, use_bias=False), policy)
+    x = jax.random.normal(jax.random.key(0), (rows, 512))
+    variables = model.init(jax.random.key(1), x)
+
+    def loss(v, x):
+        return jnp.sum(model.apply(v, x).astype(jnp.float32) ** 2)
+
+    fsdp = NamedSharding(mesh, P("fsdp", None))  # the kernel on its input axis, x on its rows
+    kernel = {"params": {"kernel": fsdp}}
+    value, grads = jax.jit(jax.value_and_grad(loss), in_shardings=(kernel, fsdp))(variables, x)
+    one_value, one_grads = jax.jit(jax.value_and_grad(loss))(variables, x)
+    gathers = []
+    for path in glob.glob(f"{dump}/*jit_loss*after_spmd-partitioning*.txt"):
+        text = Path(path).read_text()
+        gathers += re.findall(r"=\s*(\w+)\[[^\]]*\][^ ]*\s+all-gather\(", text)
+    same = np.array_equal(grads["params"]["kernel"], one_grads["params"]["kernel"])
+    return {
+        "gathers": sorted(set(gathers)),
+        "count": len(gathers),
+        "equal_loss": bool(value == one_value),
+        "equal_grads": bool(same),
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]))))

@@ -211,7 +211,9 @@ def _fp8_rule(module: Any, policy: Policy) -> Fp8DotGeneral | LinenDelayed:
     if recipe.scaling == "delayed" and isinstance(module, nn.Module):
         return LinenDelayed(module, policy.compute_dtype, recipe)
     if recipe.scaling == "delayed":  # NNX: the state of the layer being called
-        return NnxDelayed(policy.compute_dtype, recipe.margin, None, recipe.amax_history_length)
+        return NnxDelayed(
+            policy.compute_dtype, recipe.margin, None, history_length=recipe.amax_history_length
+        )
     return Fp8DotGeneral(policy.compute_dtype, recipe.margin, block=recipe.block)
 
 

@@ -207,8 +207,9 @@ def quantize_blocks(
     Examples:
       >>> import jax.numpy as jnp
       >>> q = quantize_blocks(jnp.arange(32.0), "mxfp8")
+      >>> # 31 / 0.125 = 248 lies halfway between e4m3s 240 and 256: to even, 256
       >>> float(q.block_scales.astype(jnp.float32)[0]), float(q.dequantized()[31])
-      (0.125, 31.0)
+      (0.125, 32.0)
     """
     fmt = block_format(fmt)
     if rounding not in ("nearest", "stochastic"):

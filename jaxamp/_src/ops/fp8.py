@@ -352,7 +352,8 @@ class Fp8DotGeneral:
     compute_dtype: Any
     margin: int = 0
     state: Fp8State | None = None
-    block: str | None = None
+    # keyword-only: a subclass's fields (NnxDelayed's history_length) keep their positions
+    block: str | None = dataclasses.field(default=None, kw_only=True)
 
     def __call__(
         self,
