@@ -47,13 +47,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 from benchmarks.common import environment, markdown_table
+from benchmarks.optimizer_state import DigitsNet
 from jaxamp._src.audit.report import precision_report
 from jaxamp._src.backend import cpu_info
 from jaxamp._src.compare.data import load_digits_28x28
@@ -217,19 +217,9 @@ def bert_task(sizes: Sizes):
     return BertClassifier(config), data, held_out, loss, floor
 
 
-class _DigitsMlp(nn.Module):
-    """784-256-128-10, the optimizer-state benchmark's digits classifier."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(256)(x))
-        x = nn.relu(nn.Dense(128)(x))
-        return nn.Dense(10)(x)
-
-
 def digits_task(sizes: Sizes):
-    """scikit-learn's handwritten digits (shipped, real) at 28x28 and an MLP: batches of
+    """scikit-learn's handwritten digits (shipped, real) at 28x28 and the optimizer-state
+    benchmark's MLP (784-256-128-10): batches of
     ``sizes.batch`` drawn in a shuffled order, epoch after epoch; the 20% test split held
     out. No known loss floor (0 is drawn)."""
     dataset = load_digits_28x28(sizes.seed)
@@ -245,7 +235,7 @@ def digits_task(sizes: Sizes):
         logits = model.apply(variables, images).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-    return _DigitsMlp(), data, held_out, loss, 0.0
+    return DigitsNet(), data, held_out, loss, 0.0
 
 
 TASKS = {"gpt": gpt_task, "bert": bert_task, "digits": digits_task}

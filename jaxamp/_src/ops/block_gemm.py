@@ -19,6 +19,7 @@ from jaxamp._src.errors import guide
 from jaxamp._src.jaxprs import BLOCK_SCOPE_PREFIX, FP8_SCOPE
 from jaxamp._src.ops.block_scaling import BlockFormat, Quantized, block_format, quantize_blocks
 from jaxamp._src.ops.fp8 import _as_custom_vjp, _first_order
+from jaxamp._src.ops.fp8_scaling import dequantize_product
 
 
 def _gemm(a: Quantized, b: Quantized, spec: str) -> jax.Array:
@@ -33,15 +34,7 @@ def _gemm(a: Quantized, b: Quantized, spec: str) -> jax.Array:
     a_values, a_scales = _row_form(a, lhs_spec, canonical[0])
     b_values, b_scales = _row_form(b, rhs_spec, canonical[1])
     y = _block_matmul(a_values, b_values, a_scales, b_scales, a.fmt)
-    return _times_tensor_scales(y, a.tensor_scale, b.tensor_scale)
-
-
-def _times_tensor_scales(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """``y * (a * b)``, or ``(y * a) * b`` where ``a * b`` would underflow or overflow
-    float32 though the result does not (as ``dequantize_product``, per batch member)."""
-    both = a * b
-    normal = jnp.isfinite(both) & (jnp.abs(both) >= jnp.finfo(FLOAT32).tiny)
-    return jnp.where(normal, y * both, (y * a) * b)
+    return dequantize_product(y, a.tensor_scale, b.tensor_scale)
 
 
 def _row_form(q: Quantized, spec: str, want: str) -> tuple[jax.Array, jax.Array]:

@@ -60,8 +60,10 @@ def scale_from_amax(amax: jax.Array, dtype: Any, margin: int = 0, previous: Any 
 def dequantize_product(y: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     """``y * (a * b)`` as Flax's ``fp8_ops`` computes it, or ``(y * a) * b`` where the
     product of the two scales would underflow or overflow float32 (operands near 1e-20 or
-    1e20) although the result does not."""
-    a, b = (jnp.reshape(s, ()).astype(FLOAT32) for s in (a, b))
+    1e20) although the result does not. A scale of one value is a scalar; a block-scaled
+    GEMM's per-member scales (shaped to broadcast against ``y``) stay as they are."""
+    a, b = (jnp.reshape(s, ()) if jnp.size(s) == 1 else s for s in (a, b))
+    a, b = (jnp.asarray(s).astype(FLOAT32) for s in (a, b))
     both = a * b
     normal = jnp.isfinite(both) & (jnp.abs(both) >= jnp.finfo(FLOAT32).tiny)
     return jnp.where(normal, y * both, (y * a) * b)
