@@ -37,6 +37,7 @@ _FLAX_MODELS = {
 }
 
 
+@pytest.mark.default_compiler("the older emitters change the last bit of some float8 gradients")
 @pytest.mark.parametrize("name", sorted(_FLAX_MODELS))
 def test_delayed_autocast_matches_flax_fp8_ops_step_for_step(name):
     """An unmodified model's apply under autocast 'p=f32,c=f32,o=f32,fp8=delayed' against

@@ -597,6 +597,7 @@ def _parity(report):
         assert verdicts[name] != "worse", (verdicts, accuracy, report["runs"])
 
 
+@pytest.mark.default_compiler("training-bound: 3 epochs of a ResNet run 2x slower unoptimised")
 @pytest.mark.standard_promotion(OPTAX)
 def test_accuracy_parity_on_real_data_in_three_epochs_over_two_seeds():
     """The small twin of the three-seed run below: the same narrow ResNet18 on the same
