@@ -4,28 +4,22 @@ import os
 
 import pytest
 
+from tests.helpers import compiler
+
 # Eight CPU devices for the sharding tests; must be set before jax is imported.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
-# The tests' programs compile with LLVM's optimisations off and XLA:CPU's older (non-MLIR)
-# fusion emitters: the same HLO, optimised by XLA as always, and the same IEEE arithmetic
-# (nothing is reassociated without fast-math), compiled 3-4x faster (a small fused
-# program: 80 ms -> 22 ms on a 2-core AMD EPYC, AVX2 only), and compiling is over half of
-# what the suite spends. Programs then run slower, which only the few training-bound tests
-# feel. JAXAMP_TEST_XLA_OPT=1 runs the tests on the compiler users get, as
-# tests/compiler_test.py does in every run for the tests marked ``compiler_sensitive``
-# (they run on both) and ``default_compiler`` (only there: skipped here, with the reason);
-# the benchmarks, run on their own, always do.
-_FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-_flags = [flag for flag in os.environ["XLA_FLAGS"].split() if flag not in _FAST_COMPILE]
-if os.environ.get("JAXAMP_TEST_XLA_OPT") != "1":
-    _names = {flag.split("=")[0] for flag in _flags}
-    _flags += [flag for flag in _FAST_COMPILE if flag.split("=")[0] not in _names]
-os.environ["XLA_FLAGS"] = " ".join(_flags)
-FAST_COMPILE = os.environ.get("JAXAMP_TEST_XLA_OPT") != "1"
+# The tests' programs compile fast (tests/helpers/compiler.py): the same HLO, compiled
+# 3-4x faster, and compiling is over half of what the suite spends. Programs then run
+# slower, which only the few training-bound tests feel. JAXAMP_TEST_XLA_OPT=1 runs the
+# tests on the compiler users get, as tests/compiler_test.py does in every run for the
+# tests marked ``compiler_sensitive`` (they run on both) and ``default_compiler`` (only
+# there: skipped here, with the reason); the benchmarks, run on their own, always do.
+COMPILES_FAST = compiler.compiles_fast()
+os.environ["XLA_FLAGS"] = compiler.with_fast_flags(os.environ["XLA_FLAGS"], COMPILES_FAST)
 
 # The next JAX: flags that change JAX's internals before they become the default
 # (checkpoint and custom_vjp as "hi" primitives...), switched on for a whole run by
@@ -53,10 +47,16 @@ def jax_flag(request):
     jax.config.update(name, previous)
 
 
-@pytest.fixture(autouse=True)
-def _default_compiler(request):
-    marker = request.node.get_closest_marker("default_compiler")
-    if marker is not None and FAST_COMPILE:
+def pytest_collection_modifyitems(config, items):
+    """Under the fast compiler, a ``default_compiler`` test is skipped with its reason
+    before any of its fixtures are set up."""
+    if not COMPILES_FAST:
+        return
+    for item in items:
+        marker = item.get_closest_marker("default_compiler")
+        if marker is None:
+            continue
         if len(marker.args) != 1 or not str(marker.args[0]).strip():
-            raise pytest.UsageError(f"{request.node.nodeid}: default_compiler takes one reason")
-        pytest.skip(f"runs on XLA's default compiler, in tests/compiler_test.py: {marker.args[0]}")
+            raise pytest.UsageError(f"{item.nodeid}: default_compiler takes one reason")
+        reason = f"runs on XLA's default compiler, in tests/compiler_test.py: {marker.args[0]}"
+        item.add_marker(pytest.mark.skip(reason=reason))

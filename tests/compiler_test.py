@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.compiler import DEFAULTS_VARIABLE, FAST_COMPILE, compiles_fast
+
 ROOT = Path(__file__).resolve().parent.parent
-FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _MARKED = re.compile(r"pytest\.mark\.(default_compiler|compiler_sensitive)\b")
 
 
@@ -34,14 +35,13 @@ def test_the_run_compiles_fast_unless_told_otherwise():
     """The flags are in XLA_FLAGS exactly when JAXAMP_TEST_XLA_OPT is not 1 (in this
     process, and in the fresh one below, which runs this test too)."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    fast = os.environ.get("JAXAMP_TEST_XLA_OPT") != "1"
-    assert all((flag in flags) == fast for flag in FAST_COMPILE), flags
+    assert all((flag in flags) == compiles_fast() for flag in FAST_COMPILE), flags
 
 
 def test_the_marked_tests_pass_on_the_default_compiler():
     files = marked_files()
     assert "tests/compiler_test.py" in files and len(files) > 3, files
-    env = {**os.environ, "JAXAMP_TEST_XLA_OPT": "1"}
+    env = {**os.environ, DEFAULTS_VARIABLE: "1"}
     selection = ["-m", "(default_compiler or compiler_sensitive) and not slow"]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection, *files],
