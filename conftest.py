@@ -58,5 +58,5 @@ def pytest_collection_modifyitems(config, items):
             continue
         if len(marker.args) != 1 or not str(marker.args[0]).strip():
             raise pytest.UsageError(f"{item.nodeid}: default_compiler takes one reason")
-        reason = f"runs on XLA's default compiler, in tests/compiler_test.py: {marker.args[0]}"
-        item.add_marker(pytest.mark.skip(reason=reason))
+        slow = item.get_closest_marker("slow") is not None
+        item.add_marker(pytest.mark.skip(reason=compiler.skip_reason(marker.args[0], slow)))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.compiler import DEFAULTS_VARIABLE, FAST_COMPILE, compiles_fast
+from tests.helpers.compiler import DEFAULTS_VARIABLE, FAST_COMPILE, compiles_fast, skip_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 _MARKED = re.compile(r"pytest\.mark\.(default_compiler|compiler_sensitive)\b")
@@ -54,3 +54,11 @@ def test_the_marked_tests_pass_on_the_default_compiler():
     assert run.returncode == 0, run.stdout[-6000:]
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary
+
+
+def test_a_slow_default_compiler_test_says_how_to_run_it():
+    """compiler_test runs the CI's tests only: a slow one's reason must not send the reader
+    there, but to the slow run on XLA's defaults."""
+    assert "compiler_test" in skip_reason("r", slow=False)
+    slow = skip_reason("r", slow=True)
+    assert "compiler_test" not in slow and f"{DEFAULTS_VARIABLE}=1" in slow and "-m slow" in slow

@@ -24,3 +24,11 @@ def with_fast_flags(xla_flags: str, fast: bool) -> str:
         names = {flag.split("=")[0] for flag in flags}
         flags += [flag for flag in FAST_COMPILE if flag.split("=")[0] not in names]
     return " ".join(flags)
+
+
+def skip_reason(reason: str, slow: bool) -> str:
+    """Why a ``default_compiler`` test is skipped under the fast flags, and where it runs:
+    ``tests/compiler_test.py`` runs the CI's tests, a slow one runs with the variable set."""
+    if slow:
+        return f"runs on XLA's defaults: {DEFAULTS_VARIABLE}=1 python -m pytest -m slow ({reason})"
+    return f"runs on XLA's default compiler, in tests/compiler_test.py: {reason}"
