@@ -23,6 +23,7 @@ import pytest
 from jax import lax
 
 import jaxamp
+from tests.helpers.compiler import DEFAULTS_VARIABLE
 
 # Words by which jax's config calls a flag temporary.
 _TEMPORARY = ("temporary", "only briefly", "while we transition")
@@ -129,13 +130,21 @@ def test_transformation_sensitive_tests_pass_under_the_next_jax_flags():
 @pytest.mark.slow
 @pytest.mark.skipif(not NEXT_FLAGS, reason="this jax has none of the next-JAX flags")
 def test_the_whole_sensitive_suite_passes_under_the_next_jax_flags():
-    _pytest_under(NEXT_FLAGS, *SENSITIVE, timeout=3600)
+    _whole_sensitive_suite_under(NEXT_FLAGS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", NEXT_FLAGS)
 def test_all_sensitive_tests_pass_under_each_next_jax_flag_alone(flag):
-    _pytest_under((flag,), *SENSITIVE, timeout=3600)
+    _whole_sensitive_suite_under((flag,))
+
+
+def _whole_sensitive_suite_under(flags):
+    """The sensitive suite under ``flags``, and its ``default_compiler`` tests (Flax's
+    float8 numbers to the bit), which the fast compiler skips, on XLA's defaults."""
+    _pytest_under(flags, *SENSITIVE, timeout=3600)
+    selected = ("-m", "default_compiler")
+    _pytest_under(flags, *SENSITIVE, *selected, timeout=3600, xla_defaults=True)
 
 
 @pytest.mark.parametrize("flag", NEXT_FLAGS)
@@ -156,9 +165,12 @@ def test_the_x64_tests_pass_with_x64_on_from_import_on():
     _pytest_under(("jax_enable_x64",), *tests, "-k", "not without_x64", timeout=900)
 
 
-def _pytest_under(flags, *tests, timeout):
-    """Runs ``tests`` in a fresh process with ``flags`` on from import on."""
+def _pytest_under(flags, *tests, timeout, xla_defaults=False):
+    """Runs ``tests`` in a fresh process with ``flags`` on from import on, compiled as
+    this run compiles, or on XLA's defaults."""
     env = {**os.environ, "JAXAMP_TEST_JAX_FLAGS": ",".join(flags)}
+    if xla_defaults:
+        env[DEFAULTS_VARIABLE] = "1"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
         cwd=ROOT,

@@ -77,6 +77,19 @@ def _quantization_matches(fmt, x, tiles):
     assert got_tensor == want_tensor or (np.isnan(got_tensor) and np.isnan(want_tensor))
 
 
+@pytest.mark.compiler_sensitive
+def test_nvfp4_rounds_a_fine_grid_as_ml_dtypes_does():
+    """Every block holds 6 (its scale is then 1, up to the tensor scale's rounding) and 15
+    values of a grid over [-6, 6]: each lands where ml_dtypes's e2m1 puts it. XLA:CPU's
+    older fusion emitters, which the tests compile with, convert float32 to e2m1 wrongly
+    (-5.0019 to -4, not -6): jaxamp rounds to the grid itself first."""
+    grid = np.linspace(-6, 6, 15 * 8001, dtype=np.float32).reshape(-1, 15)
+    x = np.concatenate([np.full((len(grid), 1), 6, np.float32), grid], axis=1)
+    got, _ = _ours(x, "nvfp4")
+    want, _ = ref.dequantized(x, "nvfp4")
+    _same(got, want)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's arithmetic")
 def test_xla_cpu_reads_float32_subnormals_as_zero_which_the_reference_models():
     x = jnp.float32(1e-40)
@@ -169,9 +182,7 @@ def _sum_bound(a, b):
     return (k + 2) * 2.0**-24 * (np.abs(a) @ np.abs(b).T) + 1e-45
 
 
-@pytest.mark.default_compiler(
-    "XLA:CPU's older emitters round float32 to e2m1 wrongly: -5.0019 to -4, not -6"
-)
+@pytest.mark.compiler_sensitive
 @pytest.mark.parametrize("factor", BUDGETS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -221,9 +232,7 @@ def _gradient_reference(a, b, g, fmt):
     return d_a, d_b
 
 
-@pytest.mark.default_compiler(
-    "XLA:CPU's older emitters round float32 to e2m1 wrongly: -5.0019 to -4, not -6"
-)
+@pytest.mark.compiler_sensitive
 @pytest.mark.parametrize("fmt", FORMATS)
 @hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
 @hypothesis.given(

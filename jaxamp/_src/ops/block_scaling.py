@@ -248,6 +248,11 @@ def quantize_blocks(
     if rounding == "stochastic":
         assert key is not None
         scaled = _stochastic_to_grid(scaled, fmt, key)
+    elif fmt.element == E2M1:
+        # Rounded here, so the conversion below is exact: XLA:CPU's older fusion emitters
+        # (--xla_cpu_use_fusion_emitters=false) convert float32 to e2m1 wrongly (-5.0019
+        # to -4, not -6), as if rounding twice; the float8 conversions are right.
+        scaled = _nearest_on_grid(scaled, fmt)
     values = scaled.astype(fmt.element)
     return Quantized(values, scales, tensor_decode, rows, fmt)
 
@@ -256,14 +261,29 @@ def _stochastic_to_grid(y: jax.Array, fmt: BlockFormat, key: jax.Array) -> jax.A
     """``y`` (within the element's range) moved to one of its two neighbours in the
     element format, the upper with probability its distance from the lower over the gap:
     unbiased. Exact: both neighbours and the result are values of the format."""
-    finfo = jnp.finfo(fmt.element)
     a = jnp.abs(y)
-    # The gap at |y|: 2**(exponent - mantissa bits), subnormals at the smallest normal's;
-    # frexp's exponent is exact (a log2 may round across a power of two).
-    _, exponent = jnp.frexp(jnp.maximum(a, float(finfo.smallest_normal)))
-    gap = jnp.ldexp(jnp.float32(1), exponent - 1 - finfo.nmant)
+    gap = _grid_gap(a, fmt)
     lower = jnp.floor(a / gap) * gap
     u = jax.random.uniform(key, y.shape, FLOAT32)
     up = u < (a - lower) / gap
     out = jnp.minimum(jnp.where(up, lower + gap, lower), fmt.element_max)
     return jnp.where(jnp.isfinite(y), jnp.sign(y) * out, y)
+
+
+def _nearest_on_grid(y: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """``y`` (within the element's range) rounded to the nearest value of the element
+    format, ties to even, in float32: exact, as ``a / gap`` is a division by a power of
+    two and an even multiple of the gap has an even last mantissa bit."""
+    a = jnp.abs(y)
+    gap = _grid_gap(a, fmt)
+    out = jnp.round(a / gap) * gap
+    return jnp.where(jnp.isfinite(y), jnp.copysign(out, y), y)
+
+
+def _grid_gap(a: jax.Array, fmt: BlockFormat) -> jax.Array:
+    """The gap between the element format's values at ``a >= 0``: 2**(exponent - mantissa
+    bits), subnormals at the smallest normal's; frexp's exponent is exact (a log2 may
+    round across a power of two)."""
+    finfo = jnp.finfo(fmt.element)
+    _, exponent = jnp.frexp(jnp.maximum(a, float(finfo.smallest_normal)))
+    return jnp.ldexp(jnp.float32(1), exponent - 1 - finfo.nmant)
