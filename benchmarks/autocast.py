@@ -1,6 +1,7 @@
 """What op-level autocast costs: a training step under autocast, a Linen policy, and by hand.
 
     python -m benchmarks.autocast [--models resnet50,bert] [--repeats 5] [--out DIR]
+        [--bert-layers 4] [--seq-len 128]
 
 For each model, one training step (forward, backward, Adam update) of the same
 Flax Linen model in three ways, compiled first, then timed alternating round by
@@ -42,14 +43,16 @@ VARIANTS = ("autocast", "apply_policy", "by_hand")
 POLICY = "mixed_bfloat16"
 
 
-def _model(name: str, dtype=None):
+def _model(name: str, dtype=None, bert_layers: int = 4):
     if name == "resnet50":
         return ResNet50(10, dtype=dtype)
-    config = BertConfig(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=1024)
+    config = BertConfig(
+        hidden_size=256, num_layers=bert_layers, num_heads=4, intermediate_size=1024
+    )
     return BertClassifier(config, dtype=dtype)
 
 
-def build(name: str, batch: int, seq_len: int = 128, image: int = 28):
+def build(name: str, batch: int, seq_len: int = 128, image: int = 28, bert_layers: int = 4):
     """``(steps, activations, args)``: one jitted training step per variant, the bytes of
     activations each saves for its backward pass, and the arguments the steps take."""
     key = jax.random.key(0)
@@ -59,7 +62,7 @@ def build(name: str, batch: int, seq_len: int = 128, image: int = 28):
     else:
         inputs = jax.random.randint(key, (batch, seq_len), 1, BertConfig().vocab_size)
         labels = jnp.arange(batch) % 2
-    variables = _model(name).init(jax.random.key(1), inputs)
+    variables = jax.jit(_model(name, bert_layers=bert_layers).init)(jax.random.key(1), inputs)
     params, state = variables["params"], variables.get("batch_stats", {})
     tx = optax.adam(1e-3)
 
@@ -90,11 +93,11 @@ def build(name: str, batch: int, seq_len: int = 128, image: int = 28):
 
         return step
 
-    model = _model(name)
+    model = _model(name, bert_layers=bert_layers)
     losses = {
         "autocast": make_loss(jaxamp.autocast(model.apply, POLICY)),
         "apply_policy": make_loss(jaxamp.linen.apply_policy(model, POLICY).apply),
-        "by_hand": make_loss(_model(name, jnp.bfloat16).apply),
+        "by_hand": make_loss(_model(name, jnp.bfloat16, bert_layers).apply),
     }
     steps = {variant: make_step(loss_fn) for variant, loss_fn in losses.items()}
     activations = {
@@ -104,9 +107,11 @@ def build(name: str, batch: int, seq_len: int = 128, image: int = 28):
     return steps, activations, (params, state, tx.init(params))
 
 
-def measure(name: str, batch: int, warmup: int, repeats: int) -> list[dict]:
+def measure(
+    name: str, batch: int, warmup: int, repeats: int, seq_len: int = 128, bert_layers: int = 4
+) -> list[dict]:
     """Compiles, reports and times the three variants of one model."""
-    steps, activations, args = build(name, batch)
+    steps, activations, args = build(name, batch, seq_len=seq_len, bert_layers=bert_layers)
     compiled, records = {}, {}
     for variant, step in steps.items():
         start = time.perf_counter()
@@ -149,6 +154,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--models", default="resnet50,bert", help="resnet50 and/or bert")
     parser.add_argument("--resnet-batch", type=int, default=16)
     parser.add_argument("--bert-batch", type=int, default=4)
+    parser.add_argument("--bert-layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128, help="BERT's sequence length")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="folder for autocast.json/.md")
@@ -161,7 +168,7 @@ def main(argv=None) -> list[dict]:
     records = []
     for name in models:
         batch = args.resnet_batch if name == "resnet50" else args.bert_batch
-        records += measure(name, batch, args.warmup, args.repeats)
+        records += measure(name, batch, args.warmup, args.repeats, args.seq_len, args.bert_layers)
     table = markdown_table(
         records,
         [

@@ -150,9 +150,9 @@ def digits_accuracy(seeds: int, epochs: int, progress: tqdm) -> list[dict[str, A
         model = jaxamp.linen.apply_policy(DigitsNet(), policy)
         accuracies = []
         for seed in range(seeds):
-            params = model.init(jax.random.key(seed), dataset.train_x[:2])["params"]
+            params = jax.jit(model.init)(jax.random.key(seed), dataset.train_x[:2])["params"]
             tx = make()
-            state = tx.init(params)
+            state = jax.jit(tx.init)(params)  # one program each, not one per operation
 
             @jax.jit
             def step(params, state, x, y, tx=tx, model=model):
@@ -194,12 +194,30 @@ def python_docs_bytes() -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
 
 
-GPT_CONFIG = GPT2Config(
-    vocab_size=256, max_position=64, hidden_size=128, num_layers=2, num_heads=4, dropout_rate=0.0
-)
+GPT_CONFIGS = {
+    "small": GPT2Config(
+        vocab_size=256,
+        max_position=64,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+    ),
+    # the tests' quick check of the code path
+    "tiny": GPT2Config(
+        vocab_size=256, max_position=16, hidden_size=32, num_layers=1, num_heads=2, dropout_rate=0.0
+    ),
+}
+GPT_CONFIG = GPT_CONFIGS["small"]
 
 
-def gpt_loss(seeds: int, steps: int, progress: tqdm, batch_size: int = 16) -> list[dict[str, Any]]:
+def gpt_loss(
+    seeds: int,
+    steps: int,
+    progress: tqdm,
+    batch_size: int = 16,
+    config: GPT2Config = GPT_CONFIG,
+) -> list[dict[str, Any]]:
     """Held-out loss of a small byte-level GPT trained under each recipe, over seeds.
 
     The last tenth of the text is held out; the loss is the mean next-byte
@@ -208,7 +226,7 @@ def gpt_loss(seeds: int, steps: int, progress: tqdm, batch_size: int = 16) -> li
     tokens = python_docs_bytes()
     split = int(0.9 * len(tokens))
     train, held_out = tokens[:split], tokens[split:]
-    length = GPT_CONFIG.max_position + 1
+    length = config.max_position + 1
     starts = np.linspace(0, len(held_out) - length, 64).astype(np.int64)
     eval_windows = jnp.asarray(np.stack([held_out[i : i + length] for i in starts]))
 
@@ -221,12 +239,12 @@ def gpt_loss(seeds: int, steps: int, progress: tqdm, batch_size: int = 16) -> li
     rows = []
     for name, (dtype, make, _) in recipes().items():
         policy = "float32" if dtype == "float32" else "p=bf16,c=bf16,o=f32"
-        model = jaxamp.linen.apply_policy(GPT2LMHeadModel(GPT_CONFIG), policy)
+        model = jaxamp.linen.apply_policy(GPT2LMHeadModel(config), policy)
         losses = []
         for seed in range(seeds):
-            params = model.init(jax.random.key(seed), eval_windows[:1, :-1])["params"]
+            params = jax.jit(model.init)(jax.random.key(seed), eval_windows[:1, :-1])["params"]
             tx = make()
-            state = tx.init(params)
+            state = jax.jit(tx.init)(params)  # one program each, not one per operation
 
             @jax.jit
             def step(params, state, windows, tx=tx, model=model):
@@ -288,13 +306,19 @@ def main(argv=None):
         default="gpt2-small",
         help="the model whose bytes per parameter are counted (gpt2-tiny: a quick check)",
     )
+    parser.add_argument(
+        "--gpt-size",
+        choices=list(GPT_CONFIGS),
+        default="small",
+        help="the small GPT's size (tiny: a quick check)",
+    )
     parser.add_argument("--out", default=None, help="folder for the results")
     args = parser.parse_args(argv)
     env = environment()
     with tqdm(total=len(recipes()) * args.seeds, desc="digits, per recipe and seed") as bar:
         accuracy = digits_accuracy(args.seeds, args.epochs, bar)
     with tqdm(total=len(recipes()) * args.seeds, desc="small GPT, per recipe and seed") as bar:
-        gpt = gpt_loss(args.seeds, args.gpt_steps, bar)
+        gpt = gpt_loss(args.seeds, args.gpt_steps, bar, config=GPT_CONFIGS[args.gpt_size])
     memory = bytes_per_parameter(args.bytes_model)
     curves = stall()
     result = {
@@ -332,7 +356,7 @@ def main(argv=None):
             ("points_vs_fp32", "points vs fp32"),
         ],
     )
-    cfg = GPT_CONFIG
+    cfg = GPT_CONFIGS[args.gpt_size]
     md += (
         f"\n\nSmall GPT (byte-level, {cfg.num_layers} layers, width {cfg.hidden_size}, "
         f"{cfg.num_heads} heads, context {cfg.max_position}) on the text of Python's reference "

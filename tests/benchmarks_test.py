@@ -186,6 +186,7 @@ def test_bad_flags(argv):
 @pytest.mark.standard_promotion(FLAX)
 def test_autocast_benchmark_at_small_size(tmp_path):
     argv = ["--models", "bert", "--bert-batch", "1", "--warmup", "1", "--repeats", "1"]
+    argv += ["--bert-layers", "1", "--seq-len", "16"]
     records = autocast_benchmark.main([*argv, "--out", str(tmp_path)])
     assert [r["variant"] for r in records] == ["autocast", "apply_policy", "by_hand"]
     for r in records:
@@ -226,8 +227,8 @@ def test_matmul_forms_at_tiny_size(tmp_path):
 def test_optimizer_state_benchmark_at_small_size(tmp_path, bytes_model):
     from benchmarks import optimizer_state
 
-    argv = ["--seeds", "1", "--epochs", "1", "--gpt-steps", "2", "--out", str(tmp_path)]
-    result = optimizer_state.main([*argv, "--bytes-model", bytes_model])
+    argv = ["--seeds", "1", "--epochs", "1", "--gpt-steps", "2", "--gpt-size", "tiny"]
+    result = optimizer_state.main([*argv, "--bytes-model", bytes_model, "--out", str(tmp_path)])
     by_recipe = {r["recipe"]: r for r in result["bytes"]}
     parameters = by_recipe["fp32"]["parameters"]
     assert parameters > 100e6 if bytes_model == "gpt2-small" else parameters < 1e6
