@@ -181,3 +181,16 @@ def test_auto_policy_reason_on_gpus_and_tpus():
     assert "float16 tensor cores" in reason and "loss scaling" in reason
     _, reason = auto_policy(FakeDevice("gpu", "6.1"), explain=True)
     assert "no tensor cores" in reason
+
+
+def test_the_block_scaled_gemm_runs_in_hardware_on_blackwell_only():
+    from jaxamp._src.backend import has_block_scaled_gemm
+
+    blackwell = [FakeDevice("gpu", c) for c in ("10.0", "10.3", "12.0")]
+    assert has_block_scaled_gemm(blackwell)
+    older = ("7.0", "8.0", "8.9", "9.0", None, "n/a")
+    for device in (*(FakeDevice("gpu", c) for c in older), FakeDevice("cpu"), FakeDevice("tpu")):
+        assert not has_block_scaled_gemm([device]), device
+        assert not has_block_scaled_gemm([blackwell[0], device]), device  # every device
+    assert not has_block_scaled_gemm([FakeDevice("gpu", "10.0", FakeClient("rocm 7.0"))])
+    assert not has_block_scaled_gemm([])

@@ -31,6 +31,8 @@ _BF16_MIN_CAPABILITY = 8.0
 _F16_MIN_CAPABILITY = 7.0
 # ... and from which float8 tensor cores exist (Ada, Hopper).
 _FP8_MIN_CAPABILITY = 8.9
+# Blackwell: the block-scaled GEMM (MXFP8, NVFP4) in hardware.
+_BLOCK_SCALED_MIN_CAPABILITY = 10.0
 
 
 def _compute_capability(device: Any) -> float | None:
@@ -46,6 +48,25 @@ def _compute_capability(device: Any) -> float | None:
 def _is_rocm(device: Any) -> bool:
     version = getattr(getattr(device, "client", None), "platform_version", "") or ""
     return "rocm" in version.lower()
+
+
+def has_block_scaled_gemm(devices: Any = None) -> bool:
+    """Whether ``devices`` (default: this process's) all run the block-scaled GEMM in
+    hardware: NVIDIA GPUs of compute capability 10.0 or more (Blackwell).
+
+    Examples:
+      >>> from jaxamp._src.backend import has_block_scaled_gemm
+      >>> import jax
+      >>> jax.default_backend() != "cpu" or has_block_scaled_gemm()
+      False
+    """
+    devices = jax.devices() if devices is None else devices
+    return bool(devices) and all(
+        d.platform in ("gpu", "cuda")
+        and not _is_rocm(d)
+        and (_compute_capability(d) or 0.0) >= _BLOCK_SCALED_MIN_CAPABILITY
+        for d in devices
+    )
 
 
 def cpu_info() -> tuple[str, set[str]]:

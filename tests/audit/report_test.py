@@ -61,6 +61,21 @@ def test_parse_compiled_hlo():
     assert report.converts == 2
 
 
+def test_the_block_scaled_gemm_call_is_a_matmul_of_its_values():
+    """JAX's ``scaled_matmul`` as compiled HLO holds it for a GPU (a custom call of the
+    quantized values and their scales; XLA's rewrite then names cuDNN's kernel)."""
+    shapes = "f8e4m3fn[1,4,64]{2,1,0} %a, f8e4m3fn[1,8,64]{2,1,0} %b, "
+    shapes += "f8e8m0fnu[1,4,2]{2,1,0} %sa, f8e8m0fnu[1,8,2]{2,1,0} %sb"
+    for target in ("__op$block_scaled_dot", "__cudnn$blockScaledDot"):
+        text = (
+            "HloModule jit_f\n\nENTRY %main () -> f32[1,4,8] {\n"
+            f"  ROOT %c = f32[1,4,8]{{2,1,0}} custom-call({shapes}), "
+            f'custom_call_target="{target}"\n}}\n'
+        )
+        (op,) = PrecisionReport.from_text(text).ops
+        assert (op.kind, op.operand_dtype) == ("custom-call", "float8_e4m3fn"), (target, op)
+
+
 # Compiled HLO as a backend with 16-bit kernels writes it (a softmax, an all-reduce, a
 # segment sum, a cumulative sum), and a combiner that rounds to bfloat16 (XLA:CPU's form).
 HLO_SENSITIVE = """

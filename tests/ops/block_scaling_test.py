@@ -175,6 +175,69 @@ def test_jaxs_scaled_dot_general_is_no_reference_on_cpu():
     assert not np.allclose(ours, exact, rtol=1e-4)
 
 
+@pytest.mark.compiler_sensitive
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_emulated_gemm_is_jaxs_own_scaled_dot(fmt):
+    """The GEMM of quantized operands against ``jax.lax.scaled_dot``, XLA's block-scaled
+    dot (on a CPU its decomposition: each value times its block's scale, float32 sums):
+    the same values and scales, within the order of float32's sums."""
+    from jaxamp._src.ops.block_gemm import _block_matmul
+
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(2, 5, 96)) * np.exp2(rng.integers(-8, 8, size=(2, 5, 96)))
+    b = rng.normal(size=(2, 7, 96))
+    qa, qb = (quantize_blocks(jnp.asarray(x, jnp.float32), fmt) for x in (a, b))
+    f = block_format(fmt)
+    ours = jax.jit(lambda *v: _block_matmul(*v, f))(
+        qa.values, qb.values, qa.block_scales, qb.block_scales
+    )
+    theirs = jax.jit(
+        lambda x, y, sx, sy: jax.lax.scaled_dot(
+            x,
+            y,
+            lhs_scale=sx,
+            rhs_scale=sy,
+            dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+            preferred_element_type=jnp.float32,
+        )
+    )(qa.values, qb.values, qa.block_scales, qb.block_scales)
+    decoded = [np.asarray(_decoded_blocks(q), np.float64) for q in (qa, qb)]
+    bound = np.stack([_sum_bound(x, y) for x, y in zip(*decoded, strict=True)])
+    assert np.abs(ours).max() > 0
+    assert np.all(np.abs(np.asarray(ours, np.float64) - np.asarray(theirs)) <= 2 * bound)
+
+
+def _decoded_blocks(q):
+    """``q``'s values times their block scales (not the tensor's scale), as the GEMM takes
+    them."""
+    return q.values.astype(jnp.float32) * jnp.repeat(
+        q.block_scales.astype(jnp.float32), q.fmt.block, axis=-1
+    )
+
+
+def test_on_a_blackwell_gpu_the_gemm_is_jaxs_scaled_matmul_lowered_to_cudnn(monkeypatch):
+    """Where every device has the block-scaled GEMM, the forward and both gradient GEMMs
+    are ``jax.nn.scaled_matmul``, which JAX lowers for CUDA to the block-scaled dot that
+    XLA hands to cuDNN (lowered here for CUDA without a GPU; no Blackwell ran it)."""
+    from jaxamp._src.ops import block_gemm
+
+    monkeypatch.setattr(block_gemm, "has_block_scaled_gemm", lambda: True)
+    dn = (((1,), (1,)), ((), ()))
+
+    def loss(x, w):
+        return block_dot_general(x, w, dn, "mxfp8", jnp.float32).sum()
+
+    x, w = jnp.ones((4, 64)), jnp.ones((8, 64))
+    step = jax.value_and_grad(loss, argnums=(0, 1))  # the forward's value kept
+    jaxpr = str(jax.make_jaxpr(step)(x, w))
+    assert jaxpr.count("scaled_matmul") >= 3, jaxpr
+    try:
+        lowered = jax.jit(step).trace(x, w).lower(lowering_platforms=("cuda",))
+    except Exception as error:  # a jaxlib without CUDA's lowering rules
+        pytest.skip(f"this jaxlib cannot lower for CUDA: {error}")
+    assert lowered.as_text().count("__op$block_scaled_dot") == 3
+
+
 def _sum_bound(a, b):
     """The error float32 sums of ``k`` exact products allow: (k + 2) * 2**-24 times the
     sum of their magnitudes (plus the tensor scales' two roundings)."""

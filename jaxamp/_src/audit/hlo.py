@@ -24,7 +24,16 @@ _HLO_OPERAND = re.compile(r"([a-zA-Z0-9]+)\[([\d,]*)\]")
 _HLO_REFERENCE = re.compile(r"%([\w.\-]+)")
 _HLO_ALGORITHM = re.compile(r"algorithm=dot_(\w+)|ALG_DOT_(\w+)")
 _HLO_NAME = re.compile(r'op_name="([^"]*)"')
-_HLO_MATMUL_TARGETS = ("cublas", "cudnn$conv", "__cudnn$conv", "gemm")
+# cuBLAS and cuDNN GEMMs, convolutions, and the block-scaled GEMM (JAX's scaled_matmul,
+# then cuDNN's kernel after XLA's rewrite)
+_HLO_MATMUL_TARGETS = (
+    "cublas",
+    "cudnn$conv",
+    "__cudnn$conv",
+    "gemm",
+    "block_scaled_dot",
+    "blockScaledDot",
+)
 _HLO_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*->.*\{\s*$")
 _HLO_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
 _HLO_WINDOW = re.compile(r"window=\{([^}]*)\}")

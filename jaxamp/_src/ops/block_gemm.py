@@ -14,6 +14,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxamp._src.backend import has_block_scaled_gemm
 from jaxamp._src.dtypes import FLOAT32
 from jaxamp._src.errors import guide
 from jaxamp._src.jaxprs import BLOCK_SCOPE_PREFIX, FP8_SCOPE
@@ -127,6 +128,12 @@ def _block_matmul_in(fmt: BlockFormat) -> Any:
 
 
 def _block_matmul(a: Any, b: Any, a_scales: Any, b_scales: Any, fmt: BlockFormat) -> jax.Array:
+    """``einsum('bmk,bnk->bmn')`` of the block-scaled operands, float32: on a GPU with the
+    block-scaled GEMM (Blackwell, compute capability 10 and up) JAX's ``scaled_matmul``,
+    which XLA lowers to cuDNN's kernel; elsewhere the emulation, which computes the same
+    numbers up to the order of float32's sums."""
+    if has_block_scaled_gemm():
+        return jax.nn.scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=FLOAT32)
     return _block_matmul_in(fmt)(a, b, a_scales, b_scales)
 
 
