@@ -103,19 +103,25 @@ def main(argv=None) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
-    flags = ", ".join(f for f, on in env["cpu_flags"].items() if on)
+    has = ", ".join(f for f, on in env["cpu_flags"].items() if on) or "none"
+    lacks = ", ".join(f for f, on in env["cpu_flags"].items() if not on) or "none"
+    rows = [
+        {**r, "per_seed": " ".join(f"{a:.4f}" for a in r["accuracies"])} for r in result["rows"]
+    ]
     lines = [
         "# Digits under each format, over seeds",
         "",
-        f"- Machine: {env['cpu_model']} (/proc/cpuinfo lists {flags}); jax {env.get('jax')}.",
+        f"- Machine: {env['cpu_model']} (/proc/cpuinfo lists {has}; not {lacks}); "
+        f"jax {env.get('jax')}.",
         f"- Seeds: {', '.join(map(str, result['seeds']))}; the FP8 training benchmark's "
         "digits run (`python -m benchmarks.fp8_training --models digits`) for each.",
         f"- Rule, fixed before these seeds were run: {result['rule']}.",
         "",
         markdown_table(
-            result["rows"],
+            rows,
             [
                 ("variant", "variant"),
+                ("per_seed", "held-out accuracy per seed"),
                 ("mean_accuracy", "held-out accuracy, mean"),
                 ("sd", "sd over seeds"),
                 ("gap_to_bf16_points", "gap to bf16 (points)"),
