@@ -108,6 +108,23 @@ def test_an_amax_whose_quotient_is_subnormal_still_gets_a_scale_that_holds_it():
     assert got[0, 0] == pytest.approx(4e-36, rel=0.07)
 
 
+@pytest.mark.parametrize("tensor_amax", [1e-33, 1e-32])
+def test_an_nvfp4_block_far_below_its_tensors_amax_keeps_its_values(tensor_amax):
+    # The block's decode scale times the tensor's is then a float32 subnormal, which
+    # XLA:CPU reads as zero: its reciprocal, clipped, made every value the block's largest.
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = tensor_amax
+    x[0, 16:20] = [6e-38, 3e-38, 2e-38, 1.5e-38]
+    got, tensor = _ours(x, "nvfp4")
+    want, want_tensor = ref.dequantized(x, "nvfp4")
+    _same(got, want)
+    assert tensor == want_tensor
+    # four values, in order, no longer four copies of the largest (the scale, an e4m3
+    # subnormal at 1e-32, is coarse enough that the largest clips: the format's doing)
+    decoded = got[0, 16:20] * tensor
+    assert np.all(np.diff(decoded) < 0) and decoded[-1] > 0
+
+
 def test_the_mx_scale_rounds_up_so_that_no_value_clips():
     # 449 would clip to 448 with the OCP spec's floor; the scale rounded up holds it.
     x = np.zeros((1, 32), np.float32)
