@@ -697,15 +697,33 @@ def test_the_seeds_verdict_reads_the_mean_over_seeds():
     assert not {r["variant"]: r for r in seeds.aggregate(per_seed)}["nvfp4"]["follows_bf16"]
 
 
-@pytest.mark.standard_promotion(OPTAX)
-def test_the_seeds_run_at_tiny_size(tmp_path):
+def test_the_seeds_run_writes_its_table_from_each_seeds_run(tmp_path, monkeypatch):
+    """The command's plumbing, each seed's training replaced by a stub (the training code
+    path is tested above): a run per seed, with its seed and steps, and the table."""
+    from benchmarks import fp8_training
     from benchmarks import fp8_training_seeds as seeds
 
+    calls = []
+
+    def one_seed(argv):
+        calls.append(argv)
+        seed = int(argv[argv.index("--seed") + 1])
+        runs = [
+            {"variant": v, "held_out_accuracy": 0.9 + 0.01 * seed, "nonfinite_steps": 0}
+            for v in ("bf16", "nvfp4")
+        ]
+        env = {"cpu_model": "a CPU", "cpu_flags": {"avx2": True, "avx512_bf16": False}}
+        return {"environment": {**env, "jax": "0"}, "models": [{"runs": runs}]}
+
+    monkeypatch.setattr(fp8_training, "main", one_seed)
     argv = ["--seeds", "0,1", "--variants", "bf16,nvfp4", "--steps", "2", "--tag", "t"]
     result = seeds.main([*argv, "--out", str(tmp_path)])
-    assert result["seeds"] == [0, 1] and set(result["per_seed"]) == {0, 1}
+    assert [c[c.index("--seed") + 1] for c in calls] == ["0", "1"]
+    assert all(c[c.index("--steps") + 1] == "2" and "digits" in c for c in calls)
     (nvfp4,) = [r for r in result["rows"] if r["variant"] == "nvfp4"]
-    assert len(nvfp4["accuracies"]) == 2 and isinstance(nvfp4["follows_bf16"], bool)
-    assert "fixed before" in (tmp_path / "fp8_training_seeds_t.md").read_text()
-    with pytest.raises(SystemExit):
-        seeds.main(["--seeds", "3"])
+    assert nvfp4["accuracies"] == [0.9, 0.91] and nvfp4["follows_bf16"]
+    md = (tmp_path / "fp8_training_seeds_t.md").read_text()
+    assert "fixed before" in md and "0.9000 0.9100" in md and "not avx512_bf16" in md
+    for bad in (["--seeds", "3"], ["--seeds", "a,b"], ["--variants", "nvfp4"]):
+        with pytest.raises(SystemExit):
+            seeds.main(bad)
