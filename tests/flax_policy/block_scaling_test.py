@@ -175,3 +175,21 @@ def test_second_derivatives_are_refused_by_name():
     variables = model.init(jax.random.key(0), x)
     with pytest.raises(NotImplementedError, match="second derivatives"):
         jax.jit(jax.hessian(lambda v: jnp.sum(model.apply(v, x))))(variables)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_autocast_runs_attentions_matmuls_in_the_format_where_the_linen_policy_does_not(fmt):
+    """The guide's limit, both ways: a Linen policy keeps attention's two matmuls (scores
+    and values) in the compute dtype, as TransformerEngine does; autocast sees operations,
+    not layers, and runs them block-scaled too."""
+    layer = nn.MultiHeadDotProductAttention(2, qkv_features=8)
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    variables = layer.init(jax.random.key(1), x)
+    policy = f"p=f32,c=f32,fp8={fmt}"
+    linen = jaxamp.linen.apply_policy(layer, policy)
+    under_linen = jaxamp.precision_report(linen.apply)(variables, x).block_gemms()
+    under_autocast = jaxamp.precision_report(jaxamp.autocast(layer.apply, policy))(
+        variables, x
+    ).block_gemms()
+    assert under_linen == {fmt: 4}  # query, key, value, output projections
+    assert under_autocast == {fmt: 6}  # and attention's two matmuls
