@@ -62,7 +62,8 @@ def build(name: str, batch: int, seq_len: int = 128, image: int = 28, bert_layer
     else:
         inputs = jax.random.randint(key, (batch, seq_len), 1, BertConfig().vocab_size)
         labels = jnp.arange(batch) % 2
-    variables = jax.jit(_model(name, bert_layers=bert_layers).init)(jax.random.key(1), inputs)
+    model = _model(name, bert_layers=bert_layers)
+    variables = jax.jit(model.init)(jax.random.key(1), inputs)
     params, state = variables["params"], variables.get("batch_stats", {})
     tx = optax.adam(1e-3)
 
@@ -93,7 +94,6 @@ def build(name: str, batch: int, seq_len: int = 128, image: int = 28, bert_layer
 
         return step
 
-    model = _model(name, bert_layers=bert_layers)
     losses = {
         "autocast": make_loss(jaxamp.autocast(model.apply, POLICY)),
         "apply_policy": make_loss(jaxamp.linen.apply_policy(model, POLICY).apply),

@@ -44,12 +44,13 @@ def aggregate(per_seed: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     bf16 = statistics.mean(r["held_out_accuracy"] for r in runs["bf16"])
     rows = []
     for variant, rs in runs.items():
-        mean = statistics.mean(r["held_out_accuracy"] for r in rs)
+        accuracies = [r["held_out_accuracy"] for r in rs]
+        mean = statistics.mean(accuracies)
         row: dict[str, Any] = {
             "variant": variant,
-            "accuracies": [r["held_out_accuracy"] for r in rs],
+            "accuracies": accuracies,
             "mean_accuracy": mean,
-            "sd": statistics.stdev(r["held_out_accuracy"] for r in rs) if len(rs) > 1 else 0.0,
+            "sd": statistics.stdev(accuracies) if len(rs) > 1 else 0.0,
             "gap_to_bf16_points": 100 * (mean - bf16),
             "nonfinite_steps": sum(r["nonfinite_steps"] for r in rs),
         }

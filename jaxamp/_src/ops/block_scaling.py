@@ -232,13 +232,14 @@ def quantize_blocks(
         # by, as TransformerEngine's kernels compute them (core_nvfp4.cuh).
         wanted = amax * (encode * jnp.float32(1.0 / fmt.element_max))
         scales = jnp.minimum(wanted, float(jnp.finfo(fmt.scale).max)).astype(fmt.scale)
-        block_decode = scales.astype(FLOAT32) * decode
+        wide_scales = scales.astype(FLOAT32)
+        block_decode = wide_scales * decode
         # Where that product is a float32 subnormal, which XLA:CPU reads as zero (a block far
         # below its tensor's amax), the quotient ``encode / scale`` instead: 1 / 0 clipped
         # to float32's largest made every value of the block its largest.
         normal = block_decode >= float(jnp.finfo(FLOAT32).smallest_normal)
         block_encode = jnp.minimum(
-            jnp.where(normal, 1.0 / block_decode, encode / scales.astype(FLOAT32)), _F32_MAX
+            jnp.where(normal, 1.0 / block_decode, encode / wide_scales), _F32_MAX
         )
         # A tensor holding inf (whose encode scale falls back to 1) or NaN decodes to NaN:
         # clipping would hide an overflow from loss scaling's check of the gradients.
