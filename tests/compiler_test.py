@@ -1,15 +1,14 @@
 """The tests whose subject is the compiled arithmetic, on the compiler users get.
 
 The suite's programs compile with LLVM's optimisations off and XLA:CPU's older fusion
-emitters (the root conftest.py), 3-4x faster. Tests marked ``compiler_sensitive`` (the
+emitters (the root conftest.py), 3-4x faster. Tests marked ``default_compiler`` (the
 rounding and its folded convert pair, the float8 and block-scaled formats against their
-numpy emulations, the non-finite check under fast math, the audit of compiled programs)
-run again here, and tests marked ``default_compiler`` run only here: a fresh process
-with ``JAXAMP_TEST_XLA_OPT=1``, XLA's defaults, as a user's program gets. The older
-emitters change the last bits of some float8 gradients (Flax's to the bit no longer), so
-that claim is tested on the default compiler alone. They also convert float32 to e2m1
-wrongly (-5.0019 to -4, not -6), which jaxamp sidesteps by rounding to the grid itself,
-so the NVFP4 tests run under both.
+numpy emulations, the non-finite check under fast math, the audit of compiled programs,
+Flax's float8 numbers to the bit, the training-bound parity run) run only here: a fresh
+process with ``JAXAMP_TEST_XLA_OPT=1``, XLA's defaults, as a user's program gets. Tests
+marked ``compiler_sensitive`` run here and under the fast flags: the older emitters
+convert float32 to e2m1 wrongly (-5.0019 to -4, not -6), which jaxamp sidesteps by
+rounding to the grid itself, so NVFP4's rounding is tested under both.
 """
 
 import os

@@ -7,7 +7,7 @@ import pytest
 from jaxamp._src.audit.hlo import read_compiled, wider_result
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_read_compiled_finds_the_dot_and_the_sensitive_ops(dtype):
     def f(x, w):

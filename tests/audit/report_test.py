@@ -196,7 +196,7 @@ COMPILED_SOFTMAX_ON_CPU = {
 }
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @ON_CPU
 @pytest.mark.parametrize("dtype", list(COMPILED_SOFTMAX_ON_CPU))
 def test_compiled_report_on_this_backend(dtype):
@@ -226,7 +226,7 @@ def test_compiled_report_on_this_backend(dtype):
         assert report.check() is report
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @ON_CPU
 def test_compiled_bfloat16_softmax_reads_what_xla_cpu_computes():
     """XLA:CPU computes bfloat16 elementwise math in float32 (the exponential reads a

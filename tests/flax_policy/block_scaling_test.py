@@ -96,7 +96,7 @@ def test_linen_nnx_and_autocast_compute_the_same_numbers(fmt):
         assert np.linalg.norm(out - plain) <= TOLERANCE[fmt] * np.linalg.norm(plain)
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_dense_layer_is_the_numpy_emulation_of_its_gemm(fmt):
     """One Dense layer under ``p=f32,c=f32,fp8=<fmt>`` against the reference: the

@@ -155,7 +155,7 @@ def test_a_tail_shorter_than_a_block_is_its_own_block_padded_with_zeros():
     assert (np.asarray(q.values.astype(jnp.float32))[0, 40:] == 0).all()
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 def test_mxfp8_matches_jaxs_own_quantizer_bit_for_bit():
     from jax._src.cudnn import scaled_matmul_stablehlo as jax_mx
 
@@ -192,7 +192,7 @@ def test_jaxs_scaled_dot_general_is_no_reference_on_cpu():
     assert not np.allclose(ours, exact, rtol=1e-4)
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_emulated_gemm_is_jaxs_own_scaled_dot(fmt):
     """The GEMM of quantized operands against ``jax.lax.scaled_dot``, XLA's block-scaled
@@ -262,7 +262,7 @@ def _sum_bound(a, b):
     return (k + 2) * 2.0**-24 * (np.abs(a) @ np.abs(b).T) + 1e-45
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("factor", BUDGETS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -312,7 +312,7 @@ def _gradient_reference(a, b, g, fmt):
     return d_a, d_b
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("fmt", FORMATS)
 @hypothesis.settings(max_examples=8, deadline=None, derandomize=True)
 @hypothesis.given(

@@ -108,7 +108,7 @@ def _cancelling_example():
     st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
 )
 # the bound's ends rounded to float16 may overflow to inf, as the gradient does
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @FLOAT16_OVERFLOW
 @hypothesis.example(_cancelling_example(), jnp.float32)
 def test_current_scaling_matches_numpy_quantize_dequantize(arrays, dtype):
@@ -155,7 +155,7 @@ _FLAX_LAYERS = {
 }
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("layer", sorted(_FLAX_LAYERS))
 def test_delayed_scaling_matches_flax_fp8_ops_step_for_step(layer):
     """The raw op with Flax's state, against ``Fp8DirectDotGeneralOp`` in a Dense and a
@@ -365,7 +365,7 @@ def test_e4m3_saturates_under_delayed_scaling_when_amax_grows():
     np.testing.assert_allclose(y2, [[10.0]], rtol=0.07)
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize(
     "shapes, dn",
     [

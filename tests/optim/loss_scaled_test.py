@@ -144,7 +144,7 @@ def test_finiteness_is_that_of_the_unscaled_gradients(values, scale, skipped):
     assert int(state.skipped_steps) == int(skipped)
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize(
     "options", [{"xla_cpu_enable_fast_math": True}, {"xla_cpu_enable_fast_min_max": True}]
 )

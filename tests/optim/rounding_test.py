@@ -57,7 +57,7 @@ def _out_of_range(dtype):
     return np.concatenate([values, -values]).astype(np.float32)
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_unbiased_mean_over_many_draws(dtype):
     """Values between two 16-bit neighbours: the mean of the roundings is the value."""
@@ -321,7 +321,7 @@ def _pairs_folded(fn, *args):
     return compiler.folded
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 def test_the_folding_compiler_folds_a_convert_pair():
     """The simulated compiler does what the GPU one may: the pair, inside a nested jit,
     returns x unrounded (a quarter of a float16 ulp above 1)."""
@@ -420,7 +420,7 @@ def _lower_neighbours(dtype, drawn):
     return planted + out
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("fold", [False, True], ids=["as_compiled_on_cpu", "pair_folded"])
 @pytest.mark.parametrize("dtype", SIXTEEN)
 @settings(max_examples=6, deadline=None)
@@ -472,7 +472,7 @@ def _check_grid(dtype, fold, bases, seed):
     )
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("dtype", SIXTEEN)
 @settings(max_examples=10, deadline=None)
 @given(bases=_bases)
@@ -496,7 +496,7 @@ _WIDENING = re.compile(
 )
 
 
-@pytest.mark.compiler_sensitive
+@pytest.mark.default_compiler("its subject is the compiled arithmetic: the compiler users get")
 @pytest.mark.parametrize("dtype", SIXTEEN)
 def test_the_rounding_is_in_the_compiled_program(dtype):
     """x.astype(16 bits).astype(float32) may be folded to x by a compiler allowed excess
