@@ -177,19 +177,77 @@ def test_second_derivatives_are_refused_by_name():
         jax.jit(jax.hessian(lambda v: jnp.sum(model.apply(v, x))))(variables)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_autocast_runs_attentions_matmuls_in_the_format_where_the_linen_policy_does_not(fmt):
-    """The guide's limit, both ways: a Linen policy keeps attention's two matmuls (scores
-    and values) in the compute dtype, as TransformerEngine does; autocast sees operations,
-    not layers, and runs them block-scaled too."""
-    layer = nn.MultiHeadDotProductAttention(2, qkv_features=8)
-    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
-    variables = layer.init(jax.random.key(1), x)
-    policy = f"p=f32,c=f32,fp8={fmt}"
-    linen = jaxamp.linen.apply_policy(layer, policy)
-    under_linen = jaxamp.precision_report(linen.apply)(variables, x).block_gemms()
-    under_autocast = jaxamp.precision_report(jaxamp.autocast(layer.apply, policy))(
-        variables, x
-    ).block_gemms()
-    assert under_linen == {fmt: 4}  # query, key, value, output projections
-    assert under_autocast == {fmt: 6}  # and attention's two matmuls
+_VOCAB, _WIDTH, _HEADS = 32, 16, 2
+
+
+class _TiedLm(nn.Module):
+    """A one-block language model: embedding, causal self-attention, an MLP, a norm and a
+    tied head (``Embed.attend``)."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(_VOCAB, _WIDTH, name="embed")
+        x = embed(tokens)
+        mask = nn.make_causal_mask(tokens)
+        x = x + nn.MultiHeadDotProductAttention(_HEADS, name="attention")(x, mask=mask)
+        x = x + nn.Dense(_WIDTH, name="down")(nn.gelu(nn.Dense(2 * _WIDTH, name="up")(x)))
+        return embed.attend(nn.LayerNorm(name="norm")(x))
+
+
+class _NnxTiedLm(nnx.Module):
+    def __init__(self, params):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(_VOCAB, _WIDTH, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(_HEADS, _WIDTH, decode=False, rngs=rngs)
+        self.up = nnx.Linear(_WIDTH, 2 * _WIDTH, rngs=rngs)
+        self.down = nnx.Linear(2 * _WIDTH, _WIDTH, rngs=rngs)
+        self.norm = nnx.LayerNorm(_WIDTH, rngs=rngs)
+        nnx.update(self, nnx.State(jax.tree.map(jnp.asarray, params)))
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.attention(x, mask=nn.make_causal_mask(tokens))
+        x = x + self.down(nnx.gelu(self.up(x)))
+        return self.embed.attend(self.norm(x))
+
+
+def _tied_lm_three_ways(policy):
+    """The model's loss under the Linen policy, the NNX policy and autocast, each a
+    function of the Linen variables, and the variables."""
+    tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, _VOCAB)
+    variables = _TiedLm().init(jax.random.key(1), tokens)
+    linen = jaxamp.linen.apply_policy(_TiedLm(), policy)
+    autocast = jaxamp.autocast(_TiedLm().apply, policy)
+
+    def under_nnx(v):
+        model = jaxamp.nnx.apply_policy(_NnxTiedLm(v["params"]), policy)
+        return model(tokens)
+
+    calls = {
+        "linen": lambda v: linen.apply(v, tokens),
+        "nnx": under_nnx,
+        "autocast": lambda v: autocast(v, tokens),
+    }
+    return variables, calls
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "current"])
+def test_linen_nnx_and_autocast_agree_on_attention_and_a_tied_head(fmt):
+    """Autocast sees operations, not layers: it runs a GEMM in the format where one operand
+    is a weight, so attention's two matmuls (two activations) and the tied head (the
+    table the model looks rows up in) stay in the compute dtype, as the policies keep
+    them. Op by op under ``p=f32,c=f32``, the three compute the same bits, outputs and
+    gradients; the audit counts the same GEMMs in the format."""
+    variables, calls = _tied_lm_three_ways(f"p=f32,c=f32,fp8={fmt}")
+    outputs, grads, counts = {}, {}, {}
+    for name, call in calls.items():
+        outputs[name] = call(variables)
+        grads[name] = jax.grad(lambda v, call=call: jnp.sum(call(v) ** 2))(variables)
+        report = jaxamp.precision_report(call)(variables)
+        counts[name] = report.block_gemms() or report.float8_gemms()[0]
+    # query, key, value, output, up and down projections: six of the model's nine GEMMs
+    assert counts["linen"] == ({fmt: 6} if fmt in FORMATS else 6), counts
+    assert counts["nnx"] == counts["linen"] and counts["autocast"] == counts["linen"], counts
+    for name in ("nnx", "autocast"):
+        np.testing.assert_array_equal(outputs[name], outputs["linen"])
+        jax.tree.map(np.testing.assert_array_equal, grads[name], grads["linen"])

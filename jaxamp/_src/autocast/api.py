@@ -16,6 +16,7 @@ from jaxamp._src.autocast.context import CallContext
 from jaxamp._src.autocast.graphs import GraphSplitter, Nodes
 from jaxamp._src.autocast.interpreter import cast_to_traced, eval_jaxpr
 from jaxamp._src.autocast.rules import AUTOCAST_RULES, AutocastConfig, AutocastRules, narrows
+from jaxamp._src.autocast.weights import Weights
 from jaxamp._src.dtypes import FLOAT32, is_16bit, is_narrow, is_narrower
 from jaxamp._src.jaxprs import FLOAT32_SCOPE, eqns_in_scopes, scope_paths
 from jaxamp._src.ops.residuals import checkpoint_residuals, partition_arrays, validate_residuals
@@ -315,7 +316,10 @@ def _evaluation(
     def evaluate_traced(traced_arrays: list[Any]) -> list[Any]:
         if store is not None:  # the arguments' names, for the float8 GEMMs' state
             fp8_state.rename(store, arrays, traced_arrays)
-        context = CallContext(config, written, closed.jaxpr, store, float32_eqns=kept)
+        weights = Weights() if config.policy.fp8 is not None else None
+        context = CallContext(
+            config, written, closed.jaxpr, store, float32_eqns=kept, weights=weights
+        )
         outs = eval_jaxpr(closed.jaxpr, consts, traced_arrays, context)
         cast = cast_to_traced(outs, closed.jaxpr.outvars)
         if not keep_wider or (not written and not context.kept.noted):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxamp._src.autocast import constants, fp8_state
 from jaxamp._src.autocast.rules import AutocastConfig
+from jaxamp._src.autocast.weights import Weights
 
 
 class KeptWide:
@@ -49,6 +50,8 @@ class CallContext:
       kept: whether a value was kept wider than traced (see ``KeptWide``).
       float32_eqns: the ids of the equations of ``program`` an override keeps in float32
         (``jaxprs.eqns_in_scopes`` of ``config.float32_scopes``).
+      weights: which GEMMs are against a weight, under a float8 or block format (``None``
+        without one): see ``weights.Weights``.
     """
 
     config: AutocastConfig
@@ -57,11 +60,19 @@ class CallContext:
     fp8: fp8_state.Store | None = None
     kept: KeptWide = dataclasses.field(default_factory=KeptWide)
     float32_eqns: frozenset[int] = frozenset()
+    weights: Weights | None = None
 
     def with_config(self, config: AutocastConfig) -> CallContext:
         """This context with another policy or rule table (a custom rule's inside, a
         matmul traced in 16 bits)."""
         return dataclasses.replace(self, config=config)
+
+    def enter(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+        """A body's arguments ``inner``, entered with the values ``outer``, keep their names
+        (delayed scaling's state) and their kinds (weights or activations)."""
+        fp8_state.rename(self.fp8, outer, inner)
+        if self.weights is not None:
+            self.weights.enter(outer, inner)
 
     def watching(self) -> CallContext:
         """This context with a fresh ``kept`` flag that reports to this one's."""

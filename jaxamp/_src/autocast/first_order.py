@@ -214,6 +214,7 @@ def _compute(eqn: Any, env: Env) -> list[Any]:
         and eqn.primitive is lax.dot_general_p
         and not _is_vector_dot(eqn)
         and not in_no_fp8_scope(eqn)
+        and _against_a_weight(eqn, env)
     ):
         return [_fp8_matmul(eqn, env)]
     if is_16bit(compute):
@@ -249,6 +250,16 @@ def _compute(eqn: Any, env: Env) -> list[Any]:
     return bind(eqn, _planned_inputs(eqn, env, [compute] * len(eqn.invars)), params)
 
 
+def _against_a_weight(eqn: Any, env: Env) -> bool:
+    """Whether one operand of the GEMM ``eqn`` is a weight (``weights.Weights``): the
+    formats leave a product of two activations (attention's) and a tied head alone."""
+    weights = env.context.weights
+    if weights is None:
+        return True
+    operands = [env.read(a) for a in eqn.invars[:2]]
+    return any(weights.is_weight(v, env.source(v)) for v in operands)
+
+
 def _fp8_matmul(eqn: Any, env: Env) -> Any:
     """A ``dot_general`` under a float8 policy, scaled by its operands' current amax, or by
     its state in the ``fp8_state`` autocast was given (delayed scaling). The result is in
@@ -267,37 +278,11 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
         dims,
         None,
         out,
-        fp8_state=fp8_state.state_here(env.context.fp8, _source(env, lhs), _source(env, rhs)),
+        fp8_state=fp8_state.state_here(env.context.fp8, env.source(lhs), env.source(rhs)),
         margin=env.policy.fp8.margin,
         out_sharding=eqn.params.get("out_sharding"),
         block=env.policy.fp8.block,
     )
-
-
-# Equations that move or cast a value without computing: a GEMM's operand made by them
-# from an argument (``x @ w.T``, a kernel cast or reshaped) is that argument's.
-_MOVES = frozenset(
-    {
-        "convert_element_type",
-        "transpose",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "copy",
-        "copy_p",
-        "pvary",  # a replicated weight inside shard_map
-    }
-)
-
-
-def _source(env: Env, value: Any) -> Any:
-    """The value ``value`` was moved or cast from, through ``_MOVES``."""
-    for _ in range(16):
-        entry = env.record.made.get(id(value))
-        if entry is None or entry[0] is not value or entry[1].primitive.name not in _MOVES:
-            return value
-        value = entry[2][0]
-    return value
 
 
 @register_first_order("traced", lax.dot_general_p.name, lax.conv_general_dilated_p.name)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._src.autocast import fp8_state
 from jaxamp._src.autocast.context import CallContext
 from jaxamp._src.autocast.interpreter import (
     Env,
@@ -24,6 +23,7 @@ from jaxamp._src.autocast.interpreter import (
     traced_dtype,
 )
 from jaxamp._src.autocast.rules import primitive_names
+from jaxamp._src.autocast.weights import carried_activations
 from jaxamp._src.dtypes import is_floating, is_narrower, promote, upcast
 from jaxamp._src.jaxprs import bind, equations, open_jaxpr
 
@@ -59,7 +59,7 @@ def _rematerialized(closed: Any, params: dict[str, Any], eqn: Any, env: Env) -> 
     outer = [env.read(a) for a in eqn.invars]
 
     def body(*args: Any) -> Any:
-        fp8_state.rename(env.context.fp8, outer, args)  # the arguments keep their names
+        env.context.enter(outer, args)  # the arguments keep their names and kinds
         return eval_jaxpr(jaxpr, consts, args, env.context)
 
     remat = jax.checkpoint(
@@ -158,8 +158,15 @@ def _cond(eqn: Any, env: Env) -> list[Any]:
             for body in bodies
         ],
     )
-    branches = [lambda *a, body=body: _cast_to(body(env.context, *a), dtypes) for body in bodies]
-    return list(lax.switch(index, branches, *operands))
+
+    def branch(body: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+        def run(*args: Any) -> list[Any]:
+            _entered(env.context, operands, args)
+            return _cast_to(body(env.context, *args), dtypes)
+
+        return run
+
+    return list(lax.switch(index, [branch(body) for body in bodies], *operands))
 
 
 @register_higher_order("while")
@@ -176,13 +183,51 @@ def _while(eqn: Any, env: Env) -> list[Any]:
         context,
         lambda d, w: jax.eval_shape(lambda c: body(w, *body_consts, *c), _abstract(carry, d)),
     )
+    n_body_consts = len(body_consts)
+    kinds = _carry_kinds(
+        context, p["body_jaxpr"], values[n_cond:], n_body_consts, n_body_consts + len(carry)
+    )
+
+    def entered(c: Any) -> Any:
+        _entered_carry(context, carry, c, kinds)
+        return c
+
     return list(
         lax.while_loop(
-            lambda c: cond(context, *cond_consts, *c)[0],
-            lambda c: _cast_to(body(context, *body_consts, *c), dtypes),
+            lambda c: cond(context, *cond_consts, *entered(c))[0],
+            lambda c: _cast_to(body(context, *body_consts, *entered(c)), dtypes),
             _cast_to(carry, dtypes),
         )
     )
+
+
+def _carry_kinds(
+    context: CallContext, body: Any, args: Sequence[Any], start: int, stop: int
+) -> list[bool] | None:
+    """Which carries (``args[start:stop]`` of the loop ``body``'s arguments ``args``) are
+    activations, for the formats' GEMMs (``None`` without a format)."""
+    weights = context.weights
+    if weights is None:
+        return None
+    kinds = [weights.is_activation(a) for a in args]
+    return carried_activations(body, kinds[:start], kinds[start:stop], kinds[stop:])
+
+
+def _entered_carry(
+    context: CallContext, outer: Sequence[Any], inner: Sequence[Any], kinds: list[bool] | None
+) -> None:
+    """A loop's carry ``inner``, entered with ``outer``: activations as ``kinds`` says."""
+    _entered(context, outer, inner)
+    if context.weights is not None and kinds is not None:
+        context.weights.mark(inner, kinds)
+
+
+def _entered(context: CallContext, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+    """A control-flow body's arguments ``inner`` take the kinds of ``outer`` (weights or
+    activations). Unlike a call's, they take no names: delayed scaling names a GEMM in a
+    branch or a loop by its computed operands (``·``)."""
+    if context.weights is not None:
+        context.weights.enter(outer, inner)
 
 
 @register_higher_order("scan")
@@ -206,7 +251,12 @@ def _scan(eqn: Any, env: Env) -> list[Any]:
         ),
     )
 
+    outer_carry, outer_xs = carry, xs
+    kinds = _carry_kinds(context, p["jaxpr"], values, n_consts, n_consts + n_carry)
+
     def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+        _entered_carry(context, outer_carry, carry, kinds)
+        _entered(context, outer_xs, xs)
         outs = body(context, *consts, *carry, *xs)
         return _cast_to(outs[:n_carry], dtypes), outs[n_carry:]
 
@@ -236,7 +286,7 @@ def _shard_map(eqn: Any, env: Env) -> list[Any]:
     outer = [env.read(a) for a in eqn.invars]
 
     def body(*args: Any) -> Any:
-        fp8_state.rename(env.context.fp8, outer, args)  # the arguments keep their names
+        env.context.enter(outer, args)  # the arguments keep their names and kinds
         return tuple(eval_jaxpr(jaxpr, consts, args, env.context))
 
     mapped = shard_map(

@@ -22,6 +22,21 @@ from jaxamp._src.jaxprs import bind, eqn_context, in_float32_scope, in_scopes, s
 
 # --- What one evaluation knows ----------------------------------------------------------------
 
+# Equations that move or cast a value without computing: a GEMM's operand made by them
+# from an argument (``x @ w.T``, a kernel cast or reshaped) is that argument's.
+MOVES = frozenset(
+    {
+        "convert_element_type",
+        "transpose",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "copy",
+        "copy_p",
+        "pvary",  # a replicated weight inside shard_map
+    }
+)
+
 
 @dataclasses.dataclass
 class _Record:
@@ -75,6 +90,15 @@ class Env:
         inputs = [a if isinstance(a, jex.core.Literal) else self.values[a] for a in eqn.invars]
         for index, out in enumerate(outs):
             self.record.made[id(out)] = (out, eqn, inputs, index)
+
+    def source(self, value: Any) -> Any:
+        """The value ``value`` was moved or cast from, through ``MOVES``."""
+        for _ in range(16):
+            entry = self.record.made.get(id(value))
+            if entry is None or entry[0] is not value or entry[1].primitive.name not in MOVES:
+                return value
+            value = entry[2][0]
+        return value
 
     def concrete(self, value: Any, limit: int = 1 << 20) -> Any:
         """``value`` computed now, as the program wrote it, if it depends on no input of
@@ -335,6 +359,9 @@ def eval_jaxpr(
             outs = _eval_eqn(eqn, env, higher_order)
         env.values.update(zip(eqn.outvars, outs, strict=True))
         env.remember_made(eqn, outs, higher_order)
+        if context.weights is not None:
+            inputs = [env.read(a) for a in eqn.invars]
+            context.weights.after(eqn, inputs, outs, env.source(inputs[0]) if inputs else None)
     return [env.read(v) for v in jaxpr.outvars]
 
 

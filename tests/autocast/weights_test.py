@@ -1,0 +1,90 @@
+"""Which GEMMs autocast runs in a float8 or block format: those against a weight.
+
+Each function below is counted by the precision audit, which reads the lowered program
+(not the rule): the float8 GEMMs under per-tensor scaling, the block-scaled ones by format.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxamp
+
+FORMATS = ("current", "mxfp8", "nvfp4")
+
+
+def _in_format(fun, fmt, *args):
+    report = jaxamp.precision_report(jaxamp.autocast(fun, f"p=f32,c=f32,fp8={fmt}"))(*args)
+    return report.block_gemms().get(fmt, 0) if fmt != "current" else report.float8_gemms()[0]
+
+
+def _normal(i, shape):
+    return jax.random.normal(jax.random.key(i), shape)
+
+
+X, WQ, WK, WV = (_normal(i, (32, 32)) for i in range(4))
+
+
+def _attention(x, wq, wk, wv):
+    q, k, v = x @ wq, x @ wk, x @ wv
+    return jax.nn.softmax(q @ k.T / 4.0) @ v
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_written_by_hand_runs_its_projections_in_the_format_alone(fmt):
+    assert _in_format(_attention, fmt, X, WQ, WK, WV) == 3
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_gemm_of_two_arguments_or_of_a_computed_kernel_is_against_a_weight(fmt):
+    """An argument is a weight whatever it holds; a kernel computed from weights alone (a
+    normalised one, a weight slice a loop counter picks) is one too."""
+    assert _in_format(lambda a, b: a @ b, fmt, X, WQ) == 1
+    assert _in_format(lambda x, w: x @ (w / jnp.linalg.norm(w, axis=0)), fmt, X, WQ) == 1
+    ws = jnp.stack([WQ, WK, WV])
+
+    def layers(x, ws):
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ ws[i]), x)
+
+    assert _in_format(layers, fmt, X, ws) == 1  # one GEMM in the loop's body
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tied_head_stays_out_of_the_format(fmt):
+    """The table the function looks rows up in is an embedding table: its GEMM (the tied
+    head's logits) stays in the compute dtype, as the policies keep ``Embed.attend``; the
+    same GEMM against a table never looked up is against a weight."""
+    ids = jnp.arange(32) % 7
+
+    def tied(table, w, ids):
+        h = jnp.tanh(jnp.take(table, ids, axis=0) @ w)
+        return h @ table.T
+
+    assert _in_format(tied, fmt, X, WQ, ids) == 1  # h @ w alone
+    assert _in_format(lambda table, w, x: jnp.tanh(x @ w) @ table.T, fmt, WK, WQ, X) == 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("wrap", ["checkpoint", "scan", "cond"])
+def test_bodies_keep_the_kinds_of_the_values_they_are_entered_with(fmt, wrap):
+    """Attention inside a checkpoint, a scan over layers and a cond's branch: the
+    projections in the format, the two matmuls of activations not."""
+    if wrap == "checkpoint":
+        fun = jax.checkpoint(_attention)
+        args = (X, WQ, WK, WV)
+    elif wrap == "scan":
+
+        def fun(x, ws):
+            def layer(h, w):
+                return h + _attention(h, w[0], w[1], w[2]), None
+
+            return jax.lax.scan(layer, x, ws)[0]
+
+        args = (X, jnp.stack([jnp.stack([WQ, WK, WV])] * 2))
+    else:
+
+        def fun(x, wq, wk, wv, pred):
+            return jax.lax.cond(pred, _attention, lambda *a: a[0], x, wq, wk, wv)
+
+        args = (X, WQ, WK, WV, True)
+    assert _in_format(fun, fmt, *args) == 3
