@@ -6,6 +6,7 @@ Each function below is counted by the precision audit, which reads the lowered p
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxamp
@@ -88,3 +89,46 @@ def test_bodies_keep_the_kinds_of_the_values_they_are_entered_with(fmt, wrap):
 
         args = (X, WQ, WK, WV, True)
     assert _in_format(fun, fmt, *args) == 3
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("wrap", ["checkpoint", "cond", "scan"])
+def test_a_table_looked_up_inside_a_body_is_a_table_outside_it(fmt, wrap):
+    """The lookup under ``remat`` (``nn.remat`` around an embedder), in a branch or in a
+    loop's body marks the table the function was given, so the tied head after it stays
+    out of the format."""
+    ids = jnp.arange(32) % 7
+
+    def lookup(table, ids):
+        if wrap == "checkpoint":
+            return jax.checkpoint(lambda t, i: jnp.take(t, i, axis=0))(table, ids)
+        if wrap == "cond":
+            return jax.lax.cond(
+                True, lambda t, i: jnp.take(t, i, axis=0), lambda t, i: t, table, ids
+            )
+        return jax.lax.scan(lambda c, i: (c, jnp.take(table, i, axis=0)), 0.0, ids)[1]
+
+    def tied(table, w, ids):
+        return jnp.tanh(lookup(table, ids) @ w) @ table.T
+
+    assert _in_format(tied, fmt, X, WQ, ids) == 1  # the GEMM against w alone
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_weight_written_on_the_left_is_quantized_as_on_the_right(fmt):
+    """NVFP4 tiles a layer's kernel 16 x 16, MXFP8 blocks it along the contraction: a
+    weight on the left (``(W.T @ h.T).T``) is quantized as the same weight on the right,
+    so the two spellings give the same bits, outputs and gradients."""
+    w, wh = _normal(4, (64, 48)), _normal(5, (64, 64))
+    x = _normal(6, (40, 64)) * jnp.logspace(-2, 2, 40)[:, None]
+    policy = f"p=f32,c=f32,fp8={fmt}"
+    right = jaxamp.autocast(lambda w, wh: jnp.sum(jnp.tanh(jnp.tanh(x @ wh) @ w) ** 2), policy)
+    left = jaxamp.autocast(
+        lambda w, wh: jnp.sum(jnp.tanh((w.T @ jnp.tanh(x @ wh).T).T) ** 2), policy
+    )
+    for a, b in zip(
+        jax.jit(jax.value_and_grad(right, (0, 1)))(w, wh),
+        jax.jit(jax.value_and_grad(left, (0, 1)))(w, wh),
+        strict=True,
+    ):
+        jax.tree.map(np.testing.assert_array_equal, a, b)

@@ -251,3 +251,44 @@ def test_linen_nnx_and_autocast_agree_on_attention_and_a_tied_head(fmt):
     for name in ("nnx", "autocast"):
         np.testing.assert_array_equal(outputs[name], outputs["linen"])
         jax.tree.map(np.testing.assert_array_equal, grads[name], grads["linen"])
+
+
+class _Ensemble(nn.Module):
+    """Four Dense members under ``nn.vmap``; ``shared``: one input for all (``in_axes=None``)."""
+
+    shared: bool
+
+    @nn.compact
+    def __call__(self, x):
+        members = nn.vmap(
+            lambda module, x: module(x),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=None if self.shared else 0,
+            axis_size=4,
+        )
+        return members(nn.Dense(32, use_bias=False), x)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_an_ensemble_gets_a_tensor_scale_per_member_as_a_loop_over_them(shared):
+    """The guide's format table: NVFP4's tensor scale is one per member, as a loop over
+    the members gives, with members 1e6 apart. The policies quantize inside ``vmap``;
+    autocast sees one GEMM, batched where the input is (``in_axes=0``), and with a shared
+    input gives all members one scale (the guide's limit: the smallest flushes to zero)."""
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    model = _Ensemble(shared)
+    inputs = x if shared else jnp.broadcast_to(x, (4, 8, 32))
+    kernel = model.init(jax.random.key(1), inputs)["params"]["Dense_0"]["kernel"]
+    kernel = kernel * jnp.array([1.0, 1e-3, 1e-4, 1e-6])[:, None, None]
+    variables = {"params": {"Dense_0": {"kernel": kernel}}}
+    dn = (((1,), (0,)), ((), ()))
+    loop = jnp.stack([jaxamp.ops.block_dot_general(x, k, dn, "nvfp4") for k in kernel])
+    policy = "p=f32,c=f32,fp8=nvfp4"
+    linen = jax.jit(jaxamp.linen.apply_policy(model, policy).apply)(variables, inputs)
+    autocast = jax.jit(jaxamp.autocast(model.apply, policy))(variables, inputs)
+    np.testing.assert_array_equal(linen, loop)
+    if shared:
+        assert not np.any(autocast[3]) and np.all(np.isfinite(autocast))
+    else:
+        np.testing.assert_array_equal(autocast, loop)

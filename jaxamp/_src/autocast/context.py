@@ -67,12 +67,13 @@ class CallContext:
         matmul traced in 16 bits)."""
         return dataclasses.replace(self, config=config)
 
-    def enter(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
-        """A body's arguments ``inner``, entered with the values ``outer``, keep their names
-        (delayed scaling's state) and their kinds (weights or activations)."""
+    def enter(self, outer: Sequence[Any], inner: Sequence[Any], sources: Sequence[Any]) -> None:
+        """A body's arguments ``inner``, entered with the values ``outer`` (moved or cast
+        from ``sources``), keep their names (delayed scaling's state) and their kinds
+        (weights, activations or tables)."""
         fp8_state.rename(self.fp8, outer, inner)
         if self.weights is not None:
-            self.weights.enter(outer, inner)
+            self.weights.enter(outer, inner, sources)
 
     def watching(self) -> CallContext:
         """This context with a fresh ``kept`` flag that reports to this one's."""

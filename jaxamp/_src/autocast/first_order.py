@@ -272,6 +272,17 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
         out = traced_dtype(eqn.outvars[0])
     assert env.policy.fp8 is not None
     dims = eqn.params["dimension_numbers"]
+    sharding = eqn.params.get("out_sharding")
+    if env.policy.fp8.block is not None and sharding is None and _weight_on_the_left(eqn, env):
+        # The block formats quantize a layer's kernel as the right operand (NVFP4 in
+        # 16 x 16 tiles): a weight written on the left (``W @ h.T``) goes there too.
+        (lc, rc), (lb, rb) = dims
+        swapped = fp8_dot_general(
+            rhs, lhs, ((rc, lc), (rb, lb)), None, out, block=env.policy.fp8.block
+        )
+        n_batch, n_rhs = len(lb), rhs.ndim - len(rc) - len(rb)
+        order = [*range(n_batch), *range(n_batch + n_rhs, swapped.ndim)]
+        return lax.transpose(swapped, [*order, *range(n_batch, n_batch + n_rhs)])
     return fp8_dot_general(
         lhs,
         rhs,
@@ -280,9 +291,18 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
         out,
         fp8_state=fp8_state.state_here(env.context.fp8, env.source(lhs), env.source(rhs)),
         margin=env.policy.fp8.margin,
-        out_sharding=eqn.params.get("out_sharding"),
+        out_sharding=sharding,
         block=env.policy.fp8.block,
     )
+
+
+def _weight_on_the_left(eqn: Any, env: Env) -> bool:
+    """Whether the GEMM ``eqn``'s left operand is its weight and its right one is not."""
+    weights = env.context.weights
+    if weights is None:
+        return False
+    lhs, rhs = (env.read(a) for a in eqn.invars[:2])
+    return weights.is_weight(lhs, env.source(lhs)) and not weights.is_weight(rhs, env.source(rhs))
 
 
 @register_first_order("traced", lax.dot_general_p.name, lax.conv_general_dilated_p.name)

@@ -57,9 +57,10 @@ def _rematerialized(closed: Any, params: dict[str, Any], eqn: Any, env: Env) -> 
     jaxpr, consts = open_jaxpr(closed)
 
     outer = [env.read(a) for a in eqn.invars]
+    sources = [env.source(v) for v in outer]
 
     def body(*args: Any) -> Any:
-        env.context.enter(outer, args)  # the arguments keep their names and kinds
+        env.context.enter(outer, args, sources)  # the arguments keep names and kinds
         return eval_jaxpr(jaxpr, consts, args, env.context)
 
     remat = jax.checkpoint(
@@ -161,7 +162,7 @@ def _cond(eqn: Any, env: Env) -> list[Any]:
 
     def branch(body: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
         def run(*args: Any) -> list[Any]:
-            _entered(env.context, operands, args)
+            _entered(env, operands, args)
             return _cast_to(body(env.context, *args), dtypes)
 
         return run
@@ -189,7 +190,8 @@ def _while(eqn: Any, env: Env) -> list[Any]:
     )
 
     def entered(c: Any) -> Any:
-        _entered_carry(context, carry, c, kinds)
+        _entered(env, [*cond_consts, *body_consts], [*cond_consts, *body_consts])
+        _entered_carry(env, carry, c, kinds)
         return c
 
     return list(
@@ -214,20 +216,21 @@ def _carry_kinds(
 
 
 def _entered_carry(
-    context: CallContext, outer: Sequence[Any], inner: Sequence[Any], kinds: list[bool] | None
+    env: Env, outer: Sequence[Any], inner: Sequence[Any], kinds: list[bool] | None
 ) -> None:
     """A loop's carry ``inner``, entered with ``outer``: activations as ``kinds`` says."""
-    _entered(context, outer, inner)
-    if context.weights is not None and kinds is not None:
-        context.weights.mark(inner, kinds)
+    _entered(env, outer, inner)
+    if env.context.weights is not None and kinds is not None:
+        env.context.weights.mark(inner, kinds)
 
 
-def _entered(context: CallContext, outer: Sequence[Any], inner: Sequence[Any]) -> None:
-    """A control-flow body's arguments ``inner`` take the kinds of ``outer`` (weights or
-    activations). Unlike a call's, they take no names: delayed scaling names a GEMM in a
-    branch or a loop by its computed operands (``·``)."""
-    if context.weights is not None:
-        context.weights.enter(outer, inner)
+def _entered(env: Env, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+    """A control-flow body's arguments ``inner`` take the kinds of ``outer`` (weights,
+    activations or tables). Unlike a call's, they take no names: delayed scaling names a
+    GEMM in a branch or a loop by its computed operands (``·``)."""
+    weights = env.context.weights
+    if weights is not None:
+        weights.enter(outer, inner, [env.source(v) for v in outer])
 
 
 @register_higher_order("scan")
@@ -255,8 +258,9 @@ def _scan(eqn: Any, env: Env) -> list[Any]:
     kinds = _carry_kinds(context, p["jaxpr"], values, n_consts, n_consts + n_carry)
 
     def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
-        _entered_carry(context, outer_carry, carry, kinds)
-        _entered(context, outer_xs, xs)
+        _entered(env, consts, consts)  # closed over: a lookup in one marks its source
+        _entered_carry(env, outer_carry, carry, kinds)
+        _entered(env, outer_xs, xs)
         outs = body(context, *consts, *carry, *xs)
         return _cast_to(outs[:n_carry], dtypes), outs[n_carry:]
 
@@ -284,9 +288,10 @@ def _shard_map(eqn: Any, env: Env) -> list[Any]:
     jaxpr, consts = open_jaxpr(p["jaxpr"])
 
     outer = [env.read(a) for a in eqn.invars]
+    sources = [env.source(v) for v in outer]
 
     def body(*args: Any) -> Any:
-        env.context.enter(outer, args)  # the arguments keep their names and kinds
+        env.context.enter(outer, args, sources)  # the arguments keep names and kinds
         return tuple(eval_jaxpr(jaxpr, consts, args, env.context))
 
     mapped = shard_map(

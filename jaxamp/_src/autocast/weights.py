@@ -35,6 +35,9 @@ class Weights:
     def __init__(self) -> None:
         self.activations: dict[int, Any] = {}
         self.tables: dict[int, Any] = {}
+        # ``id(body argument): (body argument, what it was entered with)``: a table looked
+        # up inside a body (a lookup under ``remat`` or in a branch) is one outside too.
+        self._entered: dict[int, tuple[Any, Any]] = {}
 
     def is_weight(self, value: Any, source: Any) -> bool:
         """Whether ``value`` (moved or cast from ``source``) is a weight."""
@@ -46,20 +49,33 @@ class Weights:
         first input was moved or cast from (the table of a ``gather``)."""
         name = eqn.primitive.name
         if name == "gather":
-            _add(self.tables, [source])
+            self._table(source)
         if name in INLINE_CALLS:
             return
         if name in GEMMS or any(_holds(self.activations, v) for v in inputs) or holds_a_gemm(eqn):
             _add(self.activations, outs)
 
-    def enter(self, outer: Sequence[Any], inner: Sequence[Any]) -> None:
+    def enter(self, outer: Sequence[Any], inner: Sequence[Any], sources: Sequence[Any]) -> None:
         """The arguments ``inner`` of a body take the kinds of the values ``outer`` it
-        was entered with, position by position."""
-        for old, new in zip(outer, inner, strict=True):
+        was entered with, position by position; ``sources``: what each of ``outer`` was
+        moved or cast from, which becomes a table where the body looks rows up in its
+        argument."""
+        for old, new, source in zip(outer, inner, sources, strict=True):
             if _holds(self.activations, old):
                 _add(self.activations, [new])
-            if _holds(self.tables, old):
+            if _holds(self.tables, old) or _holds(self.tables, source):
                 _add(self.tables, [new])
+            if source is not new:
+                self._entered[id(new)] = (new, source)
+
+    def _table(self, value: Any) -> None:
+        """Marks ``value`` a table, and the values outside the bodies it was entered with."""
+        for _ in range(64):  # bodies nest a few deep
+            _add(self.tables, [value])
+            entry = self._entered.get(id(value))
+            if entry is None or entry[0] is not value:
+                return
+            value = entry[1]
 
     def is_activation(self, value: Any) -> bool:
         return _holds(self.activations, value)
