@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxamp
 
@@ -132,3 +133,57 @@ def test_a_weight_written_on_the_left_is_quantized_as_on_the_right(fmt):
         strict=True,
     ):
         jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_weight_a_body_passes_through_stays_a_weight(fmt):
+    """A checkpointed layer that returns its weight with its output (``nnx.remat`` of a
+    function of the module does), and a loop carrying a weight through a jitted layer:
+    the weight comes out a weight, and its next GEMM runs in the format."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w), w
+
+    def remat(x, w):
+        h, w = jax.checkpoint(layer)(x, w)
+        return h @ w
+
+    def loop(x, w):
+        return jax.lax.fori_loop(0, 3, lambda i, c: jax.jit(layer)(*c), (x, w))[0]
+
+    assert _in_format(remat, fmt, X, WQ) == 2
+    assert _in_format(loop, fmt, X, WQ) == 1  # one GEMM in the loop's body
+
+
+def test_nnx_remat_of_a_function_of_the_module_keeps_the_next_layer_in_the_format():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.first = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+            self.second = nnx.Linear(32, 32, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            x = nnx.remat(lambda m, x: jnp.tanh(m.first(x)))(self, x)
+            return self.second(x)
+
+    graph, state = nnx.split(Model())
+    policy = "p=f32,c=f32,fp8=mxfp8"
+    call = jaxamp.autocast(lambda s, x: nnx.merge(graph, s)(x), policy)
+    assert jaxamp.precision_report(call)(state, X).block_gemms() == {"mxfp8": 2}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_read_by_index_and_a_padded_vocabulary_head_make_a_table(fmt):
+    """``table[token]`` (a ``dynamic_slice``, as sampling one token writes it) is a lookup
+    as ``jnp.take`` is, and a head against ``table[:n]`` (a padded vocabulary's real
+    rows) is against that table: both keep the tied head out of the format, while a
+    stack of weights sliced by a loop counter stays a weight (above)."""
+    tokens = jnp.arange(4)
+
+    def one_token(table, w, tokens):
+        return jnp.tanh(table[tokens[0]][None] @ w) @ table.T
+
+    def padded(table, w, tokens):
+        return jnp.tanh(jnp.take(table, tokens, axis=0) @ w) @ table[:24].T
+
+    assert _in_format(one_token, fmt, X, WQ, tokens) == 1  # the GEMM against w alone
+    assert _in_format(padded, fmt, X, WQ, tokens) == 1  # the GEMM against w alone

@@ -292,3 +292,40 @@ def test_an_ensemble_gets_a_tensor_scale_per_member_as_a_loop_over_them(shared):
         assert not np.any(autocast[3]) and np.all(np.isfinite(autocast))
     else:
         np.testing.assert_array_equal(autocast, loop)
+
+
+def _experts_kernel_on_the_right(h, kernel):
+    """``einsum("btef,efd->bted", h, kernel)`` with the kernel as the right operand."""
+    dn = (((3,), (1,)), ((2,), (0,)))
+    return jnp.transpose(jaxamp.ops.block_dot_general(h, kernel, dn, "nvfp4"), (1, 2, 0, 3))
+
+
+def test_an_experts_einsum_quantizes_its_kernel_as_the_right_operand():
+    """For ``"btef,efd->bted"`` jnp.einsum passes the kernel on the left of its
+    ``dot_general``: NVFP4's 16 x 16 tiles go on the kernel all the same, under the Linen
+    policy, the NNX policy and autocast (each equal to the GEMMs with the kernel on the
+    right, bit for bit)."""
+    h = jnp.tanh(jax.random.normal(jax.random.key(0), (2, 16, 4, 64)))
+    policy = "p=f32,c=f32,fp8=nvfp4"
+    layer = nn.Einsum((4, 64, 32), "btef,efd->bted", use_bias=False)
+    variables = layer.init(jax.random.key(1), h)
+    kernel = variables["params"]["kernel"]
+    want = _experts_kernel_on_the_right(h, kernel)
+    linen = jax.jit(jaxamp.linen.apply_policy(layer, policy).apply)(variables, h)
+    experts = nnx.Einsum("btef,efd->bted", (4, 64, 32), None, rngs=nnx.Rngs(0))
+    experts.kernel[...] = kernel
+    jaxamp.nnx.apply_policy(experts, policy)
+    under_nnx = nnx.jit(lambda m, h: m(h))(experts, h)
+    for got in (linen, under_nnx):
+        np.testing.assert_array_equal(got, want)
+    # Under autocast the kernel is known from the activation it meets (a GEMM's output);
+    # a GEMM of two arguments keeps the order it was written in.
+    w = jax.random.normal(jax.random.key(2), (64, 64))
+    dn = (((3,), (0,)), ((), ()))
+    made = jnp.tanh(jaxamp.ops.block_dot_general(h, w, dn, "nvfp4"))
+
+    def experts_after_a_layer(variables, h, w):
+        return layer.apply(variables, jnp.tanh(jax.lax.dot_general(h, w, dn)))
+
+    autocast = jax.jit(jaxamp.autocast(experts_after_a_layer, policy))(variables, h, w)
+    np.testing.assert_array_equal(autocast, _experts_kernel_on_the_right(made, kernel))

@@ -24,6 +24,7 @@ from jaxamp._src.autocast.interpreter import (
     traced_dtype,
 )
 from jaxamp._src.autocast.rules import AutocastConfig, primitive_names
+from jaxamp._src.autocast.weights import TABLE_CUTS
 from jaxamp._src.dtypes import (
     FLOAT32,
     is_16bit,
@@ -34,7 +35,7 @@ from jaxamp._src.dtypes import (
     promote,
 )
 from jaxamp._src.jaxprs import bind, in_backward_pass, in_no_fp8_scope
-from jaxamp._src.ops.fp8 import fp8_dot_general
+from jaxamp._src.ops.fp8 import fp8_dot_general, with_operands_swapped
 from jaxamp._src.ops.matmul import amp_conv_from_params, amp_dot_general
 
 # --- Inputs -----------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ def _against_a_weight(eqn: Any, env: Env) -> bool:
     if weights is None:
         return True
     operands = [env.read(a) for a in eqn.invars[:2]]
-    return any(weights.is_weight(v, env.source(v)) for v in operands)
+    return any(weights.is_weight(v, env.source(v, TABLE_CUTS)) for v in operands)
 
 
 def _fp8_matmul(eqn: Any, env: Env) -> Any:
@@ -276,13 +277,8 @@ def _fp8_matmul(eqn: Any, env: Env) -> Any:
     if env.policy.fp8.block is not None and sharding is None and _weight_on_the_left(eqn, env):
         # The block formats quantize a layer's kernel as the right operand (NVFP4 in
         # 16 x 16 tiles): a weight written on the left (``W @ h.T``) goes there too.
-        (lc, rc), (lb, rb) = dims
-        swapped = fp8_dot_general(
-            rhs, lhs, ((rc, lc), (rb, lb)), None, out, block=env.policy.fp8.block
-        )
-        n_batch, n_rhs = len(lb), rhs.ndim - len(rc) - len(rb)
-        order = [*range(n_batch), *range(n_batch + n_rhs, swapped.ndim)]
-        return lax.transpose(swapped, [*order, *range(n_batch, n_batch + n_rhs)])
+        gemm = functools.partial(fp8_dot_general, block=env.policy.fp8.block)
+        return with_operands_swapped(gemm, lhs, rhs, dims, out)
     return fp8_dot_general(
         lhs,
         rhs,
@@ -302,7 +298,9 @@ def _weight_on_the_left(eqn: Any, env: Env) -> bool:
     if weights is None:
         return False
     lhs, rhs = (env.read(a) for a in eqn.invars[:2])
-    return weights.is_weight(lhs, env.source(lhs)) and not weights.is_weight(rhs, env.source(rhs))
+    return weights.is_weight(lhs, env.source(lhs, TABLE_CUTS)) and not weights.is_weight(
+        rhs, env.source(rhs, TABLE_CUTS)
+    )
 
 
 @register_first_order("traced", lax.dot_general_p.name, lax.conv_general_dilated_p.name)

@@ -91,11 +91,13 @@ class Env:
         for index, out in enumerate(outs):
             self.record.made[id(out)] = (out, eqn, inputs, index)
 
-    def source(self, value: Any) -> Any:
-        """The value ``value`` was moved or cast from, through ``MOVES``."""
+    def source(self, value: Any, also: frozenset[str] = frozenset()) -> Any:
+        """The value ``value`` was moved or cast from, through ``MOVES`` (and ``also``)."""
         for _ in range(16):
             entry = self.record.made.get(id(value))
-            if entry is None or entry[0] is not value or entry[1].primitive.name not in MOVES:
+            if entry is None or entry[0] is not value:
+                return value
+            if entry[1].primitive.name not in MOVES and entry[1].primitive.name not in also:
                 return value
             value = entry[2][0]
         return value

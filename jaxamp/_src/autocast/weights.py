@@ -48,12 +48,11 @@ class Weights:
         GEMM, holds one in a body, or takes an activation; ``source`` is the value its
         first input was moved or cast from (the table of a ``gather``)."""
         name = eqn.primitive.name
-        if name == "gather":
+        if name == "gather" or _is_row_lookup(eqn):
             self._table(source)
         if name in INLINE_CALLS:
             return
-        if name in GEMMS or any(_holds(self.activations, v) for v in inputs) or holds_a_gemm(eqn):
-            _add(self.activations, outs)
+        self.mark(outs, output_kinds(eqn, [_holds(self.activations, v) for v in inputs]))
 
     def enter(self, outer: Sequence[Any], inner: Sequence[Any], sources: Sequence[Any]) -> None:
         """The arguments ``inner`` of a body take the kinds of the values ``outer`` it
@@ -85,6 +84,22 @@ class Weights:
         _add(self.activations, [v for v, a in zip(values, activation, strict=True) if a])
 
 
+# What a GEMM's operand may be cut from and still be its table's (a padded vocabulary's
+# head, ``h @ table[:n].T``), besides moves and casts.
+TABLE_CUTS = frozenset({"slice"})
+
+
+def _is_row_lookup(eqn: Any) -> bool:
+    """Whether ``eqn`` reads one row of a matrix at an index computed at run time
+    (``table[token]``, which JAX writes as a ``dynamic_slice``): a lookup, as ``gather``
+    is. A slice of a stack of matrices (``ws[i]``, a loop's layer) is not one."""
+    if eqn.primitive.name != "dynamic_slice":
+        return False
+    shape: tuple[int, ...] = tuple(getattr(eqn.invars[0].aval, "shape", ()))
+    sizes = tuple(eqn.params.get("slice_sizes", ()))
+    return len(shape) == 2 and sizes == (1, shape[-1])
+
+
 def holds_a_gemm(eqn: Any) -> bool:
     """Whether one of the programs ``eqn`` holds (a call's, a loop's body) has a GEMM."""
     return any(e.primitive.name in GEMMS for sub in sub_jaxprs(eqn) for e in equations(sub))
@@ -107,15 +122,73 @@ def carried_activations(
     return kinds
 
 
+def output_kinds(eqn: Any, inputs: Sequence[bool]) -> list[bool]:
+    """For each output of ``eqn``, whether it is an activation, given which of its inputs
+    are (``inputs``): a GEMM's are; a call's, a branch's or a loop's follow their bodies'
+    data flow, so a weight a body passes through stays a weight; another equation's are
+    if an input is, or (a program it holds, unknown here) if it holds a GEMM."""
+    name, p, n = eqn.primitive.name, eqn.params, len(eqn.outvars)
+    if name in GEMMS:
+        return [True] * n
+    body = next((p[k] for k in _BODY.get(name, ()) if k in p), None)
+    if body is not None and _fits(body, len(inputs), n):
+        return _downstream_outputs(body, inputs)
+    if name == "cond" and all(_fits(b, len(inputs) - 1, n) for b in p["branches"]):
+        outs = [_downstream_outputs(b, inputs[1:]) for b in p["branches"]]
+        return [any(kinds) for kinds in zip(*outs, strict=True)]
+    if name == "scan" and _fits(p["jaxpr"], len(inputs), n):
+        c, k = p["num_consts"], p["num_carry"]
+        carry = carried_activations(p["jaxpr"], inputs[:c], inputs[c : c + k], inputs[c + k :])
+        return [
+            *carry,
+            *_downstream_outputs(p["jaxpr"], [*inputs[:c], *carry, *inputs[c + k :]])[k:],
+        ]
+    if name == "while":
+        start = p["cond_nconsts"]
+        stop = start + p["body_nconsts"]
+        if _fits(p["body_jaxpr"], len(inputs) - start, n):
+            return carried_activations(p["body_jaxpr"], inputs[start:stop], inputs[stop:], [])
+    return [any(inputs) or holds_a_gemm(eqn)] * n
+
+
+# The parameter holding the body of a call-like primitive, whose arguments are the
+# equation's inputs and whose outputs are its outputs, one for one.
+_BODY = {
+    "jit": ("jaxpr",),
+    "pjit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "remat2": ("jaxpr",),
+    "custom_vjp_call": ("call_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
+    "custom_jvp_call": ("call_jaxpr",),
+    "shard_map": ("jaxpr",),
+}
+
+
+def _fits(body: Any, n_in: int, n_out: int) -> bool:
+    jaxpr = getattr(body, "jaxpr", body)
+    invars, outvars = getattr(jaxpr, "invars", None), getattr(jaxpr, "outvars", None)
+    return (
+        invars is not None
+        and outvars is not None
+        and (len(invars), len(outvars))
+        == (
+            n_in,
+            n_out,
+        )
+    )
+
+
 def _downstream_outputs(jaxpr: Any, inputs: Sequence[bool]) -> list[bool]:
-    """For each output of ``jaxpr`` (open or closed), whether it is computed from a GEMM
-    or from an input whose flag in ``inputs`` is set."""
+    """For each output of ``jaxpr`` (open or closed), whether it is an activation, given
+    which of its inputs are (``inputs``): ``output_kinds``, equation by equation."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     marked = {v for v, m in zip(jaxpr.invars, inputs, strict=True) if m}
     for eqn in jaxpr.eqns:
-        variables = [a for a in eqn.invars if not isinstance(a, jex.core.Literal)]
-        if eqn.primitive.name in GEMMS or holds_a_gemm(eqn) or any(a in marked for a in variables):
-            marked.update(eqn.outvars)
+        kinds = [not isinstance(a, jex.core.Literal) and a in marked for a in eqn.invars]
+        marked.update(v for v, k in zip(eqn.outvars, output_kinds(eqn, kinds), strict=True) if k)
     return [not isinstance(v, jex.core.Literal) and v in marked for v in jaxpr.outvars]
 
 

@@ -214,7 +214,13 @@ def _fp8_rule(module: Any, policy: Policy) -> Fp8DotGeneral | LinenDelayed:
         return NnxDelayed(
             policy.compute_dtype, recipe.margin, None, history_length=recipe.amax_history_length
         )
-    return Fp8DotGeneral(policy.compute_dtype, recipe.margin, block=recipe.block)
+    shape = getattr(module, "shape", None) if isinstance(module, nn.Einsum) else None
+    if isinstance(module, nnx.Einsum):
+        shape = module.kernel_shape
+    kernel = tuple(shape) if recipe.block is not None and shape is not None else None
+    return Fp8DotGeneral(
+        policy.compute_dtype, recipe.margin, block=recipe.block, kernel_shape=kernel
+    )
 
 
 def _matmul_hooks(module: Any, compute_dtype: Any, fp8: Any = None) -> dict[str, Any]:

@@ -338,6 +338,19 @@ def _block(
     return block_dot_general(lhs, rhs, dims, block, out)
 
 
+def with_operands_swapped(
+    gemm: Callable[..., jax.Array], lhs: Any, rhs: Any, dimension_numbers: Any, out_dtype: Any
+) -> jax.Array:
+    """``gemm(lhs, rhs, dimension_numbers, None, out_dtype)``, computed as ``gemm(rhs, lhs,
+    ...)`` and transposed back: the same product, with ``lhs`` (a weight written on the
+    left) quantized as the right operand. ``gemm`` takes ``lax.dot_general``'s arguments."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    out = gemm(rhs, lhs, ((rc, lc), (rb, lb)), None, out_dtype)
+    n_batch, n_rhs = len(lb), rhs.ndim - len(rc) - len(rb)
+    order = [*range(n_batch), *range(n_batch + n_rhs, out.ndim)]
+    return lax.transpose(out, [*order, *range(n_batch, n_batch + n_rhs)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8DotGeneral:
     """``fp8_dot_general`` as a ``dot_general`` for Flax layers (and an ``einsum``).
@@ -354,6 +367,9 @@ class Fp8DotGeneral:
     state: Fp8State | None = None
     # keyword-only: a subclass's fields (NnxDelayed's history_length) keep their positions
     block: str | None = dataclasses.field(default=None, kw_only=True)
+    # An einsum layer's kernel shape: a block format quantizes that operand as the right
+    # one (NVFP4's 16 x 16 tiles), where jnp.einsum passes it on the left.
+    kernel_shape: tuple[int, ...] | None = dataclasses.field(default=None, kw_only=True)
 
     def __call__(
         self,
@@ -370,12 +386,23 @@ class Fp8DotGeneral:
                 f"jaxamp's float8 matmul got unexpected arguments {sorted(kwargs)}; it takes "
                 "those of lax.dot_general."
             )
+        out_dtype = preferred_element_type or self.compute_dtype
+        kernel = self.kernel_shape
+        if (
+            self.block is not None
+            and out_sharding is None
+            and kernel is not None
+            and tuple(lhs.shape) == kernel
+            and tuple(rhs.shape) != kernel
+        ):
+            gemm = functools.partial(fp8_dot_general, margin=self.margin, block=self.block)
+            return with_operands_swapped(gemm, lhs, rhs, dimension_numbers, out_dtype)
         return fp8_dot_general(
             lhs,
             rhs,
             dimension_numbers,
             precision,
-            preferred_element_type or self.compute_dtype,
+            out_dtype,
             fp8_state=self.state,
             margin=self.margin,
             out_sharding=out_sharding,
