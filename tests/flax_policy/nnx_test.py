@@ -3,6 +3,7 @@
 import pickle
 import re
 
+import flax.linen as nn_linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -302,3 +303,58 @@ def test_an_override_of_the_models_own_class_is_its_policy(decode):
     )
     got = [model(s) for s in steps]
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
+
+
+_NORMS = {
+    "LayerNorm": (lambda: nn_linen.LayerNorm(), lambda: nnx.LayerNorm(16, rngs=nnx.Rngs(0))),
+    "RMSNorm": (lambda: nn_linen.RMSNorm(), lambda: nnx.RMSNorm(16, rngs=nnx.Rngs(0))),
+    "GroupNorm": (
+        lambda: nn_linen.GroupNorm(num_groups=4),
+        lambda: nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0)),
+    ),
+}
+
+
+class _LinenResidual(nn_linen.Module):
+    """A float32 position parameter added to the (16-bit) input, then a norm."""
+
+    norm: str
+
+    @nn_linen.compact
+    def __call__(self, x):
+        pos = self.param("pos", nn_linen.initializers.normal(0.02), (16,), jnp.float32)
+        return _NORMS[self.norm][0]()(x + pos)
+
+
+class _NnxResidual(nnx.Module):
+    def __init__(self, norm, pos):
+        self.pos = nnx.Param(pos)
+        self.norm = _NORMS[norm][1]()
+
+    def __call__(self, x):
+        return self.norm(x + self.pos[...])
+
+
+@pytest.mark.standard_promotion(FLAX)
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("norm", sorted(_NORMS))
+def test_a_norm_reads_a_float32_residual_as_given_as_linen_does(norm, policy):
+    """A norm's statistics and normalisation run in float32 on its input as it arrives, a
+    residual stream the model keeps in float32 (``x + pos``) included, its output rounded
+    once to the compute dtype: Flax's own layer in float32, rounded, under the NNX policy
+    as under the Linen policy. NNX's own ``promote_dtype`` rounded that input to 16 bits
+    first, so the two policies differed on the same model."""
+    compute = DTYPES[policy]
+    x = 3.0 + jax.random.normal(jax.random.key(0), (4, 16)) * 0.02
+    variables = _LinenResidual(norm).init(jax.random.key(1), x)
+    pos = variables["params"]["pos"]
+    arrived = x.astype(compute).astype(jnp.float32) + pos  # the policy casts the input
+    plain = _NORMS[norm][0]()
+    norm_variables = {"params": variables["params"][f"{_NORMS[norm][0]().__class__.__name__}_0"]}
+    want = jax.jit(plain.apply)(norm_variables, arrived).astype(compute)
+    linen = jax.jit(jaxamp.linen.apply_policy(_LinenResidual(norm), policy).apply)(variables, x)
+    model = _NnxResidual(norm, pos)
+    jaxamp.nnx.apply_policy(model, policy)
+    under_nnx = nnx.jit(lambda m, x: m(x))(model, x)
+    np.testing.assert_array_equal(linen, want)
+    np.testing.assert_array_equal(under_nnx, want)

@@ -172,6 +172,12 @@ def plan_layer(module: Any, policy: Policy, method_name: str = "__call__") -> La
         # float32 (with it off, Linen's fast variance mixed a 16-bit mean(x**2) with a
         # float32 mean(x)**2, off by up to 1/sqrt(epsilon) where |mean| >> std)
         attrs["force_float32_reductions"] = True
+    if (
+        sixteen_bit
+        and isinstance(module, NNX_NORMS)
+        and getattr(module, "promote_dtype", None) is nnx_dtypes.promote_dtype
+    ):
+        attrs["promote_dtype"] = nnx_promote_keeping_wide
     # Under a float8 policy the matmuls no hook reaches (attention's two, Embed.attend) run
     # in the compute dtype, even float32: as the model wrote them, they would run in float8.
     narrow = sixteen_bit or policy.fp8 is not None
@@ -276,6 +282,19 @@ def promote_keeping_kernel(*args: Any, dtype: Any = None, inexact: bool = True) 
     if len(args) > 1 and args[1] is not None:
         out[1] = args[1]
     return out
+
+
+# NNX's norms promote their input to the layer's dtype before their statistics; Linen's
+# read it as given.
+NNX_NORMS = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm)
+
+
+def nnx_promote_keeping_wide(args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
+    """Flax NNX's ``promote_dtype`` for a norm under a 16-bit policy: its arrays promoted
+    among themselves, not to the layer's 16-bit ``dtype``, so that its statistics read a
+    float32 input (a residual stream kept in float32) as given, as a Linen norm does. The
+    norm still casts its output to ``dtype``."""
+    return nnx_dtypes.promote_dtype(args, dtype=None, inexact=inexact)
 
 
 def nnx_promote_keeping_kernel(args: Any, /, *, dtype: Any = None, inexact: bool = True) -> Any:
