@@ -23,7 +23,7 @@ from jaxamp._src.autocast.interpreter import (
     traced_dtype,
 )
 from jaxamp._src.autocast.rules import primitive_names
-from jaxamp._src.autocast.weights import carried_activations
+from jaxamp._src.autocast.weights import INLINE_CALLS, carried_activations
 from jaxamp._src.dtypes import is_floating, is_narrower, promote, upcast
 from jaxamp._src.jaxprs import bind, equations, open_jaxpr
 
@@ -43,8 +43,8 @@ def _inline(key: str) -> Handler:
     return evaluate
 
 
-register_higher_order("jit", "pjit")(_inline("jaxpr"))
-register_higher_order("closed_call", "core_call")(_inline("call_jaxpr"))
+for _name, _key in INLINE_CALLS.items():
+    register_higher_order(_name)(_inline(_key))
 
 
 @register_higher_order("checkpoint", "remat2")

@@ -363,7 +363,7 @@ def eval_jaxpr(
         env.remember_made(eqn, outs, higher_order)
         if context.weights is not None:
             inputs = [env.read(a) for a in eqn.invars]
-            context.weights.after(eqn, inputs, outs, env.source(inputs[0]) if inputs else None)
+            context.weights.after(eqn, inputs, outs, env.source)
     return [env.read(v) for v in jaxpr.outvars]
 
 

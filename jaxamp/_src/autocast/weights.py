@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax.extend as jex
@@ -11,9 +11,15 @@ from jaxamp._src.jaxprs import equations, sub_jaxprs
 
 # The GEMMs: their outputs are activations, and so is every value computed from one.
 GEMMS = frozenset({"dot_general", "conv_general_dilated"})
-# Calls evaluated in place (``higher_order._inline``): their equations are recorded one by
-# one, and their outputs are those equations' own values (an argument passed through too).
-INLINE_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# Calls evaluated in place (``higher_order._inline``), each with the parameter holding its
+# body: their equations are recorded one by one, and their outputs are those equations'
+# own values (an argument passed through too).
+INLINE_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+}
 
 
 class Weights:
@@ -43,13 +49,19 @@ class Weights:
         """Whether ``value`` (moved or cast from ``source``) is a weight."""
         return not _holds(self.activations, value) and not _holds(self.tables, source)
 
-    def after(self, eqn: Any, inputs: Sequence[Any], outs: Sequence[Any], source: Any) -> None:
+    def after(
+        self,
+        eqn: Any,
+        inputs: Sequence[Any],
+        outs: Sequence[Any],
+        source: Callable[[Any], Any],
+    ) -> None:
         """Records what ``eqn`` made of ``inputs``: its outputs are activations if it is a
-        GEMM, holds one in a body, or takes an activation; ``source`` is the value its
-        first input was moved or cast from (the table of a ``gather``)."""
+        GEMM, holds one in a body, or takes an activation; ``source(value)`` is the value
+        ``value`` was moved or cast from (for a lookup, its table)."""
         name = eqn.primitive.name
         if name == "gather" or _is_row_lookup(eqn):
-            self._table(source)
+            self._table(source(inputs[0]))
         if name in INLINE_CALLS:
             return
         self.mark(outs, output_kinds(eqn, [_holds(self.activations, v) for v in inputs]))
@@ -154,10 +166,7 @@ def output_kinds(eqn: Any, inputs: Sequence[bool]) -> list[bool]:
 # The parameter holding the body of a call-like primitive, whose arguments are the
 # equation's inputs and whose outputs are its outputs, one for one.
 _BODY = {
-    "jit": ("jaxpr",),
-    "pjit": ("jaxpr",),
-    "closed_call": ("call_jaxpr",),
-    "core_call": ("call_jaxpr",),
+    **{name: (key,) for name, key in INLINE_CALLS.items()},
     "checkpoint": ("jaxpr",),
     "remat2": ("jaxpr",),
     "custom_vjp_call": ("call_jaxpr",),
