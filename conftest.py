@@ -1,10 +1,19 @@
 """Test configuration shared by the doctests in ``jaxamp/`` and the tests in ``tests/``."""
 
 import os
+import sys
 
 import pytest
 
 from tests.helpers import compiler
+
+# The run starts some twenty Python processes (the two workers, and the fresh ones of
+# tests/compiler_test.py, next_jax_test.py, sharding_test.py and the benchmarks' twins).
+# Where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE), each would
+# compile jaxamp and rewrite the tests' asserts from source again, about 4 s a process
+# that collects the suite; the run writes it, under the __pycache__/ folders git ignores.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 # Eight CPU devices for the sharding tests; must be set before jax is imported.
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

@@ -236,13 +236,17 @@ def test_linen_nnx_and_autocast_agree_on_attention_and_a_tied_head(fmt):
     """Autocast sees operations, not layers: it runs a GEMM in the format where one operand
     is a weight, so attention's two matmuls (two activations) and the tied head (the
     table the model looks rows up in) stay in the compute dtype, as the policies keep
-    them. Op by op under ``p=f32,c=f32``, the three compute the same bits, outputs and
+    them. Compiled under ``p=f32,c=f32``, the three compute the same bits, outputs and
     gradients; the audit counts the same GEMMs in the format."""
     variables, calls = _tied_lm_three_ways(f"p=f32,c=f32,fp8={fmt}")
     outputs, grads, counts = {}, {}, {}
     for name, call in calls.items():
-        outputs[name], pullback = jax.vjp(call, variables)
-        (grads[name],) = pullback(2 * outputs[name])  # the gradient of sum(out ** 2)
+
+        def output_and_gradient(v, call=call):
+            out, pullback = jax.vjp(call, v)
+            return out, pullback(2 * out)[0]  # the gradient of sum(out ** 2)
+
+        outputs[name], grads[name] = jax.jit(output_and_gradient)(variables)
         report = jaxamp.precision_report(call)(variables)
         counts[name] = report.block_gemms() or report.float8_gemms()[0]
     # query, key, value, output, up and down projections: six of the model's nine GEMMs
