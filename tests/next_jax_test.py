@@ -122,9 +122,11 @@ SENSITIVE_CI = (
 @pytest.mark.xdist_group("next_jax")
 @pytest.mark.skipif(not NEXT_FLAGS, reason="this jax has none of the next-JAX flags")
 def test_transformation_sensitive_tests_pass_under_the_next_jax_flags():
-    _pytest_under(NEXT_FLAGS, *SENSITIVE_CI, timeout=1800)
+    # one process: every test of the three files, and the zoo's selected by name
+    files = " or ".join(Path(f).stem for f in SENSITIVE_CI)
+    selected = f"{files} or (zoo_test and ({_ZOO_UNDER_FLAGS}))"
     zoo = "tests/flax_policy/zoo_test.py"
-    _pytest_under(NEXT_FLAGS, zoo, "-k", _ZOO_UNDER_FLAGS, timeout=1800)
+    _pytest_under(NEXT_FLAGS, *SENSITIVE_CI, zoo, "-k", selected, timeout=1800)
 
 
 @pytest.mark.slow

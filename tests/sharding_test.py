@@ -25,6 +25,7 @@ EXAMPLE = ROOT / "examples" / "distributed_train.py"
 sys.path.insert(0, str(EXAMPLE.parent))
 import distributed_train  # noqa: E402
 
+from tests.helpers import compiler  # noqa: E402
 from tests.helpers.promotion import FLAX  # noqa: E402
 
 needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
@@ -45,7 +46,7 @@ def _assert_close(a: Path, b: Path, atol=2e-2):
 def _run(args, devices=None, env_extra=None, timeout=240):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = compiler.child_flags(devices)
     env.update(env_extra or {})
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run(
@@ -157,6 +158,7 @@ def test_two_processes_skip_the_same_step_and_agree(tmp_path):
         f"127.0.0.1:{port}",
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = compiler.child_flags(1)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     procs = [
         subprocess.Popen(

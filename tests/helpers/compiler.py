@@ -25,6 +25,13 @@ def with_fast_flags(xla_flags: str, fast: bool) -> str:
     return " ".join([*flags, *FAST_COMPILE] if fast else flags)
 
 
+def child_flags(devices: int, *extra: str) -> str:
+    """XLA_FLAGS for a fresh process the run starts (a script that sets its own): ``devices``
+    CPU devices and ``extra`` flags, compiled as this run compiles."""
+    flags = " ".join([f"--xla_force_host_platform_device_count={devices}", *extra])
+    return with_fast_flags(flags, compiles_fast())
+
+
 def fast_flags_set(xla_flags: str) -> dict[str, bool]:
     """For each fast-compile flag, whether ``xla_flags`` gives it the fast value (its last
     occurrence, as XLA reads them; booleans in any of XLA's spellings)."""

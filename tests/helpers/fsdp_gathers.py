@@ -15,13 +15,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.helpers import compiler
+
 
 def main(policy: str, rows: int) -> dict:
     dump = tempfile.mkdtemp()
     # before jax starts: this process's devices and dump (never set when imported)
-    os.environ["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8 "
-        f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning"
+    os.environ["XLA_FLAGS"] = compiler.child_flags(
+        8, f"--xla_dump_to={dump}", "--xla_dump_hlo_pass_re=spmd-partitioning"
     )
     import flax.linen as nn
     import jax

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.helpers import compiler
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
@@ -61,7 +63,7 @@ SCRIPT = textwrap.dedent(
 
 def test_fp8_under_shard_map_and_explicit_sharding_equals_one_device():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = compiler.child_flags(4)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
