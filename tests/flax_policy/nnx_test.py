@@ -23,8 +23,15 @@ IMAGES = jax.random.normal(jax.random.key(1), (4, 8, 8, 3))
 TOKENS = jax.random.randint(jax.random.key(2), (4, 8), 1, 50).at[:, -2:].set(0)
 
 
+# Each model built in one program compiled once (an eager build compiles each of its ops).
+_BUILD = {
+    "resnet": nnx.jit(lambda: ResNet(rngs=nnx.Rngs(0))),
+    "transformer": nnx.jit(lambda: Transformer(rngs=nnx.Rngs(0))),
+}
+
+
 def make(kind, policy=None, **kwargs):
-    model = (ResNet if kind == "resnet" else Transformer)(rngs=nnx.Rngs(0))
+    model = _BUILD[kind]()
     return model if policy is None else jaxamp.nnx.apply_policy(model, policy, **kwargs)
 
 
@@ -53,7 +60,7 @@ def test_dtypes_and_precision_report(kind, name):
     model = make(kind, name)
     params = nnx.state(model, nnx.Param)
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
-    out = model(inputs(kind))
+    out = nnx.jit(lambda m, x: m(x))(model, inputs(kind))
     assert out.dtype == jnp.float32
     report = train_step_report(model, inputs(kind))
     report.check(DTYPES[name])
@@ -100,8 +107,8 @@ def test_layer_settings():
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])
 @pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
 def test_close_to_float32_model(kind, name):
-    reference = make(kind)(inputs(kind))
-    out = make(kind, name)(inputs(kind))
+    reference = nnx.jit(lambda m, x: m(x))(make(kind), inputs(kind))
+    out = nnx.jit(lambda m, x: m(x))(make(kind, name), inputs(kind))
     tol = 5e-2 if name == "mixed_bfloat16" else 1e-2
     np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
 
@@ -133,7 +140,7 @@ def test_bfloat16_params_are_cast():
     assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))} == {
         np.dtype("float32")
     }
-    assert model(IMAGES).dtype == jnp.bfloat16
+    assert nnx.jit(lambda m, x: m(x))(model, IMAGES).dtype == jnp.bfloat16
 
 
 def test_overrides():
@@ -173,8 +180,9 @@ def test_apply_twice_replaces_the_policy(kind, first):
     def loss(m):
         return jnp.sum(m(inputs(kind)).astype(jnp.float32) ** 2)
 
-    np.testing.assert_array_equal(model(inputs(kind)), alone(inputs(kind)))
-    got, want = nnx.grad(loss)(model), nnx.grad(loss)(alone)
+    forward = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_array_equal(forward(model, inputs(kind)), forward(alone, inputs(kind)))
+    got, want = nnx.jit(nnx.grad(loss))(model), nnx.jit(nnx.grad(loss))(alone)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(g, w)
     model.eval()  # a traced call may not update the batch statistics of a captured model
@@ -183,7 +191,7 @@ def test_apply_twice_replaces_the_policy(kind, first):
         ("float32", "float32")
     }
     jaxamp.nnx.apply_policy(model, "mixed_float16")  # and on to another 16-bit policy
-    assert model(inputs(kind)).dtype == jnp.float32
+    assert forward(model, inputs(kind)).dtype == jnp.float32
 
 
 def test_bad_arguments():
@@ -202,7 +210,8 @@ def test_a_model_under_a_policy_pickles():
     model = make("transformer", "mixed_bfloat16")
     restored = pickle.loads(pickle.dumps(model))
     assert isinstance(restored, Transformer) and type(restored) is type(model)
-    np.testing.assert_array_equal(restored(TOKENS), model(TOKENS))
+    forward = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_array_equal(forward(restored, TOKENS), forward(model, TOKENS))
     assert restored.embed(TOKENS).dtype == jnp.bfloat16  # the embedding wrapper survives too
 
 
@@ -296,12 +305,13 @@ def test_an_override_of_the_models_own_class_is_its_policy(decode):
         return layer
 
     steps = [x[:, t : t + 1] for t in range(3)] if decode else [x]
+    call = nnx.jit(lambda layer, s: layer(s))
     alone = make()
-    want = [alone(s) for s in steps]
+    want = [call(alone, s) for s in steps]
     model = jaxamp.nnx.apply_policy(
         make(), "mixed_bfloat16", overrides={nnx.MultiHeadAttention: "float32"}
     )
-    got = [model(s) for s in steps]
+    got = [call(model, s) for s in steps]
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
 
 
@@ -346,7 +356,7 @@ def test_a_norm_reads_a_float32_residual_as_given_as_linen_does(norm, policy):
     first, so the two policies differed on the same model."""
     compute = DTYPES[policy]
     x = 3.0 + jax.random.normal(jax.random.key(0), (4, 16)) * 0.02
-    variables = _LinenResidual(norm).init(jax.random.key(1), x)
+    variables = jax.jit(_LinenResidual(norm).init)(jax.random.key(1), x)
     pos = variables["params"]["pos"]
     arrived = x.astype(compute).astype(jnp.float32) + pos  # the policy casts the input
     plain = _NORMS[norm][0]()
