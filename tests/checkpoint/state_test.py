@@ -88,8 +88,9 @@ def test_each_named_recipe_converts_to_itself_bit_for_bit(name):
     policy, tx = jaxamp.optimizer_recipe(name, optax.adam(1e-2))
     params = _params(policy.param_dtype)
     state = tx.init(params)
+    step = jax.jit(tx.update)
     for i in range(2):
-        updates, state = tx.update(_grads(params, i), state, params)
+        updates, state = step(_grads(params, i), state, params)
         params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
     out = convert_state(params, state, _like(params, policy.param_dtype), tx)
     assert out.report.rows == ()
@@ -284,8 +285,9 @@ def test_an_nnx_optimizer_moves_to_a_float32_master_and_trains_as_float32():
     loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    train_step = nnx.jit(lambda opt, model: opt.update(model, nnx.grad(loss)(model)))
     for _ in range(2):
-        opt.update(model, nnx.grad(loss)(model))
+        train_step(opt, model)
     _, tx = jaxamp.optimizer_recipe("bf16_float32_master", optax.adam(1e-2))
     low = nnx.Linear(4, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
     low_opt = nnx.Optimizer(low, tx, wrt=nnx.Param)
@@ -295,11 +297,12 @@ def test_an_nnx_optimizer_moves_to_a_float32_master_and_trains_as_float32():
     is_var = lambda v: hasattr(v, "set_value")
     jax.tree.map(lambda v, new: v.set_value(new), low_opt.opt_state, out.opt_state, is_leaf=is_var)
     assert low.kernel.get_value().dtype == jnp.bfloat16
+    update = nnx.jit(lambda opt, model, grads: opt.update(model, grads))
     for i in range(3):  # the same gradients for both: float32 Adam's reference steps
         grads = jax.tree.map(lambda p, i=i: jnp.full(p.shape, 0.01 * (i + 1)), nnx.state(model))
-        opt.update(model, grads)
+        update(opt, model, grads)
         scale = jaxamp.optim.get_loss_scale(low_opt.opt_state)
-        low_opt.update(low, jax.tree.map(lambda g, s=scale: g * s, grads))
+        update(low_opt, low, jax.tree.map(lambda g, s=scale: g * s, grads))
     master = low_opt.opt_state.master_params
     np.testing.assert_allclose(
         master["kernel"].get_value(), model.kernel.get_value(), rtol=1e-5, atol=1e-6
@@ -319,7 +322,7 @@ def test_a_kahan_weight_halfway_between_bfloat16_values_moves_to_a_master_unchan
     kahan = _sgd("bf16_kahan")
     p = {"w": jnp.array([1.0], jnp.bfloat16)}
     state = kahan.init(p)
-    updates, state = kahan.update({"w": jnp.array([-(2.0**-8 + 2.0**-20)])}, state, p)
+    updates, state = jax.jit(kahan.update)({"w": jnp.array([-(2.0**-8 + 2.0**-20)])}, state, p)
     p = optax.apply_updates(p, updates)
     assert float(p["w"][0]) + float(state.compensation["w"][0]) == 1 + 2.0**-8
     master = _sgd("bf16_float32_master")

@@ -291,7 +291,7 @@ def _assert_all_leaves_close(grads, expected, tolerance):
 def test_every_linen_layer_runs_under_the_rule(dtype, form):
     policy = jaxamp.get_policy(f"p=f32,c={np.dtype(dtype).name},o=f32")
     model = jaxamp.linen.apply_policy(LinenLayers(), policy)
-    params = model.init(jax.random.key(0), TOKENS)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), TOKENS)["params"]
 
     def loss(params):
         return jnp.mean(model.apply({"params": params}, TOKENS) ** 2)
@@ -299,7 +299,9 @@ def test_every_linen_layer_runs_under_the_rule(dtype, form):
     with jaxamp.ops.use_matmul_form(form):
         _assert_rule_everywhere(jaxamp.precision_report(jax.grad(loss))(params), dtype)
         grads = jax.jit(jax.grad(loss))(params)
-    reference = jax.grad(lambda p: jnp.mean(LinenLayers().apply({"params": p}, TOKENS) ** 2))
+    reference = jax.jit(
+        jax.grad(lambda p: jnp.mean(LinenLayers().apply({"params": p}, TOKENS) ** 2))
+    )
     _assert_all_leaves_close(grads, reference(params), 5 * TOLERANCE[dtype])
 
 
@@ -315,7 +317,7 @@ def test_every_nnx_layer_runs_under_the_rule(dtype):
     report = jaxamp.precision_report(jax.grad(lambda s: loss(nnx.merge(graphdef, s))))(state)
     _assert_rule_everywhere(report, dtype)
     grads = nnx.state(nnx.jit(nnx.grad(loss))(model))
-    expected = nnx.state(nnx.grad(loss)(NNXLayers(nnx.Rngs(0))))
+    expected = nnx.state(nnx.jit(nnx.grad(loss))(NNXLayers(nnx.Rngs(0))))
     _assert_all_leaves_close(grads, expected, 5 * TOLERANCE[dtype])
 
 
@@ -327,7 +329,7 @@ def test_conv_transpose_kernel_gradient_is_not_rounded(dtype):
     model = jaxamp.linen.apply_policy(
         nn.ConvTranspose(4, (3, 3)), f"p=f32,c={np.dtype(dtype).name}"
     )
-    params = model.init(jax.random.key(1), x)["params"]
+    params = jax.jit(model.init)(jax.random.key(1), x)["params"]
     grads = jax.jit(jax.grad(lambda p: model.apply({"params": p}, x).astype(jnp.float32).sum()))(
         params
     )

@@ -705,7 +705,7 @@ def test_without_master_the_inner_optimizer_still_sees_float32_params(make, dtyp
     inner = make()  # float32 optax on the same (16-bit) params and gradients, rounded
     p32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     g32 = jax.tree.map(lambda g: g.astype(dtype).astype(jnp.float32), grads)
-    want, _ = inner.update(g32, inner.init(p32), p32)
+    want, _ = jax.jit(inner.update)(g32, jax.jit(inner.init)(p32), p32)
     np.testing.assert_array_equal(landed, (p32["h"] + want["h"]).astype(dtype))
 
 
