@@ -71,7 +71,7 @@ class _NnxTwo(nnx.Module):
 def _three_ways(policy):
     x = jax.random.normal(jax.random.key(0), (8, 40))
     linen = jaxamp.linen.apply_policy(_Two(), policy)
-    variables = linen.init(jax.random.key(1), x)
+    variables = jax.jit(linen.init)(jax.random.key(1), x)
     nnx_model = jaxamp.nnx.apply_policy(_NnxTwo(variables["params"]), policy)
     outputs = (
         jax.jit(linen.apply)(variables, x),
@@ -91,7 +91,7 @@ def test_linen_nnx_and_autocast_compute_the_same_numbers(fmt):
     # float32 kernel where the layers quantize it after their cast to bfloat16.
     x, variables, (linen, nnx_out, autocast) = _three_ways(f"mixed_{fmt}")
     np.testing.assert_array_equal(linen, nnx_out)
-    plain = _Two().apply(variables, x)
+    plain = jax.jit(_Two().apply)(variables, x)
     for out in (linen, autocast):
         assert np.linalg.norm(out - plain) <= TOLERANCE[fmt] * np.linalg.norm(plain)
 
@@ -126,7 +126,7 @@ def test_flax_layers_run_block_scaled_close_to_float32_and_the_audit_says_so(lay
     x = x[:, None, :] * jnp.ones((1, 3, 1)) if layer.startswith("Multi") else x
     x = x[..., :8] if layer == "Einsum" else x
     model = jaxamp.linen.apply_policy(_LINEN_LAYERS[layer](), f"p=f32,c=f32,fp8={fmt}")
-    variables = model.init(jax.random.key(1), x)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     plain = _LINEN_LAYERS[layer]()
     y = jax.jit(model.apply)(variables, x)
     want = jax.jit(plain.apply)({"params": variables["params"]}, x)
@@ -148,7 +148,7 @@ def test_flax_layers_run_block_scaled_close_to_float32_and_the_audit_says_so(lay
 def test_an_override_keeps_a_layer_out_of_the_block_format(fmt):
     x = jax.random.normal(jax.random.key(0), (8, 40))
     model = jaxamp.linen.apply_policy(_Two(), f"mixed_{fmt}", overrides={"second": "float32"})
-    variables = model.init(jax.random.key(1), x)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     report = jaxamp.precision_report(lambda v: model.apply(v, x))(variables)
     formats = {op.layer.rsplit("/", 1)[-1]: op.block_format for op in report.ops}
     first = [op.block_format for op in report.ops if "first" in op.name]
@@ -162,7 +162,7 @@ def test_inf_in_an_input_reaches_the_output_and_the_gradients_as_nan(fmt):
     decodes to NaN, so that loss scaling sees the overflow instead of a clipped value."""
     model = jaxamp.linen.apply_policy(nn.Dense(24), f"mixed_{fmt}")
     x = jnp.ones((4, 64)).at[1, 3].set(jnp.inf)
-    variables = model.init(jax.random.key(1), jnp.ones((4, 64)))
+    variables = jax.jit(model.init)(jax.random.key(1), jnp.ones((4, 64)))
     y = jax.jit(model.apply)(variables, x)
     assert bool(jnp.isnan(y[1]).all())
     grads = jax.jit(jax.grad(lambda v: jnp.sum(model.apply(v, x))))(variables)
@@ -172,7 +172,7 @@ def test_inf_in_an_input_reaches_the_output_and_the_gradients_as_nan(fmt):
 def test_second_derivatives_are_refused_by_name():
     model = jaxamp.linen.apply_policy(nn.Dense(4), "mixed_mxfp8")
     x = jnp.ones((2, 32))
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
     with pytest.raises(NotImplementedError, match="second derivatives"):
         jax.jit(jax.hessian(lambda v: jnp.sum(model.apply(v, x))))(variables)
 
@@ -283,11 +283,15 @@ def test_an_ensemble_gets_a_tensor_scale_per_member_as_a_loop_over_them(shared):
     x = jax.random.normal(jax.random.key(0), (8, 32))
     model = _Ensemble(shared)
     inputs = x if shared else jnp.broadcast_to(x, (4, 8, 32))
-    kernel = model.init(jax.random.key(1), inputs)["params"]["Dense_0"]["kernel"]
+    kernel = jax.jit(model.init)(jax.random.key(1), inputs)["params"]["Dense_0"]["kernel"]
     kernel = kernel * jnp.array([1.0, 1e-3, 1e-4, 1e-6])[:, None, None]
     variables = {"params": {"Dense_0": {"kernel": kernel}}}
     dn = (((1,), (0,)), ((), ()))
-    loop = jnp.stack([jaxamp.ops.block_dot_general(x, k, dn, "nvfp4") for k in kernel])
+    loop = jax.jit(
+        lambda x, kernel: jnp.stack(
+            [jaxamp.ops.block_dot_general(x, k, dn, "nvfp4") for k in kernel]
+        )
+    )(x, kernel)
     policy = "p=f32,c=f32,fp8=nvfp4"
     linen = jax.jit(jaxamp.linen.apply_policy(model, policy).apply)(variables, inputs)
     autocast = jax.jit(jaxamp.autocast(model.apply, policy))(variables, inputs)
@@ -312,9 +316,9 @@ def test_an_experts_einsum_quantizes_its_kernel_as_the_right_operand():
     h = jnp.tanh(jax.random.normal(jax.random.key(0), (2, 16, 4, 64)))
     policy = "p=f32,c=f32,fp8=nvfp4"
     layer = nn.Einsum((4, 64, 32), "btef,efd->bted", use_bias=False)
-    variables = layer.init(jax.random.key(1), h)
+    variables = jax.jit(layer.init)(jax.random.key(1), h)
     kernel = variables["params"]["kernel"]
-    want = _experts_kernel_on_the_right(h, kernel)
+    want = jax.jit(_experts_kernel_on_the_right)(h, kernel)
     linen = jax.jit(jaxamp.linen.apply_policy(layer, policy).apply)(variables, h)
     experts = nnx.Einsum("btef,efd->bted", (4, 64, 32), None, rngs=nnx.Rngs(0))
     experts.kernel[...] = kernel
@@ -326,10 +330,10 @@ def test_an_experts_einsum_quantizes_its_kernel_as_the_right_operand():
     # a GEMM of two arguments keeps the order it was written in.
     w = jax.random.normal(jax.random.key(2), (64, 64))
     dn = (((3,), (0,)), ((), ()))
-    made = jnp.tanh(jaxamp.ops.block_dot_general(h, w, dn, "nvfp4"))
+    made = jax.jit(lambda h, w: jnp.tanh(jaxamp.ops.block_dot_general(h, w, dn, "nvfp4")))(h, w)
 
     def experts_after_a_layer(variables, h, w):
         return layer.apply(variables, jnp.tanh(jax.lax.dot_general(h, w, dn)))
 
     autocast = jax.jit(jaxamp.autocast(experts_after_a_layer, policy))(variables, h, w)
-    np.testing.assert_array_equal(autocast, _experts_kernel_on_the_right(made, kernel))
+    np.testing.assert_array_equal(autocast, jax.jit(_experts_kernel_on_the_right)(made, kernel))

@@ -217,7 +217,7 @@ def test_linen_nn_scan_over_layers_keeps_a_state_per_layer():
 
     model = jaxamp.linen.apply_policy(Stack(), "mixed_float8_delayed")
     x = jax.random.normal(jax.random.key(0), (4, 8))
-    variables = model.init(jax.random.key(1), x)
+    variables = jax.jit(model.init)(jax.random.key(1), x)
     history = variables[STATE]["ScanBlock_0"]["Dense_0"]["input_amax_history"]
     assert history.shape == (3, 1024)
 
@@ -559,9 +559,11 @@ def test_a_zeroed_state_starts_over_instead_of_zeroing_the_layer():
     gemm_state = init_gemm_fp8_state(4)._replace(
         input_scale=jnp.zeros((1,)), kernel_scale=jnp.zeros((1,))
     )
-    y = fp8_dot_general(
-        jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())), fp8_state=gemm_state
-    )
+    y = jax.jit(
+        lambda s: fp8_dot_general(
+            jnp.ones((2, 3)), jnp.ones((3, 2)), (((1,), (0,)), ((), ())), fp8_state=s
+        )
+    )(gemm_state)
     np.testing.assert_allclose(y, 3.0)
 
 
@@ -690,10 +692,13 @@ def test_nnx_linear_general_with_batch_axis_keeps_one_state():
     """nnx.LinearGeneral's batch_axis dimensions lead its kernel: not a stack of layers."""
     layer = nnx.LinearGeneral(8, 5, axis=-1, batch_axis={0: 3}, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (3, 4, 8))
-    expected = layer(x)
+    call = nnx.jit(lambda m, x: m(x))
+    expected = call(layer, x)
     jaxamp.nnx.apply_policy(layer, "mixed_float8_delayed")
     assert layer.input_amax_history[...].shape == (1024,)
-    np.testing.assert_allclose(layer(x), expected, atol=0.1 * float(jnp.max(jnp.abs(expected))))
+    np.testing.assert_allclose(
+        call(layer, x), expected, atol=0.1 * float(jnp.max(jnp.abs(expected)))
+    )
 
 
 def test_loss_scaled_refuses_nnx_state_at_init():
@@ -953,14 +958,14 @@ def test_an_nnx_layer_of_ones_own_with_a_rank_3_kernel_keeps_one_state():
     assert model.input_amax_history.shape == (4,)
     x = jax.random.normal(jax.random.key(1), (3, 2, 4))
     wrt = nnx.DiffState(0, (nnx.Param, jaxamp.nnx.OverwriteWithGradient))
-    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=wrt)(model)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=wrt))(model)
     kernel = model.kernel[...]
     jaxamp.nnx.update_fp8_state(model, grads)
 
     def reference(kernel, gemm_state):
         return jnp.sum(jaxamp.ops.fp8_dot_general(x, kernel, dims, fp8_state=gemm_state) ** 2)
 
-    want_kernel, want_gemm_state = jax.grad(reference, argnums=(0, 1))(
+    want_kernel, want_gemm_state = jax.jit(jax.grad(reference, argnums=(0, 1)))(
         kernel, jaxamp.ops.init_gemm_fp8_state(4)
     )
     np.testing.assert_allclose(grads["kernel"][...], want_kernel, rtol=1e-6)
