@@ -30,6 +30,10 @@ _BUILD = {
 }
 
 
+# A model called on its input in one compiled program (eagerly, each op compiles alone).
+_forward = nnx.jit(lambda m, x: m(x))
+
+
 def make(kind, policy=None, **kwargs):
     model = _BUILD[kind]()
     return model if policy is None else jaxamp.nnx.apply_policy(model, policy, **kwargs)
@@ -60,7 +64,7 @@ def test_dtypes_and_precision_report(kind, name):
     model = make(kind, name)
     params = nnx.state(model, nnx.Param)
     assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}
-    out = nnx.jit(lambda m, x: m(x))(model, inputs(kind))
+    out = _forward(model, inputs(kind))
     assert out.dtype == jnp.float32
     report = train_step_report(model, inputs(kind))
     report.check(DTYPES[name])
@@ -107,8 +111,8 @@ def test_layer_settings():
 @pytest.mark.parametrize("kind", ["resnet", "transformer"])
 @pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
 def test_close_to_float32_model(kind, name):
-    reference = nnx.jit(lambda m, x: m(x))(make(kind), inputs(kind))
-    out = nnx.jit(lambda m, x: m(x))(make(kind, name), inputs(kind))
+    reference = _forward(make(kind), inputs(kind))
+    out = _forward(make(kind, name), inputs(kind))
     tol = 5e-2 if name == "mixed_bfloat16" else 1e-2
     np.testing.assert_allclose(out, reference, atol=tol, rtol=tol)
 
@@ -140,7 +144,7 @@ def test_bfloat16_params_are_cast():
     assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))} == {
         np.dtype("float32")
     }
-    assert nnx.jit(lambda m, x: m(x))(model, IMAGES).dtype == jnp.bfloat16
+    assert _forward(model, IMAGES).dtype == jnp.bfloat16
 
 
 def test_overrides():
@@ -180,8 +184,7 @@ def test_apply_twice_replaces_the_policy(kind, first):
     def loss(m):
         return jnp.sum(m(inputs(kind)).astype(jnp.float32) ** 2)
 
-    forward = nnx.jit(lambda m, x: m(x))
-    np.testing.assert_array_equal(forward(model, inputs(kind)), forward(alone, inputs(kind)))
+    np.testing.assert_array_equal(_forward(model, inputs(kind)), _forward(alone, inputs(kind)))
     got, want = nnx.jit(nnx.grad(loss))(model), nnx.jit(nnx.grad(loss))(alone)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(g, w)
@@ -191,7 +194,7 @@ def test_apply_twice_replaces_the_policy(kind, first):
         ("float32", "float32")
     }
     jaxamp.nnx.apply_policy(model, "mixed_float16")  # and on to another 16-bit policy
-    assert forward(model, inputs(kind)).dtype == jnp.float32
+    assert _forward(model, inputs(kind)).dtype == jnp.float32
 
 
 def test_bad_arguments():
@@ -210,8 +213,7 @@ def test_a_model_under_a_policy_pickles():
     model = make("transformer", "mixed_bfloat16")
     restored = pickle.loads(pickle.dumps(model))
     assert isinstance(restored, Transformer) and type(restored) is type(model)
-    forward = nnx.jit(lambda m, x: m(x))
-    np.testing.assert_array_equal(forward(restored, TOKENS), forward(model, TOKENS))
+    np.testing.assert_array_equal(_forward(restored, TOKENS), _forward(model, TOKENS))
     assert restored.embed(TOKENS).dtype == jnp.bfloat16  # the embedding wrapper survives too
 
 
@@ -365,6 +367,6 @@ def test_a_norm_reads_a_float32_residual_as_given_as_linen_does(norm, policy):
     linen = jax.jit(jaxamp.linen.apply_policy(_LinenResidual(norm), policy).apply)(variables, x)
     model = _NnxResidual(norm, pos)
     jaxamp.nnx.apply_policy(model, policy)
-    under_nnx = nnx.jit(lambda m, x: m(x))(model, x)
+    under_nnx = _forward(model, x)
     np.testing.assert_array_equal(linen, want)
     np.testing.assert_array_equal(under_nnx, want)
