@@ -45,12 +45,11 @@ def test_the_run_compiles_fast_unless_told_otherwise():
     [
         "--xla_cpu_use_fusion_emitters=0",
         "--xla_backend_optimization_level=2 --xla_cpu_use_fusion_emitters=true",
-        "--xla_cpu_multi_thread_eigen=1 --xla_cpu_use_fusion_emitters=f",
         "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=FALSE",
     ],
 )
 def test_the_suite_owns_the_fast_flags_whatever_value_they_were_given(given):
-    """A run on XLA's defaults removes the suite's flags in any spelling (else its programs
+    """A run on XLA's defaults removes the two flags in any spelling (else its programs
     would not be the defaults), a fast run sets them (else it would not be fast)."""
     other = "--xla_force_host_platform_device_count=8"
     defaults = compiler.with_fast_flags(f"{other} {given}", fast=False)

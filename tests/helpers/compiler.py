@@ -1,22 +1,13 @@
-"""The XLA flags the suite compiles and runs its programs with, and the switch back to XLA's
-defaults.
+"""The XLA flags the suite compiles its programs with, and the switch back to XLA's defaults.
 
 LLVM's optimisations off and XLA:CPU's older (non-MLIR) fusion emitters: the same HLO,
 optimised by XLA as always, compiled 3-4x faster (a small fused program: 80 ms -> 22 ms
 on a 2-core AVX2-only AMD EPYC), and compiling is over half of what the suite spends.
-Eigen's operations (dots, convolutions) on the calling thread: the run's two workers
-already keep both cores busy, and a worker that also spread its dots over both cores
-made them contend (two pairs of test files side by side, the same AMD EPYC: 95.2 s ->
-89.4 s and 97.4 s -> 93.5 s).
 """
 
 import os
 
-FAST_COMPILE = (
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
-    "--xla_cpu_multi_thread_eigen=false",
-)
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 # JAXAMP_TEST_XLA_OPT=1: XLA's defaults, the compiler users get.
 DEFAULTS_VARIABLE = "JAXAMP_TEST_XLA_OPT"
 
